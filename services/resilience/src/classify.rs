@@ -1,0 +1,102 @@
+//! Which failures are worth retrying, and what a server said about when to retry.
+
+use std::time::Duration;
+
+use tonic::{Code, Status, metadata::MetadataValue};
+
+/// Response trailer with which a server asks the caller to wait before retrying (gRFC A6).
+pub const PUSHBACK_HEADER: &str = "grpc-retry-pushback-ms";
+
+/// Whether a code may succeed if the same request is sent again.
+///
+/// UNAVAILABLE and ABORTED are transient by definition; RESOURCE_EXHAUSTED is overload, worth
+/// retrying only after the server's pushback; DEADLINE_EXCEEDED of one attempt is retryable
+/// only while the overall deadline still has room, which the executor checks separately.
+/// Everything else fails the same way again and would only add load.
+pub fn is_retryable(code: Code) -> bool {
+    matches!(
+        code,
+        Code::Unavailable | Code::ResourceExhausted | Code::Aborted | Code::DeadlineExceeded
+    )
+}
+
+/// What a failed call's `grpc-retry-pushback-ms` says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pushback {
+    /// No pushback: use the backoff policy.
+    Absent,
+    /// Wait exactly this long before the retry.
+    RetryAfter(Duration),
+    /// A negative or unparseable value: do not retry.
+    DoNotRetry,
+}
+
+/// Reads the pushback a server attached to a failure.
+pub fn pushback(status: &Status) -> Pushback {
+    let Some(value) = status.metadata().get(PUSHBACK_HEADER) else {
+        return Pushback::Absent;
+    };
+    match value.to_str().ok().map(str::trim).map(str::parse::<i64>) {
+        Some(Ok(ms)) if ms >= 0 => Pushback::RetryAfter(Duration::from_millis(ms.unsigned_abs())),
+        _ => Pushback::DoNotRetry,
+    }
+}
+
+/// Attaches a pushback of `ms` milliseconds (negative: do not retry) to a failure.
+pub fn set_pushback(status: &mut Status, ms: i64) {
+    status
+        .metadata_mut()
+        .insert(PUSHBACK_HEADER, MetadataValue::from(ms));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retryable_codes_are_exactly_the_contracts() {
+        let retryable = [
+            Code::Unavailable,
+            Code::ResourceExhausted,
+            Code::Aborted,
+            Code::DeadlineExceeded,
+        ];
+        for code in [
+            Code::Ok,
+            Code::Cancelled,
+            Code::Unknown,
+            Code::InvalidArgument,
+            Code::NotFound,
+            Code::AlreadyExists,
+            Code::PermissionDenied,
+            Code::FailedPrecondition,
+            Code::OutOfRange,
+            Code::Unimplemented,
+            Code::Internal,
+            Code::DataLoss,
+            Code::Unauthenticated,
+        ] {
+            assert!(!is_retryable(code), "{code:?}");
+        }
+        for code in retryable {
+            assert!(is_retryable(code), "{code:?}");
+        }
+    }
+
+    #[test]
+    fn pushback_values() {
+        let mut status = Status::resource_exhausted("busy");
+        assert_eq!(pushback(&status), Pushback::Absent);
+        set_pushback(&mut status, 200);
+        assert_eq!(
+            pushback(&status),
+            Pushback::RetryAfter(Duration::from_millis(200))
+        );
+        set_pushback(&mut status, -1);
+        assert_eq!(pushback(&status), Pushback::DoNotRetry);
+        status
+            .metadata_mut()
+            .insert(PUSHBACK_HEADER, MetadataValue::from_static("soon"));
+        assert_eq!(pushback(&status), Pushback::DoNotRetry);
+    }
+}

@@ -1,0 +1,27 @@
+//! The reusable core of retrychain: everything a retry decision needs, and nothing about
+//! payments. Any tonic unary client can use it.
+//!
+//! # Layout
+//!
+//! - [`deadline`]: `grpc-timeout` parsing and formatting, [`Deadline`], and the
+//!   strictly-shorter deadline handed downstream.
+//! - [`backoff`]: the five backoff policies of the design notes.
+//! - [`budget`]: [`RetryBudget`], the token bucket that caps retries per process.
+//! - [`classify`]: which status codes are retryable; `grpc-retry-pushback-ms`.
+//! - [`retry`]: [`Retry`], the executor that runs attempts under a [`RetryPolicy`].
+//! - [`layer`]: [`DeadlineLayer`], the tower layer that gives each server request its
+//!   deadline and answers DEADLINE_EXCEEDED (never CANCELLED) when it is spent.
+
+pub mod backoff;
+pub mod budget;
+pub mod classify;
+pub mod deadline;
+pub mod layer;
+pub mod retry;
+
+pub use backoff::{Backoff, BackoffKind, BackoffSchedule};
+pub use budget::RetryBudget;
+pub use classify::{Pushback, is_retryable, pushback, set_pushback};
+pub use deadline::{Deadline, NoRoom, format_grpc_timeout, parse_grpc_timeout};
+pub use layer::{DeadlineLayer, IncomingDeadline};
+pub use retry::{Attempt, Retry, RetryObserver, RetryPolicy, StopReason};

@@ -1,0 +1,581 @@
+//! The retry executor: one logical call, several attempts, under a policy.
+//!
+//! # Why a loop over attempts and not `tower::retry`
+//!
+//! tower's retry middleware retries a *service call*: it needs to clone the request, and a
+//! tonic request is an HTTP request with a streaming body, which cannot be cloned without
+//! buffering it. More to the point, each attempt is a *different* request: it carries a
+//! freshly computed, shorter `grpc-timeout` and a `grpc-previous-rpc-attempts` count. So
+//! [`Retry::run`] takes a closure that builds and sends one attempt from the (cheaply
+//! cloned) message, and owns what the retry decision needs in one place: classification,
+//! pushback, backoff, budget and the deadline. tower carries the cross-cutting server side:
+//! [`crate::DeadlineLayer`] turns the incoming `grpc-timeout` into a [`Deadline`] and
+//! answers DEADLINE_EXCEEDED when it is spent.
+
+use std::{
+    future::Future,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use rand::{SeedableRng, rngs::SmallRng};
+use tonic::{Code, Status, metadata::MetadataValue};
+
+use crate::{
+    backoff::Backoff,
+    budget::RetryBudget,
+    classify::{Pushback, is_retryable, pushback},
+    deadline::{Deadline, format_grpc_timeout},
+};
+
+/// Request metadata that tells the server how many attempts preceded this one (gRFC A6).
+pub const PREVIOUS_ATTEMPTS_HEADER: &str = "grpc-previous-rpc-attempts";
+
+/// The standard gRPC deadline header.
+pub const TIMEOUT_HEADER: &str = "grpc-timeout";
+
+/// How one call may be retried.
+#[derive(Debug, Clone)]
+pub struct RetryPolicy {
+    /// Attempts in all, the first included; 1 means never retry.
+    pub max_attempts: u32,
+    /// The wait between attempts when the server gave no pushback.
+    pub backoff: Backoff,
+    /// The token bucket retries draw on; `None` limits retries by `max_attempts` alone.
+    pub budget: Option<Arc<RetryBudget>>,
+    /// Taken off the remaining time for each attempt's deadline, so the attempt fails while
+    /// this caller still has time to react.
+    pub margin: Duration,
+    /// The shortest attempt worth starting; with less room the call stops.
+    pub min_attempt: Duration,
+}
+
+impl RetryPolicy {
+    /// A policy that tries exactly once (hop2..ledger in `edge-only` mode).
+    pub fn single_attempt(backoff: Backoff, margin: Duration, min_attempt: Duration) -> Self {
+        Self {
+            max_attempts: 1,
+            backoff,
+            budget: None,
+            margin,
+            min_attempt,
+        }
+    }
+}
+
+/// Where the executor reports what it did, for a service's `Stats`.
+pub trait RetryObserver: Send + Sync {
+    /// An attempt is about to be made (`attempt.is_retry()` for the second and later).
+    fn attempt_started(&self, attempt: &Attempt);
+    /// A retry was not made because the budget was empty.
+    fn budget_denied(&self);
+    /// An attempt was not made because the deadline left no room.
+    fn deadline_denied(&self);
+}
+
+/// Observes nothing; for callers that keep no counters.
+impl RetryObserver for () {
+    fn attempt_started(&self, _: &Attempt) {}
+    fn budget_denied(&self) {}
+    fn deadline_denied(&self) {}
+}
+
+/// One attempt of a call.
+#[derive(Debug, Clone, Copy)]
+pub struct Attempt {
+    /// 1 for the first attempt, 2 for the first retry, …
+    pub number: u32,
+    /// The time this attempt may take: hand it downstream as `grpc-timeout`.
+    pub timeout: Duration,
+}
+
+impl Attempt {
+    /// Attempts made before this one.
+    pub fn previous_attempts(&self) -> u32 {
+        self.number - 1
+    }
+
+    /// Whether this attempt is a retry.
+    pub fn is_retry(&self) -> bool {
+        self.number > 1
+    }
+
+    /// Writes this attempt's `grpc-timeout` and, on a retry, `grpc-previous-rpc-attempts`.
+    pub fn apply<T>(&self, request: &mut tonic::Request<T>) {
+        let metadata = request.metadata_mut();
+        if let Ok(value) = format_grpc_timeout(self.timeout).parse() {
+            metadata.insert(TIMEOUT_HEADER, value);
+        }
+        if self.is_retry() {
+            metadata.insert(
+                PREVIOUS_ATTEMPTS_HEADER,
+                MetadataValue::from(self.previous_attempts()),
+            );
+        } else {
+            metadata.remove(PREVIOUS_ATTEMPTS_HEADER);
+        }
+    }
+}
+
+/// Why the executor gave up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// The failure is not worth retrying.
+    NotRetryable,
+    /// `max_attempts` were made.
+    MaxAttempts,
+    /// The retry budget was empty.
+    BudgetExhausted,
+    /// The deadline left no room for another attempt (or the backoff before it).
+    NoRoom,
+    /// The server's pushback said not to retry.
+    PushbackRefused,
+}
+
+impl StopReason {
+    fn describe(&self, policy: &RetryPolicy) -> String {
+        match self {
+            StopReason::NotRetryable => "not retryable".to_owned(),
+            StopReason::MaxAttempts => format!("max attempts ({}) reached", policy.max_attempts),
+            StopReason::BudgetExhausted => "stopped by the retry budget".to_owned(),
+            StopReason::NoRoom => "the deadline left no room for another attempt".to_owned(),
+            StopReason::PushbackRefused => "the server's pushback said not to retry".to_owned(),
+        }
+    }
+}
+
+/// Runs calls under a [`RetryPolicy`]. One per downstream, shared by all requests.
+#[derive(Debug)]
+pub struct Retry {
+    /// The rules.
+    policy: RetryPolicy,
+    /// Jitter source; a mutex so one executor serves concurrent calls, held only to draw.
+    rng: Mutex<SmallRng>,
+}
+
+impl Retry {
+    /// An executor with jitter seeded from the operating system.
+    pub fn new(policy: RetryPolicy) -> Self {
+        Self::with_rng(policy, rand::make_rng())
+    }
+
+    /// An executor with a fixed seed, so tests see the same waits every run.
+    pub fn with_seed(policy: RetryPolicy, seed: u64) -> Self {
+        Self::with_rng(policy, SmallRng::seed_from_u64(seed))
+    }
+
+    fn with_rng(policy: RetryPolicy, rng: SmallRng) -> Self {
+        Self {
+            policy,
+            rng: Mutex::new(rng),
+        }
+    }
+
+    /// The policy this executor applies.
+    pub fn policy(&self) -> &RetryPolicy {
+        &self.policy
+    }
+
+    /// Makes attempts with `call` until one succeeds or the policy says stop, never starting
+    /// an attempt or sleeping past `deadline`. On failure returns the last attempt's status —
+    /// DEADLINE_EXCEEDED when the deadline ended it — and, when retries were allowed, a
+    /// message naming the attempts made and why they stopped.
+    pub async fn run<T, F, Fut>(
+        &self,
+        deadline: Deadline,
+        observer: &dyn RetryObserver,
+        mut call: F,
+    ) -> Result<T, Status>
+    where
+        F: FnMut(Attempt) -> Fut,
+        Fut: Future<Output = Result<T, Status>>,
+    {
+        let policy = &self.policy;
+        let mut schedule = policy.backoff.schedule();
+        if let Some(budget) = &policy.budget {
+            budget.deposit_first_attempt();
+        }
+        let mut number = 0;
+        loop {
+            let timeout = match deadline.downstream_timeout(policy.margin, policy.min_attempt) {
+                Ok(timeout) => timeout,
+                Err(no_room) => {
+                    observer.deadline_denied();
+                    let status = Status::deadline_exceeded(format!(
+                        "no attempt started: {:?} left of the deadline, an attempt needs more than {:?}",
+                        no_room.remaining, no_room.needed
+                    ));
+                    return Err(self.stopped(status, number, StopReason::NoRoom));
+                }
+            };
+            number += 1;
+            let attempt = Attempt { number, timeout };
+            observer.attempt_started(&attempt);
+            let started = tokio::time::Instant::now();
+            let status = match tokio::time::timeout(timeout, call(attempt)).await {
+                Ok(Ok(value)) => return Ok(value),
+                Ok(Err(status)) => status,
+                Err(_) => Status::deadline_exceeded(format!(
+                    "attempt {number} got no answer within {timeout:?}"
+                )),
+            };
+            // tonic's client answers CANCELLED when the grpc-timeout it sent runs out.
+            let status = if status.code() == Code::Cancelled && started.elapsed() >= timeout {
+                Status::with_metadata(
+                    Code::DeadlineExceeded,
+                    status.message().to_owned(),
+                    status.metadata().clone(),
+                )
+            } else {
+                status
+            };
+
+            if !is_retryable(status.code()) {
+                return Err(status);
+            }
+            if number >= policy.max_attempts {
+                return Err(self.stopped(status, number, StopReason::MaxAttempts));
+            }
+            let wait = match pushback(&status) {
+                Pushback::Absent => schedule.next_delay(&mut *self.lock_rng()),
+                Pushback::RetryAfter(wait) => wait,
+                Pushback::DoNotRetry => {
+                    return Err(self.stopped(status, number, StopReason::PushbackRefused));
+                }
+            };
+            if !deadline.has_room_after(wait, policy.margin, policy.min_attempt) {
+                observer.deadline_denied();
+                let status = Status::deadline_exceeded(format!(
+                    "last failure {:?}: {}; a retry after {wait:?} would not fit in the {:?} left",
+                    status.code(),
+                    status.message(),
+                    deadline.remaining()
+                ));
+                return Err(self.stopped(status, number, StopReason::NoRoom));
+            }
+            if let Some(budget) = &policy.budget
+                && !budget.try_withdraw()
+            {
+                observer.budget_denied();
+                return Err(self.stopped(status, number, StopReason::BudgetExhausted));
+            }
+            tracing::info!(
+                attempt = number,
+                code = ?status.code(),
+                wait_ms = wait.as_secs_f64() * 1e3,
+                remaining_ms = deadline.remaining().as_millis() as u64,
+                "attempt failed, retrying"
+            );
+            tokio::time::sleep(wait).await;
+        }
+    }
+
+    /// The status to return when retrying stops: the last failure, its message extended by
+    /// how many attempts were made and why they stopped (left as it was when the policy
+    /// never allowed a retry, so a single-attempt relay passes failures through unchanged).
+    fn stopped(&self, status: Status, attempts: u32, reason: StopReason) -> Status {
+        tracing::info!(attempts, ?reason, code = ?status.code(), "giving up");
+        if self.policy.max_attempts <= 1 && reason != StopReason::NoRoom {
+            return status;
+        }
+        let plural = if attempts == 1 { "" } else { "s" };
+        let message = format!(
+            "{} ({attempts} attempt{plural}; {})",
+            status.message(),
+            reason.describe(&self.policy)
+        );
+        Status::with_metadata(status.code(), message, status.metadata().clone())
+    }
+
+    fn lock_rng(&self) -> std::sync::MutexGuard<'_, SmallRng> {
+        self.rng
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use tokio::time::Instant;
+
+    use super::*;
+    use crate::{backoff::BackoffKind, classify::set_pushback};
+
+    #[derive(Default)]
+    struct Counts {
+        attempts: AtomicU64,
+        retries: AtomicU64,
+        budget_denied: AtomicU64,
+        deadline_denied: AtomicU64,
+    }
+
+    impl RetryObserver for Counts {
+        fn attempt_started(&self, attempt: &Attempt) {
+            self.attempts.fetch_add(1, Ordering::Relaxed);
+            if attempt.is_retry() {
+                self.retries.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        fn budget_denied(&self) {
+            self.budget_denied.fetch_add(1, Ordering::Relaxed);
+        }
+        fn deadline_denied(&self) {
+            self.deadline_denied.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn policy(max_attempts: u32, kind: BackoffKind) -> RetryPolicy {
+        RetryPolicy {
+            max_attempts,
+            backoff: Backoff::new(kind, Duration::from_millis(10), Duration::from_millis(100)),
+            budget: None,
+            margin: Duration::from_millis(5),
+            min_attempt: Duration::from_millis(1),
+        }
+    }
+
+    fn long() -> Deadline {
+        Deadline::after(Duration::from_secs(60))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn stops_at_max_attempts_with_the_last_status() {
+        let retry = Retry::with_seed(policy(3, BackoffKind::Full), 1);
+        let counts = Counts::default();
+        let result: Result<(), Status> = retry
+            .run(long(), &counts, |_| async {
+                Err(Status::unavailable("down"))
+            })
+            .await;
+        let status = result.expect_err("always fails");
+        assert_eq!(status.code(), Code::Unavailable);
+        assert!(status.message().contains("3 attempts"), "{}", status.message());
+        assert!(status.message().contains("max attempts"), "{}", status.message());
+        assert_eq!(counts.attempts.load(Ordering::Relaxed), 3);
+        assert_eq!(counts.retries.load(Ordering::Relaxed), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn returns_the_first_success() {
+        let retry = Retry::with_seed(policy(5, BackoffKind::Full), 1);
+        let value = retry
+            .run(long(), &(), |attempt| async move {
+                if attempt.number < 3 {
+                    Err(Status::aborted("conflict"))
+                } else {
+                    Ok(attempt.number)
+                }
+            })
+            .await;
+        assert_eq!(value.expect("third attempt succeeds"), 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn stops_when_the_budget_is_empty() {
+        let mut p = policy(3, BackoffKind::None);
+        p.budget = Some(Arc::new(RetryBudget::new(1.0, 0.0)));
+        let retry = Retry::with_seed(p, 1);
+        let counts = Counts::default();
+        let status = retry
+            .run(long(), &counts, |_| async {
+                Err::<(), _>(Status::unavailable("down"))
+            })
+            .await
+            .expect_err("fails");
+        // One token: the first retry is paid for, the second is refused.
+        assert_eq!(counts.attempts.load(Ordering::Relaxed), 2);
+        assert_eq!(counts.budget_denied.load(Ordering::Relaxed), 1);
+        assert_eq!(status.code(), Code::Unavailable);
+        assert!(status.message().contains("budget"), "{}", status.message());
+        assert!(status.message().contains("2 attempts"), "{}", status.message());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn never_sleeps_past_the_deadline_nor_starts_without_room() {
+        let mut p = policy(100, BackoffKind::Exponential);
+        p.backoff = Backoff::new(
+            BackoffKind::Exponential,
+            Duration::from_millis(20),
+            Duration::from_secs(10),
+        );
+        let retry = Retry::with_seed(p.clone(), 1);
+        let counts = Counts::default();
+        let start = Instant::now();
+        let deadline = Deadline::after(Duration::from_millis(500));
+        let starts = Mutex::new(Vec::new());
+        let status = retry
+            .run(deadline, &counts, |attempt| {
+                starts
+                    .lock()
+                    .expect("lock")
+                    .push((start.elapsed(), attempt.timeout));
+                async { Err::<(), _>(Status::unavailable("down")) }
+            })
+            .await
+            .expect_err("fails");
+        assert_eq!(status.code(), Code::DeadlineExceeded);
+        assert!(Instant::now() <= deadline.instant(), "returned after the deadline");
+        let starts = starts.into_inner().expect("lock");
+        // Waits 20, 40, 80, 160 ms: attempts at 0, 20, 60, 140, 300; the next wait (320 ms)
+        // would end past the deadline, so the executor stops without sleeping it.
+        let at: Vec<u64> = starts.iter().map(|(t, _)| t.as_millis() as u64).collect();
+        assert_eq!(at, vec![0, 20, 60, 140, 300]);
+        for (t, timeout) in starts {
+            assert!(t + timeout + p.margin <= Duration::from_millis(500));
+            assert!(timeout >= p.min_attempt);
+        }
+        assert_eq!(counts.deadline_denied.load(Ordering::Relaxed), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_spent_deadline_makes_no_attempt() {
+        let retry = Retry::with_seed(policy(3, BackoffKind::Full), 1);
+        let counts = Counts::default();
+        let deadline = Deadline::after(Duration::from_millis(3));
+        let status = retry
+            .run(deadline, &counts, |_| async { Ok::<_, Status>(()) })
+            .await
+            .expect_err("no room");
+        assert_eq!(status.code(), Code::DeadlineExceeded);
+        assert_eq!(counts.attempts.load(Ordering::Relaxed), 0);
+        assert_eq!(counts.deadline_denied.load(Ordering::Relaxed), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_hanging_attempt_ends_at_its_timeout_before_the_deadline() {
+        let retry = Retry::with_seed(policy(3, BackoffKind::None), 1);
+        let counts = Counts::default();
+        let deadline = Deadline::after(Duration::from_millis(1000));
+        let status = retry
+            .run(deadline, &counts, |_| std::future::pending::<Result<(), Status>>())
+            .await
+            .expect_err("never answers");
+        assert_eq!(status.code(), Code::DeadlineExceeded);
+        // The attempt had all but the margin; no retry fits in what is left.
+        assert_eq!(deadline.remaining(), Duration::from_millis(5));
+        assert_eq!(counts.attempts.load(Ordering::Relaxed), 1);
+        assert_eq!(counts.deadline_denied.load(Ordering::Relaxed), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_attempts_deadline_exceeded_is_retried_while_the_call_has_room() {
+        let retry = Retry::with_seed(policy(3, BackoffKind::None), 1);
+        let value = retry
+            .run(long(), &(), |attempt| async move {
+                if attempt.number == 1 {
+                    Err(Status::deadline_exceeded("inner hop ran out"))
+                } else {
+                    Ok(attempt.number)
+                }
+            })
+            .await;
+        assert_eq!(value.expect("retried"), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn never_retries_final_codes() {
+        for code in [
+            Code::InvalidArgument,
+            Code::FailedPrecondition,
+            Code::NotFound,
+            Code::PermissionDenied,
+            Code::OutOfRange,
+            Code::Internal,
+        ] {
+            let retry = Retry::with_seed(policy(5, BackoffKind::None), 1);
+            let counts = Counts::default();
+            let status = retry
+                .run(long(), &counts, |_| async move {
+                    Err::<(), _>(Status::new(code, "final"))
+                })
+                .await
+                .expect_err("fails");
+            assert_eq!(status.code(), code);
+            assert_eq!(status.message(), "final", "returned unchanged");
+            assert_eq!(counts.attempts.load(Ordering::Relaxed), 1, "{code:?}");
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn honours_pushback_exactly_and_stops_on_negative() {
+        let retry = Retry::with_seed(policy(2, BackoffKind::Full), 1);
+        let start = Instant::now();
+        let starts = Mutex::new(Vec::new());
+        let _ = retry
+            .run(long(), &(), |_| {
+                starts.lock().expect("lock").push(start.elapsed());
+                async {
+                    let mut status = Status::resource_exhausted("busy");
+                    set_pushback(&mut status, 200);
+                    Err::<(), _>(status)
+                }
+            })
+            .await;
+        assert_eq!(
+            starts.into_inner().expect("lock"),
+            vec![Duration::ZERO, Duration::from_millis(200)]
+        );
+
+        let counts = Counts::default();
+        let status = retry
+            .run(long(), &counts, |_| async {
+                let mut status = Status::resource_exhausted("go away");
+                set_pushback(&mut status, -1);
+                Err::<(), _>(status)
+            })
+            .await
+            .expect_err("fails");
+        assert_eq!(counts.attempts.load(Ordering::Relaxed), 1);
+        assert_eq!(status.code(), Code::ResourceExhausted);
+        assert!(status.message().contains("pushback"));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn sets_previous_attempts_on_retries() {
+        let retry = Retry::with_seed(policy(4, BackoffKind::None), 1);
+        let seen = Mutex::new(Vec::new());
+        let _ = retry
+            .run(long(), &(), |attempt| {
+                let mut request = tonic::Request::new(());
+                attempt.apply(&mut request);
+                let header = request
+                    .metadata()
+                    .get(PREVIOUS_ATTEMPTS_HEADER)
+                    .map(|v| v.to_str().expect("ascii").to_owned());
+                assert!(request.metadata().get(TIMEOUT_HEADER).is_some());
+                seen.lock().expect("lock").push(header);
+                async { Err::<(), _>(Status::unavailable("down")) }
+            })
+            .await;
+        assert_eq!(
+            seen.into_inner().expect("lock"),
+            vec![
+                None,
+                Some("1".to_owned()),
+                Some("2".to_owned()),
+                Some("3".to_owned())
+            ]
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_single_attempt_policy_passes_failures_through() {
+        let retry = Retry::with_seed(
+            RetryPolicy::single_attempt(
+                Backoff::new(BackoffKind::Full, Duration::ZERO, Duration::ZERO),
+                Duration::from_millis(5),
+                Duration::from_millis(1),
+            ),
+            1,
+        );
+        let status = retry
+            .run(long(), &(), |_| async {
+                Err::<(), _>(Status::unavailable("processor down"))
+            })
+            .await
+            .expect_err("fails");
+        assert_eq!(status.message(), "processor down");
+    }
+}
