@@ -1,0 +1,209 @@
+//! Fault injection on a service's downstream call, steered by `Control.SetFaults`.
+//!
+//! The faults model what retries exist for: a call that fails before reaching downstream
+//! (`fail_rate`, `fail_code`, `pushback_ms`), a slow downstream (`delay_ms`), and the case
+//! idempotency keys exist for — downstream succeeded but the reply was lost
+//! (`drop_reply_rate`).
+
+use std::{sync::RwLock, time::Duration};
+
+use rand::RngExt;
+use retrychain_proto::v1::Faults;
+use tonic::{Code, Status};
+
+/// The faults in force on one service, shared by its handlers.
+#[derive(Debug, Default)]
+pub struct FaultSwitch {
+    /// The current faults, validated. Read on every call, written by SetFaults.
+    faults: RwLock<Faults>,
+}
+
+impl FaultSwitch {
+    /// The faults now in force.
+    pub fn current(&self) -> Faults {
+        self.faults
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
+    }
+
+    /// Validates and installs new faults; INVALID_ARGUMENT leaves the old ones in force.
+    pub fn set(&self, faults: Faults) -> Result<Faults, Status> {
+        for (name, rate) in [
+            ("fail_rate", faults.fail_rate),
+            ("drop_reply_rate", faults.drop_reply_rate),
+        ] {
+            if !(0.0..=1.0).contains(&rate) {
+                return Err(Status::invalid_argument(format!(
+                    "{name} must be between 0 and 1, got {rate}"
+                )));
+            }
+        }
+        let code = parse_code(&faults.fail_code)?;
+        let normalised = Faults {
+            fail_code: code_name(code).to_owned(),
+            ..faults
+        };
+        *self
+            .faults
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = normalised.clone();
+        Ok(normalised)
+    }
+
+    /// The injected failure for this call, if the dice say it fails before reaching
+    /// downstream.
+    pub fn injected_failure(&self, service: &str) -> Option<Status> {
+        let faults = self.current();
+        if faults.fail_rate <= 0.0 || !rand::rng().random_bool(faults.fail_rate.min(1.0)) {
+            return None;
+        }
+        let code = parse_code(&faults.fail_code).unwrap_or(Code::Unavailable);
+        Some(failure(
+            code,
+            format!("injected fault at {service}: downstream call failed"),
+            &faults,
+        ))
+    }
+
+    /// Extra latency to add to each downstream call.
+    pub fn delay(&self) -> Duration {
+        Duration::from_millis(u64::from(self.current().delay_ms))
+    }
+
+    /// Whether this successful reply is to be lost on its way back.
+    pub fn drop_reply(&self) -> bool {
+        let rate = self.current().drop_reply_rate;
+        rate > 0.0 && rand::rng().random_bool(rate.min(1.0))
+    }
+}
+
+/// A failure with `code`, carrying the faults' pushback when the code is RESOURCE_EXHAUSTED.
+pub fn failure(code: Code, message: String, faults: &Faults) -> Status {
+    let mut status = Status::new(code, message);
+    if code == Code::ResourceExhausted {
+        if faults.pushback_never {
+            resilience::set_pushback(&mut status, -1);
+        } else if faults.pushback_ms > 0 {
+            resilience::set_pushback(&mut status, i64::from(faults.pushback_ms));
+        }
+    }
+    status
+}
+
+/// The reply a lost response is replaced by.
+pub fn lost_reply(service: &str) -> Status {
+    Status::unavailable(format!(
+        "injected fault at {service}: the reply was lost after downstream succeeded"
+    ))
+}
+
+const CODES: [(Code, &str); 16] = [
+    (Code::Cancelled, "CANCELLED"),
+    (Code::Unknown, "UNKNOWN"),
+    (Code::InvalidArgument, "INVALID_ARGUMENT"),
+    (Code::DeadlineExceeded, "DEADLINE_EXCEEDED"),
+    (Code::NotFound, "NOT_FOUND"),
+    (Code::AlreadyExists, "ALREADY_EXISTS"),
+    (Code::PermissionDenied, "PERMISSION_DENIED"),
+    (Code::ResourceExhausted, "RESOURCE_EXHAUSTED"),
+    (Code::FailedPrecondition, "FAILED_PRECONDITION"),
+    (Code::Aborted, "ABORTED"),
+    (Code::OutOfRange, "OUT_OF_RANGE"),
+    (Code::Unimplemented, "UNIMPLEMENTED"),
+    (Code::Internal, "INTERNAL"),
+    (Code::Unavailable, "UNAVAILABLE"),
+    (Code::DataLoss, "DATA_LOSS"),
+    (Code::Unauthenticated, "UNAUTHENTICATED"),
+];
+
+/// A gRPC code from its name (`UNAVAILABLE`, case-insensitive); empty means UNAVAILABLE.
+pub fn parse_code(name: &str) -> Result<Code, Status> {
+    if name.is_empty() {
+        return Ok(Code::Unavailable);
+    }
+    CODES
+        .iter()
+        .find(|(_, n)| n.eq_ignore_ascii_case(name))
+        .map(|(code, _)| *code)
+        .ok_or_else(|| {
+            Status::invalid_argument(format!(
+                "fail_code {name:?} is not a gRPC code name other than OK (e.g. UNAVAILABLE)"
+            ))
+        })
+}
+
+/// The name of a gRPC code, as `fail_code` spells it.
+pub fn code_name(code: Code) -> &'static str {
+    CODES
+        .iter()
+        .find(|(c, _)| *c == code)
+        .map_or("OK", |(_, name)| name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validates_and_normalises() {
+        let switch = FaultSwitch::default();
+        let set = switch
+            .set(Faults {
+                fail_rate: 1.0,
+                fail_code: "resource_exhausted".into(),
+                pushback_ms: 200,
+                ..Faults::default()
+            })
+            .expect("valid");
+        assert_eq!(set.fail_code, "RESOURCE_EXHAUSTED");
+        let status = switch.injected_failure("hop2").expect("always fails");
+        assert_eq!(status.code(), Code::ResourceExhausted);
+        assert_eq!(
+            resilience::pushback(&status),
+            resilience::Pushback::RetryAfter(Duration::from_millis(200))
+        );
+
+        for bad in [
+            Faults {
+                fail_rate: 1.5,
+                ..Faults::default()
+            },
+            Faults {
+                drop_reply_rate: -0.1,
+                ..Faults::default()
+            },
+            Faults {
+                fail_code: "SOMETIMES".into(),
+                ..Faults::default()
+            },
+            Faults {
+                fail_code: "OK".into(),
+                ..Faults::default()
+            },
+        ] {
+            assert_eq!(
+                switch.set(bad).expect_err("invalid").code(),
+                Code::InvalidArgument
+            );
+        }
+        assert_eq!(switch.current().fail_code, "RESOURCE_EXHAUSTED", "unchanged");
+    }
+
+    #[test]
+    fn empty_code_means_unavailable_and_zero_rate_never_fails() {
+        let switch = FaultSwitch::default();
+        assert!(switch.injected_failure("x").is_none());
+        assert!(!switch.drop_reply());
+        switch
+            .set(Faults {
+                fail_rate: 1.0,
+                ..Faults::default()
+            })
+            .expect("valid");
+        assert_eq!(
+            switch.injected_failure("x").expect("fails").code(),
+            Code::Unavailable
+        );
+    }
+}
