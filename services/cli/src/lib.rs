@@ -1,1 +1,53 @@
-//! placeholder
+//! The `retrychain` command: one binary, a subcommand per job, each a page over the crates
+//! under `services/`.
+//!
+//! # Layout
+//!
+//! - [`config`]: the command line (clap, every flag also an environment variable).
+//! - [`serve`]: `edge`, `relay`, `ledger` — start one service from its flags.
+//! - [`up`]: the whole chain on this machine.
+//! - [`sim`]: the design notes' simulations on the resilience crate's own code.
+//! - [`health`]: the container health check.
+
+use std::process::ExitCode;
+
+pub mod config;
+pub mod health;
+pub mod serve;
+pub mod sim;
+pub mod up;
+
+use config::{Cli, Command};
+
+/// Runs the parsed command line.
+pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.command {
+        Command::Edge(args) => serve::hop(args, true).await?,
+        Command::Relay(args) => serve::hop(args, false).await?,
+        Command::Ledger(args) => serve::ledger(args).await?,
+        Command::Up(args) => up::run(args).await?,
+        Command::Sim(args) => {
+            let seeds = args.seeds;
+            let report = tokio::task::spawn_blocking(move || sim::run(seeds)).await??;
+            if args.json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                sim::print_tables(&report, seeds);
+            }
+        }
+        Command::Health(args) => {
+            return Ok(match health::check(&args).await {
+                Ok(true) => ExitCode::SUCCESS,
+                Ok(false) => {
+                    eprintln!("{} is not SERVING", args.addr);
+                    ExitCode::FAILURE
+                }
+                Err(error) => {
+                    eprintln!("{error:#}");
+                    ExitCode::FAILURE
+                }
+            });
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

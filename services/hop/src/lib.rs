@@ -1,1 +1,327 @@
-//! placeholder
+//! The edge and the relays: the four services that forward `Payments` calls downstream.
+//!
+//! Both roles are one type, [`Hop`]; they differ only where the contract says:
+//!
+//! | | edge | relay (hop2, hop3, hop4) |
+//! |---|---|---|
+//! | no `idempotency-key` | generates a UUID, returns it | INVALID_ARGUMENT |
+//! | `x-retry-mode` | honoured and passed on only with `--allow-retry-mode-override` | honoured and passed on |
+//! | `edge-only` mode | retries, under the retry budget | tries once |
+//! | `every-layer` mode | retries, no budget | retries, no budget |
+//!
+//! Every call gets a strictly shorter deadline than the one received (the retry executor
+//! computes it per attempt), the same idempotency key, and the same trace id.
+
+use std::sync::Arc;
+
+use resilience::{Backoff, Retry, RetryBudget, RetryPolicy};
+use retrychain_node::{
+    AccountId, AmountCents, IdempotencyKey, Node, RetryMode, RpcScope, TraceContext,
+    faults::lost_reply,
+    metadata::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, RETRY_MODE, TRACE_ID, TRACEPARENT},
+};
+use retrychain_proto::v1::{
+    Account, ChargeReply, ChargeRequest, GetAccountRequest, payments_client::PaymentsClient,
+    payments_server::Payments,
+};
+use tonic::{
+    Request, Response, Status,
+    metadata::{MetadataMap, MetadataValue},
+    transport::Channel,
+};
+
+/// Which place in the chain a hop holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// The service clients call.
+    Edge {
+        /// Whether a client's `x-retry-mode` is honoured. Off by default: every-layer
+        /// retries multiply load, so a client must not be able to switch them on.
+        allow_retry_mode_override: bool,
+    },
+    /// hop2, hop3 or hop4.
+    Relay,
+}
+
+/// How a hop retries.
+#[derive(Debug, Clone)]
+pub struct HopRetryConfig {
+    /// The mode used when no honoured `x-retry-mode` says otherwise.
+    pub mode: RetryMode,
+    /// Attempts per call in the modes where this hop retries.
+    pub max_attempts: u32,
+    /// Waits between attempts.
+    pub backoff: Backoff,
+    /// The edge's budget in `edge-only` mode; `None` with `--no-budget`.
+    pub budget: Option<Arc<RetryBudget>>,
+    /// Taken off the remaining time for each downstream deadline.
+    pub margin: std::time::Duration,
+    /// The shortest downstream attempt worth starting.
+    pub min_attempt: std::time::Duration,
+}
+
+/// Forwards `Payments` to the next service.
+#[derive(Debug, Clone)]
+pub struct Hop {
+    /// Counters, faults and name.
+    node: Arc<Node>,
+    /// Edge or relay.
+    role: Role,
+    /// The configured mode.
+    mode: RetryMode,
+    /// The downstream service; one HTTP/2 connection shared by all calls.
+    downstream: PaymentsClient<Channel>,
+    /// The executor for `every-layer`: retries without a budget.
+    every_layer: Arc<Retry>,
+    /// The executor for `edge-only`: budgeted retries at the edge, one attempt elsewhere.
+    edge_only: Arc<Retry>,
+}
+
+/// What a hop passes on with each downstream call.
+struct Forward {
+    /// The idempotency key (absent only on GetAccount).
+    key: Option<IdempotencyKey>,
+    /// The mode for this request.
+    mode: RetryMode,
+    /// Whether to send `x-retry-mode` on.
+    pass_mode: bool,
+    /// The trace this request belongs to.
+    trace: TraceContext,
+}
+
+impl Forward {
+    fn request<T>(&self, message: T, attempt: &resilience::Attempt) -> Request<T> {
+        let mut request = Request::new(message);
+        let metadata = request.metadata_mut();
+        if let Some(key) = &self.key
+            && let Ok(value) = MetadataValue::try_from(key.as_str())
+        {
+            metadata.insert(IDEMPOTENCY_KEY, value);
+        }
+        if self.pass_mode {
+            metadata.insert(RETRY_MODE, MetadataValue::from_static(self.mode.as_str()));
+        }
+        if let Ok(value) = MetadataValue::try_from(self.trace.traceparent()) {
+            metadata.insert(TRACEPARENT, value);
+        }
+        attempt.apply(&mut request);
+        request
+    }
+}
+
+impl Hop {
+    /// A hop in `role` forwarding to `downstream`.
+    pub fn new(node: Arc<Node>, role: Role, retry: HopRetryConfig, downstream: Channel) -> Self {
+        let every_layer = RetryPolicy {
+            max_attempts: retry.max_attempts,
+            backoff: retry.backoff,
+            budget: None,
+            margin: retry.margin,
+            min_attempt: retry.min_attempt,
+        };
+        let edge_only = match role {
+            Role::Edge { .. } => RetryPolicy {
+                budget: retry.budget.clone(),
+                ..every_layer.clone()
+            },
+            Role::Relay => RetryPolicy::single_attempt(retry.backoff, retry.margin, retry.min_attempt),
+        };
+        Self {
+            node,
+            role,
+            mode: retry.mode,
+            downstream: PaymentsClient::new(downstream),
+            every_layer: Arc::new(Retry::new(every_layer)),
+            edge_only: Arc::new(Retry::new(edge_only)),
+        }
+    }
+
+    /// Reads key and retry mode from the incoming call, per role.
+    fn forward<T>(
+        &self,
+        request: &Request<T>,
+        scope: &RpcScope,
+        key_required: bool,
+    ) -> Result<Forward, Status> {
+        let metadata = request.metadata();
+        let key = match metadata.get(IDEMPOTENCY_KEY) {
+            Some(raw) => Some(IdempotencyKey::parse(raw.to_str().map_err(|_| {
+                Status::invalid_argument("idempotency-key must be visible ASCII characters")
+            })?)?),
+            None => match self.role {
+                Role::Edge { .. } if key_required => Some(IdempotencyKey::generate()),
+                Role::Relay if key_required => {
+                    return Err(Status::invalid_argument(
+                        "idempotency-key is required (the edge adds one when a client sends none)",
+                    ));
+                }
+                _ => None,
+            },
+        };
+        if let Some(key) = &key {
+            scope.span.record("key", key.as_str());
+        }
+        let honour_mode = match self.role {
+            Role::Edge {
+                allow_retry_mode_override,
+            } => allow_retry_mode_override,
+            Role::Relay => true,
+        };
+        let requested = metadata.get(RETRY_MODE).filter(|_| honour_mode);
+        let (mode, pass_mode) = match requested {
+            Some(raw) => {
+                let mode = raw
+                    .to_str()
+                    .ok()
+                    .and_then(|text| text.parse::<RetryMode>().ok())
+                    .ok_or_else(|| {
+                        Status::invalid_argument(
+                            "x-retry-mode must be every-layer or edge-only",
+                        )
+                    })?;
+                (mode, true)
+            }
+            None => (self.mode, false),
+        };
+        Ok(Forward {
+            key,
+            mode,
+            pass_mode,
+            trace: scope.trace.clone(),
+        })
+    }
+
+    fn executor(&self, mode: RetryMode) -> &Retry {
+        match mode {
+            RetryMode::EveryLayer => &self.every_layer,
+            RetryMode::EdgeOnly => &self.edge_only,
+        }
+    }
+
+    /// One downstream attempt, with this hop's injected faults around it.
+    async fn attempt<T>(
+        &self,
+        call: impl Future<Output = Result<Response<T>, Status>>,
+    ) -> Result<Response<T>, Status> {
+        let faults = &self.node.faults;
+        if let Some(status) = faults.injected_failure(&self.node.name) {
+            return Err(status);
+        }
+        let delay = faults.delay();
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
+        let response = call.await?;
+        if faults.drop_reply() {
+            return Err(lost_reply(&self.node.name));
+        }
+        Ok(response)
+    }
+
+    /// The edge tells the client which key its charge ran under, on success and failure
+    /// alike: after a failure the client needs it to retry safely.
+    fn stamp_key(&self, metadata: &mut MetadataMap, key: Option<&IdempotencyKey>) {
+        if let (Role::Edge { .. }, Some(key)) = (self.role, key)
+            && let Ok(value) = MetadataValue::try_from(key.as_str())
+        {
+            metadata.insert(IDEMPOTENCY_KEY, value);
+        }
+    }
+
+    /// Sends a call downstream under the request's retry mode and relays the answer.
+    async fn relay<Req, Rep, F, Fut>(
+        &self,
+        scope: &RpcScope,
+        forward: &Forward,
+        message: Req,
+        call: F,
+    ) -> Result<Response<Rep>, Status>
+    where
+        Req: Clone,
+        F: Fn(PaymentsClient<Channel>, Request<Req>) -> Fut,
+        Fut: Future<Output = Result<Response<Rep>, Status>>,
+    {
+        let result = self
+            .executor(forward.mode)
+            .run(scope.deadline, &self.node.counters, |attempt| {
+                let request = forward.request(message.clone(), &attempt);
+                self.attempt(call(self.downstream.clone(), request))
+            })
+            .await;
+        match result {
+            Ok(response) => {
+                let (downstream_metadata, reply, _) = response.into_parts();
+                let mut response = Response::new(reply);
+                copy_relayed(&downstream_metadata, response.metadata_mut());
+                self.stamp_key(response.metadata_mut(), forward.key.as_ref());
+                Ok(response)
+            }
+            Err(status) => {
+                let mut metadata = MetadataMap::new();
+                copy_relayed(status.metadata(), &mut metadata);
+                for key in [resilience::classify::PUSHBACK_HEADER] {
+                    if let Some(value) = status.metadata().get(key) {
+                        metadata.insert(key, value.clone());
+                    }
+                }
+                self.stamp_key(&mut metadata, forward.key.as_ref());
+                Err(Status::with_metadata(
+                    status.code(),
+                    status.message().to_owned(),
+                    metadata,
+                ))
+            }
+        }
+    }
+}
+
+/// Copies the response metadata that travels back up the chain unchanged; everything else
+/// (transport headers, the downstream's own bookkeeping) stays behind.
+fn copy_relayed(from: &MetadataMap, to: &mut MetadataMap) {
+    for key in [IDEMPOTENT_REPLAYED, IDEMPOTENCY_KEY, TRACE_ID] {
+        if let Some(value) = from.get(key) {
+            to.insert(key, value.clone());
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl Payments for Hop {
+    async fn charge(
+        &self,
+        request: Request<ChargeRequest>,
+    ) -> Result<Response<ChargeReply>, Status> {
+        let scope = RpcScope::begin(&self.node, "Charge", &request);
+        scope
+            .run(async {
+                let forward = self.forward(&request, &scope, true)?;
+                let message = request.into_inner();
+                // Bad input fails here, not five hops down (and is never retried).
+                AccountId::parse(&message.account_id)?;
+                AmountCents::parse(message.amount_cents)?;
+                self.relay(&scope, &forward, message, |mut client, request| async move {
+                    client.charge(request).await
+                })
+                .await
+            })
+            .await
+    }
+
+    async fn get_account(
+        &self,
+        request: Request<GetAccountRequest>,
+    ) -> Result<Response<Account>, Status> {
+        let scope = RpcScope::begin(&self.node, "GetAccount", &request);
+        scope
+            .run(async {
+                let forward = self.forward(&request, &scope, false)?;
+                let message = request.into_inner();
+                AccountId::parse(&message.account_id)?;
+                self.relay(&scope, &forward, message, |mut client, request| async move {
+                    client.get_account(request).await
+                })
+                .await
+            })
+            .await
+    }
+}

@@ -1,1 +1,16 @@
-//! placeholder
+//! The ledger: the bottom of the chain, where "exactly once" is made true.
+//!
+//! # Layout
+//!
+//! - [`store`]: [`KeyStore`] — the key, the effect and the saved reply in one Postgres
+//!   transaction; replays, parameter checks, in-flight behaviour, retention purges.
+//! - [`processor`]: the simulated payment processor whose calls are the bottom calls.
+//! - [`service`]: [`Ledger`], the `Payments` service, and the mapping of store errors to
+//!   statuses.
+
+pub mod processor;
+pub mod service;
+pub mod store;
+
+pub use service::{Ledger, run_retention};
+pub use store::{ChargeOutcome, InFlight, KeyStore, SavedReply, StoreError};

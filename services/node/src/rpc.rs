@@ -79,7 +79,7 @@ impl RpcScope {
 
     /// Runs the handler body inside this call's span, then logs the outcome and stamps the
     /// trace id on the reply or the failure.
-    pub async fn run<T, F>(self, body: F) -> Result<Response<T>, Status>
+    pub async fn run<T, F>(&self, body: F) -> Result<Response<T>, Status>
     where
         F: Future<Output = Result<Response<T>, Status>>,
     {

@@ -1,0 +1,285 @@
+//! `retrychain sim`: the design notes' three simulations, run on the resilience crate's own
+//! executor, backoff and budget — so the figures describe the code the services run, not a
+//! model of it. No network, no clock: ticks are milliseconds of simulated time.
+
+use std::{
+    future::Future,
+    pin::Pin,
+    sync::atomic::{AtomicU64, Ordering},
+    time::Duration,
+};
+
+use clap::Args;
+use rand::{RngExt, SeedableRng, rngs::SmallRng};
+use resilience::{Backoff, BackoffKind, Deadline, Retry, RetryBudget, RetryPolicy};
+use serde::Serialize;
+use tonic::Status;
+
+/// Flags of `sim`.
+#[derive(Debug, Clone, Args)]
+pub struct SimArgs {
+    /// Print one JSON object instead of tables.
+    #[arg(long)]
+    pub json: bool,
+    /// Seeds to average the jitter storm over.
+    #[arg(long, default_value_t = 20)]
+    pub seeds: u64,
+}
+
+/// Everything `sim` measures.
+#[derive(Debug, Clone, Serialize)]
+pub struct SimReport {
+    /// Bottom calls for 1..=5 layers of 3 tries, every call failing.
+    pub layered: Vec<u64>,
+    /// The contention storm, per backoff policy.
+    pub storm: StormReport,
+    /// The total outage, without and with a budget.
+    pub outage: OutageReport,
+}
+
+/// Mean calls and ticks of the storm, per policy.
+#[derive(Debug, Clone, Serialize)]
+pub struct StormReport {
+    /// Retry on the next tick.
+    pub none: StormResult,
+    /// Exponential, no jitter.
+    pub exponential: StormResult,
+    /// Full jitter.
+    pub full: StormResult,
+    /// Equal jitter.
+    pub equal: StormResult,
+    /// Decorrelated jitter.
+    pub decorrelated: StormResult,
+}
+
+/// One policy's storm result, averaged over the seeds.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct StormResult {
+    /// Calls the resource received.
+    pub calls: f64,
+    /// Ticks until every client succeeded.
+    pub ticks: f64,
+}
+
+/// The outage with and without a budget.
+#[derive(Debug, Clone, Serialize)]
+pub struct OutageReport {
+    /// Retries limited only by the attempt count.
+    pub no_budget: OutageResult,
+    /// A 10-token bucket refunding 0.1 per first attempt.
+    pub budget: OutageResult,
+}
+
+/// Backend load in one outage run.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct OutageResult {
+    /// First attempts.
+    pub first: u64,
+    /// Calls the backend received.
+    pub backend: u64,
+    /// backend / first.
+    pub load: f64,
+}
+
+/// Runs all three simulations.
+pub fn run(seeds: u64) -> anyhow::Result<SimReport> {
+    let layered = (1..=5)
+        .map(|layers| layered_bottom_calls(layers, 3))
+        .collect::<anyhow::Result<_>>()?;
+    let storm = |kind| mean_storm(kind, 100, seeds);
+    Ok(SimReport {
+        layered,
+        storm: StormReport {
+            none: storm(BackoffKind::None),
+            exponential: storm(BackoffKind::Exponential),
+            full: storm(BackoffKind::Full),
+            equal: storm(BackoffKind::Equal),
+            decorrelated: storm(BackoffKind::Decorrelated),
+        },
+        outage: OutageReport {
+            no_budget: outage(None, 6000, 3),
+            budget: outage(Some(&RetryBudget::new(10.0, 0.1)), 6000, 3),
+        },
+    })
+}
+
+/// Nests `layers` retry executors (each allowing `attempts` tries) over a bottom call that
+/// always fails, and counts bottom calls. Runs the real [`Retry::run`].
+pub fn layered_bottom_calls(layers: u32, attempts: u32) -> anyhow::Result<u64> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()?;
+    let policy = RetryPolicy {
+        max_attempts: attempts,
+        backoff: Backoff::new(BackoffKind::None, Duration::ZERO, Duration::ZERO),
+        budget: None,
+        margin: Duration::ZERO,
+        min_attempt: Duration::from_nanos(1),
+    };
+    let retry = Retry::with_seed(policy, 0);
+    let bottom = AtomicU64::new(0);
+    let deadline = runtime.block_on(async { Deadline::after(Duration::from_secs(3600)) });
+    let _ = runtime.block_on(layer(layers, &retry, &bottom, deadline));
+    Ok(bottom.load(Ordering::Relaxed))
+}
+
+fn layer<'a>(
+    depth: u32,
+    retry: &'a Retry,
+    bottom: &'a AtomicU64,
+    deadline: Deadline,
+) -> Pin<Box<dyn Future<Output = Result<(), Status>> + 'a>> {
+    Box::pin(async move {
+        if depth == 0 {
+            bottom.fetch_add(1, Ordering::Relaxed);
+            return Err(Status::unavailable("the bottom service is down"));
+        }
+        retry
+            .run(deadline, &(), |_| layer(depth - 1, retry, bottom, deadline))
+            .await
+    })
+}
+
+/// One simulated tick, as a duration for the backoff code.
+const TICK: Duration = Duration::from_millis(1);
+
+/// The contention storm: `clients` start together against a resource that serves one call
+/// per tick; every loser waits per `kind` (base 2, cap 64 ticks, at least one tick) and
+/// tries again. Returns (calls, ticks).
+pub fn storm(kind: BackoffKind, clients: usize, seed: u64) -> (u64, u64) {
+    let backoff = Backoff::new(kind, 2 * TICK, 64 * TICK);
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let mut schedules: Vec<_> = (0..clients).map(|_| backoff.schedule()).collect();
+    // Next attempt time per client, in ticks; None once served.
+    let mut due: Vec<Option<f64>> = vec![Some(0.0); clients];
+    let mut waiting = clients;
+    let (mut calls, mut tick) = (0u64, 0u64);
+    while waiting > 0 {
+        tick += 1;
+        let now = tick as f64;
+        let ready: Vec<usize> = (0..clients)
+            .filter(|&c| due[c].is_some_and(|t| t <= now))
+            .collect();
+        if ready.is_empty() {
+            continue;
+        }
+        calls += ready.len() as u64;
+        let winner = ready[rng.random_range(0..ready.len())];
+        due[winner] = None;
+        waiting -= 1;
+        for &client in ready.iter().filter(|&&c| c != winner) {
+            let wait = schedules[client].next_delay(&mut rng);
+            let ticks = (wait.as_secs_f64() / TICK.as_secs_f64()).max(1.0);
+            due[client] = Some(now + ticks);
+        }
+    }
+    (calls, tick)
+}
+
+fn mean_storm(kind: BackoffKind, clients: usize, seeds: u64) -> StormResult {
+    let runs: Vec<(u64, u64)> = (0..seeds).map(|seed| storm(kind, clients, seed)).collect();
+    let n = runs.len().max(1) as f64;
+    StormResult {
+        calls: runs.iter().map(|r| r.0 as f64).sum::<f64>() / n,
+        ticks: runs.iter().map(|r| r.1 as f64).sum::<f64>() / n,
+    }
+}
+
+/// A total outage: `first_attempts` calls, all failing, each allowed `max_retries` retries,
+/// drawing on `budget` if there is one.
+pub fn outage(budget: Option<&RetryBudget>, first_attempts: u64, max_retries: u32) -> OutageResult {
+    let mut backend = 0;
+    for _ in 0..first_attempts {
+        backend += 1;
+        if let Some(budget) = budget {
+            budget.deposit_first_attempt();
+        }
+        for _ in 0..max_retries {
+            if let Some(budget) = budget
+                && !budget.try_withdraw()
+            {
+                break;
+            }
+            backend += 1;
+        }
+    }
+    OutageResult {
+        first: first_attempts,
+        backend,
+        load: backend as f64 / first_attempts as f64,
+    }
+}
+
+/// The design notes' figures, printed beside ours.
+const NOTES_LAYERED: [u64; 5] = [3, 9, 27, 81, 243];
+const NOTES_STORM: [(&str, f64, f64); 5] = [
+    ("none", 5050.0, 100.0),
+    ("exponential", 5050.0, 6079.0),
+    ("full", 643.0, 167.0),
+    ("equal", 657.0, 223.0),
+    ("decorrelated", 576.0, 194.0),
+];
+
+/// Prints the report as tables, with the design notes' figures beside ours.
+pub fn print_tables(report: &SimReport, seeds: u64) {
+    println!("Layered retries: 3 tries per layer, every call failing");
+    println!("  {:<8} {:>12} {:>14}", "layers", "bottom calls", "design notes");
+    for (i, calls) in report.layered.iter().enumerate() {
+        println!("  {:<8} {:>12} {:>14}", i + 1, calls, NOTES_LAYERED[i]);
+    }
+    println!();
+    println!(
+        "Jitter storm: 100 clients, one served per tick, base 2 / cap 64 ticks, mean of {seeds} seeds"
+    );
+    println!(
+        "  {:<13} {:>8} {:>8}   {:>22}",
+        "backoff", "calls", "ticks", "design notes (calls/ticks)"
+    );
+    let s = &report.storm;
+    let ours = [s.none, s.exponential, s.full, s.equal, s.decorrelated];
+    for ((name, calls, ticks), result) in NOTES_STORM.iter().zip(ours) {
+        println!(
+            "  {:<13} {:>8.0} {:>8.0}   {:>13.0} / {:<8.0}",
+            name, result.calls, result.ticks, calls, ticks
+        );
+    }
+    println!();
+    println!("Total outage: 100 requests/s for 60 s, every call failing, up to 3 retries");
+    println!(
+        "  {:<22} {:>6} {:>8} {:>7}   {:>14}",
+        "", "first", "backend", "load", "design notes"
+    );
+    for (name, result, notes) in [
+        ("no budget", report.outage.no_budget, "24000 (4.00x)"),
+        ("budget 10, refund 0.1", report.outage.budget, "6609 (1.10x)"),
+    ] {
+        println!(
+            "  {:<22} {:>6} {:>8} {:>6.2}x   {:>14}",
+            name, result.first, result.backend, result.load, notes
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layered_retries_multiply() {
+        for (layers, expected) in (1..=5).zip(NOTES_LAYERED) {
+            assert_eq!(layered_bottom_calls(layers, 3).expect("runtime"), expected);
+        }
+    }
+
+    #[test]
+    fn synchronised_clients_make_5050_calls() {
+        assert_eq!(storm(BackoffKind::None, 100, 3), (5050, 100));
+        assert_eq!(storm(BackoffKind::Exponential, 100, 3).0, 5050);
+    }
+
+    #[test]
+    fn outage_matches_the_design_notes() {
+        assert_eq!(outage(None, 6000, 3).backend, 24_000);
+        assert_eq!(outage(Some(&RetryBudget::new(10.0, 0.1)), 6000, 3).backend, 6609);
+    }
+}

@@ -1,0 +1,225 @@
+//! The ledger's `Payments` service: validation, the processor under the retry mode's
+//! policy, the key store, and the one place store errors become statuses.
+
+use std::sync::Arc;
+
+use resilience::{Retry, RetryPolicy};
+use retrychain_node::{
+    AccountId, AmountCents, IdempotencyKey, Node, RetryMode, RpcScope,
+    faults::lost_reply,
+    metadata::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, RETRY_MODE},
+    stats::Counters,
+};
+use retrychain_proto::v1::{
+    Account, ChargeReply, ChargeRequest, GetAccountRequest, payments_server::Payments,
+};
+use tonic::{Request, Response, Status, metadata::MetadataValue};
+
+use crate::{
+    processor::Processor,
+    store::{ChargeOutcome, InFlight, KeyStore, SavedReply, StoreError},
+};
+
+/// The bottom of the chain.
+#[derive(Debug, Clone)]
+pub struct Ledger {
+    /// Counters, faults and name.
+    node: Arc<Node>,
+    /// Postgres.
+    store: KeyStore,
+    /// The simulated payment processor.
+    processor: Arc<Processor>,
+    /// The mode when no `x-retry-mode` came down the chain.
+    mode: RetryMode,
+    /// Processor retries for `every-layer`.
+    every_layer: Arc<Retry>,
+    /// One processor attempt, for `edge-only`.
+    single: Arc<Retry>,
+    /// Same-key behaviour while the first request runs.
+    in_flight: InFlight,
+}
+
+impl Ledger {
+    /// A ledger over `store`. `every_layer` is the processor retry policy for that mode;
+    /// `edge-only` uses the same margins with one attempt.
+    pub fn new(
+        node: Arc<Node>,
+        store: KeyStore,
+        mode: RetryMode,
+        every_layer: RetryPolicy,
+        in_flight: InFlight,
+    ) -> Self {
+        let single = RetryPolicy::single_attempt(
+            every_layer.backoff,
+            every_layer.margin,
+            every_layer.min_attempt,
+        );
+        Self {
+            processor: Arc::new(Processor::new(Arc::clone(&node))),
+            node,
+            store,
+            mode,
+            every_layer: Arc::new(Retry::new(every_layer)),
+            single: Arc::new(Retry::new(single)),
+            in_flight,
+        }
+    }
+
+    /// The key store, for the retention task.
+    pub fn store(&self) -> &KeyStore {
+        &self.store
+    }
+
+    fn mode_of<T>(&self, request: &Request<T>) -> Result<RetryMode, Status> {
+        match request.metadata().get(RETRY_MODE) {
+            None => Ok(self.mode),
+            Some(raw) => raw
+                .to_str()
+                .ok()
+                .and_then(|text| text.parse().ok())
+                .ok_or_else(|| {
+                    Status::invalid_argument("x-retry-mode must be every-layer or edge-only")
+                }),
+        }
+    }
+}
+
+fn reply(saved: SavedReply) -> ChargeReply {
+    ChargeReply {
+        charge_id: saved.charge_id.to_string(),
+        account_id: saved.account_id,
+        amount_cents: saved.amount_cents,
+        balance_cents: saved.balance_cents,
+    }
+}
+
+/// The one mapping from store failures to the wire.
+impl From<StoreError> for Status {
+    fn from(error: StoreError) -> Self {
+        let message = error.to_string();
+        match error {
+            StoreError::KeyReused { .. } => Status::failed_precondition(message),
+            StoreError::InFlight => Status::aborted(message),
+            StoreError::DeadlineWhileWaiting(_) => Status::deadline_exceeded(message),
+            StoreError::BalanceOverflow => Status::out_of_range(message),
+            StoreError::Processor(status) => status,
+            StoreError::Purged => Status::aborted(message),
+            StoreError::Database(error) => {
+                tracing::error!(%error, "database failure");
+                match error {
+                    sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed => {
+                        Status::unavailable(format!("database unavailable: {error}"))
+                    }
+                    _ => Status::internal("database error; the charge was not committed"),
+                }
+            }
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl Payments for Ledger {
+    async fn charge(
+        &self,
+        request: Request<ChargeRequest>,
+    ) -> Result<Response<ChargeReply>, Status> {
+        let scope = RpcScope::begin(&self.node, "Charge", &request);
+        scope
+            .run(async {
+                let key = match request.metadata().get(IDEMPOTENCY_KEY) {
+                    Some(raw) => IdempotencyKey::parse(raw.to_str().map_err(|_| {
+                        Status::invalid_argument("idempotency-key must be visible ASCII characters")
+                    })?)?,
+                    None => {
+                        return Err(Status::invalid_argument(
+                            "idempotency-key is required: a charge without one cannot be retried safely",
+                        ));
+                    }
+                };
+                let executor = match self.mode_of(&request)? {
+                    RetryMode::EveryLayer => &self.every_layer,
+                    RetryMode::EdgeOnly => &self.single,
+                };
+                let message = request.into_inner();
+                let account = AccountId::parse(&message.account_id)?;
+                let amount = AmountCents::parse(message.amount_cents)?;
+
+                let outcome = self
+                    .store
+                    .charge(&account, &key, amount, scope.deadline, self.in_flight, || {
+                        executor.run(scope.deadline, &self.node.counters, |attempt| {
+                            self.processor.charge(attempt)
+                        })
+                    })
+                    .await?;
+                let (saved, replayed) = match outcome {
+                    ChargeOutcome::Executed(saved) => {
+                        Counters::bump(&self.node.counters.executions);
+                        tracing::info!(charge_id = %saved.charge_id, balance_cents = saved.balance_cents, "charge committed");
+                        (saved, false)
+                    }
+                    ChargeOutcome::Replayed(saved) => {
+                        Counters::bump(&self.node.counters.replays);
+                        tracing::info!(charge_id = %saved.charge_id, "replayed the saved reply");
+                        (saved, true)
+                    }
+                };
+                if self.node.faults.drop_reply() {
+                    return Err(lost_reply(&self.node.name));
+                }
+                let mut response = Response::new(reply(saved));
+                if replayed {
+                    response
+                        .metadata_mut()
+                        .insert(IDEMPOTENT_REPLAYED, MetadataValue::from_static("true"));
+                }
+                if let Ok(value) = MetadataValue::try_from(key.as_str()) {
+                    response.metadata_mut().insert(IDEMPOTENCY_KEY, value);
+                }
+                Ok(response)
+            })
+            .await
+    }
+
+    async fn get_account(
+        &self,
+        request: Request<GetAccountRequest>,
+    ) -> Result<Response<Account>, Status> {
+        let scope = RpcScope::begin(&self.node, "GetAccount", &request);
+        scope
+            .run(async {
+                let account = AccountId::parse(&request.get_ref().account_id)?;
+                let found = tokio::time::timeout_at(
+                    scope.deadline.instant(),
+                    self.store.account(&account),
+                )
+                .await
+                .map_err(|_| Status::deadline_exceeded("the deadline ran out reading the account"))??;
+                let (balance_cents, charges) = found.ok_or_else(|| {
+                    Status::not_found(format!("account {account} has never been charged"))
+                })?;
+                Ok(Response::new(Account {
+                    account_id: account.as_str().to_owned(),
+                    balance_cents,
+                    charges,
+                }))
+            })
+            .await
+    }
+}
+
+/// Deletes expired keys every `every` until the process ends. A key's retention starts
+/// when it was claimed; after it, the same key is a new request.
+pub async fn run_retention(store: KeyStore, retention: std::time::Duration, every: std::time::Duration) {
+    let mut ticker = tokio::time::interval(every);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        match store.purge_keys_older_than(retention, 1000).await {
+            Ok(0) => {}
+            Ok(purged) => tracing::info!(purged, ?retention, "purged expired idempotency keys"),
+            Err(error) => tracing::warn!(%error, "retention purge failed; will try again"),
+        }
+    }
+}
+
