@@ -127,12 +127,12 @@ impl Hop {
             Role::Relay => RetryPolicy::single_attempt(retry.backoff, retry.margin, retry.min_attempt),
         };
         Self {
-            node,
             role,
             mode: retry.mode,
             downstream: PaymentsClient::new(downstream),
-            every_layer: Arc::new(Retry::new(every_layer)),
-            edge_only: Arc::new(Retry::new(edge_only)),
+            every_layer: Arc::new(Retry::new(every_layer).with_label(&node.name)),
+            edge_only: Arc::new(Retry::new(edge_only).with_label(&node.name)),
+            node,
         }
     }
 

@@ -56,12 +56,12 @@ impl Ledger {
         );
         Self {
             processor: Arc::new(Processor::new(Arc::clone(&node))),
-            node,
             store,
             mode,
-            every_layer: Arc::new(Retry::new(every_layer)),
-            single: Arc::new(Retry::new(single)),
+            every_layer: Arc::new(Retry::new(every_layer).with_label(&node.name)),
+            single: Arc::new(Retry::new(single).with_label(&node.name)),
             in_flight,
+            node,
         }
     }
 
@@ -136,6 +136,7 @@ impl Payments for Ledger {
                         ));
                     }
                 };
+                scope.span.record("key", key.as_str());
                 let executor = match self.mode_of(&request)? {
                     RetryMode::EveryLayer => &self.every_layer,
                     RetryMode::EdgeOnly => &self.single,

@@ -158,8 +158,11 @@ impl KeyStore {
         .map_err(|_| StoreError::DeadlineWhileWaiting("waiting for a database connection"))??;
 
         if in_flight == InFlight::Reject {
+            // A transaction-scoped advisory lock on (account, key) tells "someone is running
+            // this key" without waiting. Two keys whose hashes collide can only cause a
+            // spurious ABORTED, which the caller retries.
             let free: bool = sqlx::query_scalar(
-                "SELECT pg_try_advisory_xact_lock(hashtextextended($1 || chr(0) || $2, 0))",
+                "SELECT pg_try_advisory_xact_lock(hashtext($1), hashtext($2))",
             )
             .bind(account.as_str())
             .bind(key.as_str())

@@ -11,7 +11,7 @@ use tracing::{Instrument, Span, field};
 
 use crate::{
     Node, TraceContext,
-    metadata::{IDEMPOTENCY_KEY, TRACE_ID, TRACEPARENT},
+    metadata::{TRACE_ID, TRACEPARENT},
     stats::Counters,
 };
 
@@ -24,7 +24,8 @@ pub struct RpcScope {
     pub timeout: Duration,
     /// This request's trace.
     pub trace: TraceContext,
-    /// The span every log line of this call belongs to.
+    /// The span every log line of this call belongs to; the handler records `key` in it
+    /// once it has parsed (or, at the edge, made) the idempotency key.
     pub span: Span,
     /// When the call arrived.
     started: Instant,
@@ -65,9 +66,6 @@ impl RpcScope {
             attempt,
             deadline_ms = incoming.timeout.as_millis() as u64,
         );
-        if let Some(key) = text(IDEMPOTENCY_KEY) {
-            span.record("key", key);
-        }
         Self {
             deadline: incoming.deadline,
             timeout: incoming.timeout,

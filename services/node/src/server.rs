@@ -63,8 +63,11 @@ where
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1alpha()?;
 
-    let address = listener.local_addr().ok();
-    tracing::info!(service = %node.name, addr = ?address, "listening");
+    let address = listener
+        .local_addr()
+        .map_or_else(|_| "unknown".to_owned(), |a| a.to_string());
+    // Tests and `retrychain up` read this line to learn a port-0 service's address.
+    tracing::info!(service = %node.name, addr = %address, "listening");
     let draining = {
         let health = health.clone();
         async move {

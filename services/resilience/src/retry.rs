@@ -151,6 +151,9 @@ pub struct Retry {
     policy: RetryPolicy,
     /// Jitter source; a mutex so one executor serves concurrent calls, held only to draw.
     rng: Mutex<SmallRng>,
+    /// Who retries (a service name), for the message of a call that gave up: in a chain
+    /// where several layers retry, each layer's note says which layer it was.
+    label: String,
 }
 
 impl Retry {
@@ -168,7 +171,14 @@ impl Retry {
         Self {
             policy,
             rng: Mutex::new(rng),
+            label: String::new(),
         }
+    }
+
+    /// Names who retries in the messages of calls that gave up.
+    pub fn with_label(mut self, label: impl Into<String>) -> Self {
+        self.label = label.into();
+        self
     }
 
     /// The policy this executor applies.
@@ -279,8 +289,13 @@ impl Retry {
             return status;
         }
         let plural = if attempts == 1 { "" } else { "s" };
+        let who = if self.label.is_empty() {
+            String::new()
+        } else {
+            format!("{}: ", self.label)
+        };
         let message = format!(
-            "{} ({attempts} attempt{plural}; {})",
+            "{} [{who}{attempts} attempt{plural}, {}]",
             status.message(),
             reason.describe(&self.policy)
         );
