@@ -147,7 +147,7 @@ pub struct ServiceArgs {
     #[arg(long, env = "RETRYCHAIN_DEADLINE_MARGIN_MS", default_value_t = 20)]
     pub deadline_margin_ms: u64,
     /// Shortest downstream attempt worth starting, in ms.
-    #[arg(long, env = "RETRYCHAIN_MIN_ATTEMPT_MS", default_value_t = 5)]
+    #[arg(long, env = "RETRYCHAIN_MIN_ATTEMPT_MS", default_value_t = 20)]
     pub min_attempt_ms: u64,
     /// Allow Control.SetFaults (a demo setting; production leaves it off).
     #[arg(long, env = "RETRYCHAIN_FAULT_INJECTION")]

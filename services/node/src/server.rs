@@ -18,6 +18,9 @@ use tonic_health::ServingStatus;
 
 use crate::{Node, control::ControlService};
 
+/// How long a stopping service waits for open connections to close.
+pub const DRAIN_GRACE: Duration = Duration::from_secs(5);
+
 /// Why a node stopped serving with an error.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -68,23 +71,35 @@ where
         .map_or_else(|_| "unknown".to_owned(), |a| a.to_string());
     // Tests and `retrychain up` read this line to learn a port-0 service's address.
     tracing::info!(service = %node.name, addr = %address, "listening");
+    let stopping = Arc::new(tokio::sync::Notify::new());
     let draining = {
         let health = health.clone();
+        let stopping = Arc::clone(&stopping);
         async move {
             shutdown.await;
             tracing::info!("shutting down: draining in-flight calls");
             health.set_service_status("", ServingStatus::NotServing).await;
+            stopping.notify_one();
         }
     };
-    Server::builder()
+    // Draining waits for clients to close their connections; a client that never does must
+    // not keep the process alive past the grace period.
+    let grace = async {
+        stopping.notified().await;
+        tokio::time::sleep(DRAIN_GRACE).await;
+    };
+    let server = Server::builder()
         .layer(DeadlineLayer::new(node.default_deadline, reserve))
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
         .add_service(PaymentsServer::new(payments))
         .add_service(ControlServer::new(ControlService::new(Arc::clone(&node))))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), draining)
-        .await?;
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), draining);
+    tokio::select! {
+        served = server => served?,
+        _ = grace => tracing::warn!(?DRAIN_GRACE, "connections still open after the grace period; stopping anyway"),
+    }
     tracing::info!(service = %node.name, "stopped");
     Ok(())
 }
