@@ -431,3 +431,32 @@ pub async fn connect(addr: &str) -> Channel {
         .await
         .unwrap_or_else(|e| panic!("connecting to {addr}: {e}"))
 }
+
+impl Service {
+    /// Starts this service again with the same flags on the same port (after a crash).
+    pub fn restart(&mut self, env: &[(&str, &str)]) {
+        let host_port = self.addr.trim_start_matches("http://").to_owned();
+        let mut args = self.args.clone();
+        if let Some(i) = args.iter().position(|a| a == "--listen") {
+            args[i + 1] = host_port;
+        }
+        self.crash();
+        let fresh = Service::start(&self.name, args, env);
+        self.child = fresh_child(fresh, &mut self.log);
+    }
+}
+
+fn fresh_child(mut fresh: Service, log: &mut Arc<Mutex<String>>) -> Option<Child> {
+    *log = Arc::clone(&fresh.log);
+    fresh.child.take()
+}
+
+/// The grpcurl binary: $GRPCURL, else `grpcurl` on PATH.
+pub fn grpcurl() -> String {
+    std::env::var("GRPCURL").unwrap_or_else(|_| "grpcurl".into())
+}
+
+/// `host:port` of an `http://host:port` address.
+pub fn host_port(addr: &str) -> String {
+    addr.trim_start_matches("http://").to_owned()
+}

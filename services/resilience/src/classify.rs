@@ -20,6 +20,25 @@ pub fn is_retryable(code: Code) -> bool {
     )
 }
 
+/// Gives a failure the client made itself from a broken connection the code it stands for.
+///
+/// tonic reports a connection that died mid-call (the server crashed, a reset) as UNKNOWN
+/// "transport error", carrying the underlying error as its source; a status that came over
+/// the wire never has a source. Such a failure is UNAVAILABLE — the transient case retries
+/// exist for. Whether the call took effect is unknown, which is what idempotency keys are for.
+pub fn transport_failure_as_unavailable(status: Status) -> Status {
+    use std::error::Error as _;
+    if status.code() == Code::Unknown && status.source().is_some() {
+        Status::with_metadata(
+            Code::Unavailable,
+            format!("connection to downstream failed: {}", status.message()),
+            status.metadata().clone(),
+        )
+    } else {
+        status
+    }
+}
+
 /// What a failed call's `grpc-retry-pushback-ms` says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Pushback {
@@ -81,6 +100,15 @@ mod tests {
         for code in retryable {
             assert!(is_retryable(code), "{code:?}");
         }
+    }
+
+    #[test]
+    fn a_local_transport_failure_is_unavailable_but_a_servers_unknown_is_not() {
+        let local = Status::from_error(Box::new(std::io::Error::other("connection reset")));
+        assert_eq!(local.code(), Code::Unknown);
+        assert_eq!(transport_failure_as_unavailable(local).code(), Code::Unavailable);
+        let remote = Status::unknown("the server said unknown");
+        assert_eq!(transport_failure_as_unavailable(remote).code(), Code::Unknown);
     }
 
     #[test]

@@ -24,7 +24,7 @@ use tonic::{Code, Status, metadata::MetadataValue};
 use crate::{
     backoff::Backoff,
     budget::RetryBudget,
-    classify::{Pushback, is_retryable, pushback},
+    classify::{Pushback, is_retryable, pushback, transport_failure_as_unavailable},
     deadline::{Deadline, format_grpc_timeout},
 };
 
@@ -229,6 +229,7 @@ impl Retry {
                     "attempt {number} got no answer within {timeout:?}"
                 )),
             };
+            let status = transport_failure_as_unavailable(status);
             // tonic's client answers CANCELLED when the grpc-timeout it sent runs out.
             let status = if status.code() == Code::Cancelled && started.elapsed() >= timeout {
                 Status::with_metadata(
