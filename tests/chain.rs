@@ -4,6 +4,8 @@
 //! Tests that use [`Chain::deployment`] also run against an external deployment (e.g.
 //! `docker compose up`) when RETRYCHAIN_EDGE … RETRYCHAIN_LEDGER are set.
 
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
 mod support;
 
 use std::time::{Duration, Instant};
@@ -23,7 +25,15 @@ fn received(stats: &[retrychain_proto::v1::Stats]) -> Vec<u64> {
 #[tokio::test]
 async fn every_layer_makes_243_bottom_calls() {
     let chain = Chain::deployment().await;
-    chain.set_faults(LEDGER, Faults { fail_rate: 1.0, ..faults() }).await;
+    chain
+        .set_faults(
+            LEDGER,
+            Faults {
+                fail_rate: 1.0,
+                ..faults()
+            },
+        )
+        .await;
     let account = new_account();
 
     let status = chain
@@ -44,7 +54,15 @@ async fn every_layer_makes_243_bottom_calls() {
 #[tokio::test]
 async fn edge_only_makes_3_bottom_calls() {
     let chain = Chain::deployment().await;
-    chain.set_faults(LEDGER, Faults { fail_rate: 1.0, ..faults() }).await;
+    chain
+        .set_faults(
+            LEDGER,
+            Faults {
+                fail_rate: 1.0,
+                ..faults()
+            },
+        )
+        .await;
 
     let status = chain
         .edge()
@@ -54,7 +72,11 @@ async fn edge_only_makes_3_bottom_calls() {
         .expect_err("the processor always fails");
 
     assert_eq!(status.code(), Code::Unavailable);
-    assert!(status.message().contains("3 attempts"), "{}", status.message());
+    assert!(
+        status.message().contains("3 attempts"),
+        "{}",
+        status.message()
+    );
     let stats = chain.all_stats().await;
     assert_eq!(stats[LEDGER].downstream_attempts, 3);
     assert_eq!(received(&stats), vec![1, 3, 3, 3, 3]);
@@ -70,12 +92,23 @@ async fn outage_load(edge_flags: &[&str]) -> (u64, u64) {
     options.edge.extend(args(&["--max-attempts", "4"]));
     options.edge.extend(args(edge_flags));
     let chain = Chain::spawn(options).await;
-    chain.set_faults(LEDGER, Faults { fail_rate: 1.0, ..faults() }).await;
+    chain
+        .set_faults(
+            LEDGER,
+            Faults {
+                fail_rate: 1.0,
+                ..faults()
+            },
+        )
+        .await;
     let edge = chain.edge().await;
     let failures = futures::stream::iter(0..2000)
         .map(|i| {
             let mut edge = edge.clone();
-            async move { edge.charge(charge(&format!("outage-{i}"), 100, None, LONG, &[])).await }
+            async move {
+                edge.charge(charge(&format!("outage-{i}"), 100, None, LONG, &[]))
+                    .await
+            }
         })
         .buffer_unordered(16)
         .filter(|r| std::future::ready(r.is_err()))
@@ -83,14 +116,19 @@ async fn outage_load(edge_flags: &[&str]) -> (u64, u64) {
         .await;
     assert_eq!(failures, 2000, "every request fails in a total outage");
     let stats = chain.all_stats().await;
-    (stats[EDGE].requests_received, stats[LEDGER].downstream_attempts)
+    (
+        stats[EDGE].requests_received,
+        stats[LEDGER].downstream_attempts,
+    )
 }
 
 #[tokio::test]
 async fn an_outage_is_not_amplified_with_the_budget() {
     let (first, bottom) = outage_load(&[]).await;
     let load = bottom as f64 / first as f64;
-    println!("outage with the default budget: {bottom} bottom calls for {first} requests = {load:.3}x");
+    println!(
+        "outage with the default budget: {bottom} bottom calls for {first} requests = {load:.3}x"
+    );
     assert_eq!(first, 2000);
     assert!(load <= 1.11, "load {load:.3}x (design notes: 1.10x)");
 }
@@ -107,12 +145,27 @@ async fn a_lost_reply_retried_by_the_edge_charges_once() {
     let chain = Chain::deployment().await;
     let account = new_account();
     let key = new_key();
-    chain.set_faults(LEDGER, Faults { drop_reply_rate: 1.0, ..faults() }).await;
+    chain
+        .set_faults(
+            LEDGER,
+            Faults {
+                drop_reply_rate: 1.0,
+                ..faults()
+            },
+        )
+        .await;
 
-    let lost = chain.edge().await.charge(charge(&account, 500, Some(&key), LONG, &[])).await;
+    let lost = chain
+        .edge()
+        .await
+        .charge(charge(&account, 500, Some(&key), LONG, &[]))
+        .await;
     let status = lost.expect_err("every reply is lost");
     assert_eq!(status.code(), Code::Unavailable);
-    assert_eq!(status_header(&status, "idempotency-key").as_deref(), Some(key.as_str()));
+    assert_eq!(
+        status_header(&status, "idempotency-key").as_deref(),
+        Some(key.as_str())
+    );
 
     chain.set_faults(LEDGER, faults()).await;
     let later = chain
@@ -121,12 +174,23 @@ async fn a_lost_reply_retried_by_the_edge_charges_once() {
         .charge(charge(&account, 500, Some(&key), LONG, &[]))
         .await
         .expect("the reply gets through now");
-    assert_eq!(header(&later, "idempotent-replayed").as_deref(), Some("true"));
-    let again = chain.edge().await.charge(charge(&account, 500, Some(&key), LONG, &[])).await.unwrap();
+    assert_eq!(
+        header(&later, "idempotent-replayed").as_deref(),
+        Some("true")
+    );
+    let again = chain
+        .edge()
+        .await
+        .charge(charge(&account, 500, Some(&key), LONG, &[]))
+        .await
+        .unwrap();
     assert_eq!(later.get_ref().charge_id, again.get_ref().charge_id);
     let stats = chain.all_stats().await;
     assert_eq!(stats[LEDGER].executions, 1, "one execution");
-    assert!(stats[LEDGER].replays >= 3, "the edge's retries and the later calls replayed");
+    assert!(
+        stats[LEDGER].replays >= 3,
+        "the edge's retries and the later calls replayed"
+    );
     assert_eq!(chain.account(&account).await, Some((500, 1)));
 }
 
@@ -137,27 +201,53 @@ async fn the_deadline_shrinks_at_every_hop_and_ends_in_deadline_exceeded() {
     let mut options = Options::default();
     options.edge.extend(args(&["--max-attempts", "1"]));
     let chain = Chain::spawn(options).await;
-    chain.set_faults(LEDGER, Faults { delay_ms: 5000, ..faults() }).await;
+    chain
+        .set_faults(
+            LEDGER,
+            Faults {
+                delay_ms: 5000,
+                ..faults()
+            },
+        )
+        .await;
 
     let start = Instant::now();
     let status = chain
         .edge()
         .await
-        .charge(charge(&new_account(), 500, None, Duration::from_secs(2), &[]))
+        .charge(charge(
+            &new_account(),
+            500,
+            None,
+            Duration::from_secs(2),
+            &[],
+        ))
         .await
         .expect_err("the processor is slower than the deadline");
     let elapsed = start.elapsed();
 
     println!("client saw {:?} after {elapsed:?}", status.code());
     assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
-    assert!(elapsed >= Duration::from_millis(1800) && elapsed < Duration::from_secs(3), "{elapsed:?}");
+    assert!(
+        elapsed >= Duration::from_millis(1800) && elapsed < Duration::from_secs(3),
+        "{elapsed:?}"
+    );
     let stats = chain.all_stats().await;
     let incoming: Vec<u64> = stats.iter().map(|s| s.last_incoming_timeout_ms).collect();
     println!("deadlines received, edge to ledger: {incoming:?} ms");
-    assert!(incoming[EDGE] <= 2000 && incoming[EDGE] > 1900, "{incoming:?}");
-    assert!(incoming.windows(2).all(|w| w[0] > w[1]), "strictly decreasing: {incoming:?}");
+    assert!(
+        incoming[EDGE] <= 2000 && incoming[EDGE] > 1900,
+        "{incoming:?}"
+    );
+    assert!(
+        incoming.windows(2).all(|w| w[0] > w[1]),
+        "strictly decreasing: {incoming:?}"
+    );
     for s in &stats[..LEDGER] {
-        assert!(s.last_outgoing_timeout_ms < s.last_incoming_timeout_ms, "{s:?}");
+        assert!(
+            s.last_outgoing_timeout_ms < s.last_incoming_timeout_ms,
+            "{s:?}"
+        );
     }
     assert_eq!(stats[LEDGER].executions, 0);
 }
@@ -165,13 +255,28 @@ async fn the_deadline_shrinks_at_every_hop_and_ends_in_deadline_exceeded() {
 #[tokio::test]
 async fn a_short_deadline_caps_every_layer_retries() {
     let chain = Chain::deployment().await;
-    chain.set_faults(LEDGER, Faults { fail_rate: 1.0, delay_ms: 5, ..faults() }).await;
+    chain
+        .set_faults(
+            LEDGER,
+            Faults {
+                fail_rate: 1.0,
+                delay_ms: 5,
+                ..faults()
+            },
+        )
+        .await;
 
     let start = Instant::now();
     let status = chain
         .edge()
         .await
-        .charge(charge(&new_account(), 500, None, Duration::from_millis(300), &[EVERY_LAYER]))
+        .charge(charge(
+            &new_account(),
+            500,
+            None,
+            Duration::from_millis(300),
+            &[EVERY_LAYER],
+        ))
         .await
         .expect_err("fails");
     let elapsed = start.elapsed();
@@ -179,12 +284,22 @@ async fn a_short_deadline_caps_every_layer_retries() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     let bottom_later = chain.stats(LEDGER).await.downstream_attempts;
 
-    println!("300 ms deadline, every-layer: {bottom_at_answer} bottom calls, answer after {elapsed:?}");
+    println!(
+        "300 ms deadline, every-layer: {bottom_at_answer} bottom calls, answer after {elapsed:?}"
+    );
     assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
     assert!(bottom_at_answer < 243, "the deadline capped the storm");
     assert!(bottom_at_answer > 0);
-    assert_eq!(bottom_later, bottom_at_answer, "no attempt started after the deadline");
-    let denied: u64 = chain.all_stats().await.iter().map(|s| s.deadline_denied).sum();
+    assert_eq!(
+        bottom_later, bottom_at_answer,
+        "no attempt started after the deadline"
+    );
+    let denied: u64 = chain
+        .all_stats()
+        .await
+        .iter()
+        .map(|s| s.deadline_denied)
+        .sum();
     assert!(denied > 0, "some layer declined to retry for lack of time");
 }
 
@@ -192,7 +307,14 @@ async fn a_short_deadline_caps_every_layer_retries() {
 async fn a_non_retryable_failure_is_one_bottom_call_in_both_modes() {
     let chain = Chain::deployment().await;
     chain
-        .set_faults(LEDGER, Faults { fail_rate: 1.0, fail_code: "INVALID_ARGUMENT".into(), ..faults() })
+        .set_faults(
+            LEDGER,
+            Faults {
+                fail_rate: 1.0,
+                fail_code: "INVALID_ARGUMENT".into(),
+                ..faults()
+            },
+        )
         .await;
     for mode in [&[][..], &[EVERY_LAYER][..]] {
         chain.reset_stats().await;
@@ -203,7 +325,11 @@ async fn a_non_retryable_failure_is_one_bottom_call_in_both_modes() {
             .await
             .expect_err("fails");
         assert_eq!(status.code(), Code::InvalidArgument);
-        assert_eq!(chain.stats(LEDGER).await.downstream_attempts, 1, "mode {mode:?}");
+        assert_eq!(
+            chain.stats(LEDGER).await.downstream_attempts,
+            1,
+            "mode {mode:?}"
+        );
         assert_eq!(received(&chain.all_stats().await), vec![1, 1, 1, 1, 1]);
     }
 }
@@ -214,26 +340,53 @@ async fn pushback_is_honoured_and_a_negative_one_stops_retries() {
     chain
         .set_faults(
             LEDGER,
-            Faults { fail_rate: 1.0, fail_code: "RESOURCE_EXHAUSTED".into(), pushback_ms: 200, ..faults() },
+            Faults {
+                fail_rate: 1.0,
+                fail_code: "RESOURCE_EXHAUSTED".into(),
+                pushback_ms: 200,
+                ..faults()
+            },
         )
         .await;
     let start = Instant::now();
-    let status = chain.edge().await.charge(charge(&new_account(), 500, None, LONG, &[])).await.expect_err("busy");
+    let status = chain
+        .edge()
+        .await
+        .charge(charge(&new_account(), 500, None, LONG, &[]))
+        .await
+        .expect_err("busy");
     let elapsed = start.elapsed();
     assert_eq!(status.code(), Code::ResourceExhausted);
     assert_eq!(chain.stats(LEDGER).await.downstream_attempts, 3);
-    assert!(elapsed >= Duration::from_millis(400), "two retries, each after 200 ms: {elapsed:?}");
+    assert!(
+        elapsed >= Duration::from_millis(400),
+        "two retries, each after 200 ms: {elapsed:?}"
+    );
 
     chain
         .set_faults(
             LEDGER,
-            Faults { fail_rate: 1.0, fail_code: "RESOURCE_EXHAUSTED".into(), pushback_never: true, ..faults() },
+            Faults {
+                fail_rate: 1.0,
+                fail_code: "RESOURCE_EXHAUSTED".into(),
+                pushback_never: true,
+                ..faults()
+            },
         )
         .await;
     chain.reset_stats().await;
-    let status = chain.edge().await.charge(charge(&new_account(), 500, None, LONG, &[])).await.expect_err("busy");
+    let status = chain
+        .edge()
+        .await
+        .charge(charge(&new_account(), 500, None, LONG, &[]))
+        .await
+        .expect_err("busy");
     assert_eq!(status.code(), Code::ResourceExhausted);
-    assert!(status.message().contains("pushback"), "{}", status.message());
+    assert!(
+        status.message().contains("pushback"),
+        "{}",
+        status.message()
+    );
     assert_eq!(chain.stats(LEDGER).await.downstream_attempts, 1, "no retry");
 }
 
@@ -242,7 +395,15 @@ async fn the_retry_mode_override_needs_the_edge_flag() {
     let mut options = Options::default();
     options.edge.clear(); // no --allow-retry-mode-override
     let chain = Chain::spawn(options).await;
-    chain.set_faults(LEDGER, Faults { fail_rate: 1.0, ..faults() }).await;
+    chain
+        .set_faults(
+            LEDGER,
+            Faults {
+                fail_rate: 1.0,
+                ..faults()
+            },
+        )
+        .await;
     chain
         .edge()
         .await
@@ -250,7 +411,10 @@ async fn the_retry_mode_override_needs_the_edge_flag() {
         .await
         .expect_err("fails");
     let stats = chain.all_stats().await;
-    assert_eq!(stats[LEDGER].downstream_attempts, 3, "edge-only: the header was ignored");
+    assert_eq!(
+        stats[LEDGER].downstream_attempts, 3,
+        "edge-only: the header was ignored"
+    );
     assert_eq!(received(&stats), vec![1, 3, 3, 3, 3], "and not passed on");
 }
 
@@ -258,11 +422,24 @@ async fn the_retry_mode_override_needs_the_edge_flag() {
 async fn the_edge_makes_a_key_and_returns_it() {
     let chain = Chain::deployment().await;
     let account = new_account();
-    let first = chain.edge().await.charge(charge(&account, 250, None, LONG, &[])).await.unwrap();
+    let first = chain
+        .edge()
+        .await
+        .charge(charge(&account, 250, None, LONG, &[]))
+        .await
+        .unwrap();
     let key = header(&first, "idempotency-key").expect("the edge returns the key it made");
     assert!(uuid::Uuid::parse_str(&key).is_ok(), "{key}");
-    let retry = chain.edge().await.charge(charge(&account, 250, Some(&key), LONG, &[])).await.unwrap();
-    assert_eq!(header(&retry, "idempotent-replayed").as_deref(), Some("true"));
+    let retry = chain
+        .edge()
+        .await
+        .charge(charge(&account, 250, Some(&key), LONG, &[]))
+        .await
+        .unwrap();
+    assert_eq!(
+        header(&retry, "idempotent-replayed").as_deref(),
+        Some("true")
+    );
     assert_eq!(retry.get_ref().charge_id, first.get_ref().charge_id);
     assert_eq!(chain.account(&account).await, Some((250, 1)));
 }
@@ -276,7 +453,12 @@ async fn bad_input_at_the_edge_goes_no_further() {
         charge("x", 500, Some("has space"), LONG, &[]),
         charge("x", 500, None, LONG, &[("grpc-timeout", "12 seconds")]),
     ] {
-        let status = chain.edge().await.charge(request).await.expect_err("invalid");
+        let status = chain
+            .edge()
+            .await
+            .charge(request)
+            .await
+            .expect_err("invalid");
         assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
     }
     assert_eq!(chain.stats(EDGE).await.downstream_attempts, 0);
@@ -290,16 +472,37 @@ async fn one_trace_id_runs_through_all_five_logs() {
     let reply = chain
         .edge()
         .await
-        .charge(charge(&new_account(), 500, Some("trace-me"), LONG, &[("traceparent", &parent)]))
+        .charge(charge(
+            &new_account(),
+            500,
+            Some("trace-me"),
+            LONG,
+            &[("traceparent", &parent)],
+        ))
         .await
         .unwrap();
     assert_eq!(header(&reply, "trace-id").as_deref(), Some(trace));
     tokio::time::sleep(Duration::from_millis(200)).await; // let the log lines land
     for (i, name) in NAMES.iter().enumerate() {
-        let lines: Vec<String> = chain.log(i).lines().filter(|l| l.contains(trace)).map(String::from).collect();
-        assert!(!lines.is_empty(), "{name}'s log lacks trace {trace}:\n{}", chain.log(i));
-        assert!(lines.iter().any(|l| l.contains("trace-me")), "{name}: the key is on the line");
-        assert!(lines.iter().any(|l| l.contains("rpc done")), "{name}: one outcome line");
+        let lines: Vec<String> = chain
+            .log(i)
+            .lines()
+            .filter(|l| l.contains(trace))
+            .map(String::from)
+            .collect();
+        assert!(
+            !lines.is_empty(),
+            "{name}'s log lacks trace {trace}:\n{}",
+            chain.log(i)
+        );
+        assert!(
+            lines.iter().any(|l| l.contains("trace-me")),
+            "{name}: the key is on the line"
+        );
+        assert!(
+            lines.iter().any(|l| l.contains("rpc done")),
+            "{name}: one outcome line"
+        );
     }
 }
 
@@ -308,31 +511,56 @@ async fn set_faults_without_fault_injection_is_permission_denied() {
     let mut options = Options::default();
     options.all.retain(|a| a != "--fault-injection");
     let chain = Chain::spawn(options).await;
-    for i in 0..5 {
+    for (i, name) in NAMES.iter().enumerate() {
         let status = chain
             .control(i)
             .await
-            .set_faults(Faults { fail_rate: 1.0, ..faults() })
+            .set_faults(Faults {
+                fail_rate: 1.0,
+                ..faults()
+            })
             .await
             .expect_err("refused");
-        assert_eq!(status.code(), Code::PermissionDenied, "{}", NAMES[i]);
+        assert_eq!(status.code(), Code::PermissionDenied, "{name}");
     }
 }
 
 #[tokio::test]
 async fn faults_at_a_middle_hop_are_retried_by_the_edge() {
     let chain = Chain::deployment().await;
-    chain.set_faults(2, Faults { fail_rate: 1.0, ..faults() }).await;
-    let status = chain.edge().await.charge(charge(&new_account(), 500, None, LONG, &[])).await.expect_err("hop3 fails");
+    chain
+        .set_faults(
+            2,
+            Faults {
+                fail_rate: 1.0,
+                ..faults()
+            },
+        )
+        .await;
+    let status = chain
+        .edge()
+        .await
+        .charge(charge(&new_account(), 500, None, LONG, &[]))
+        .await
+        .expect_err("hop3 fails");
     assert!(status.message().contains("hop3"), "{}", status.message());
     let stats = chain.all_stats().await;
-    assert_eq!(received(&stats), vec![1, 3, 3, 0, 0], "the calls never got past hop3");
+    assert_eq!(
+        received(&stats),
+        vec![1, 3, 3, 0, 0],
+        "the calls never got past hop3"
+    );
 }
 
 #[tokio::test]
 async fn sigterm_stops_every_service_cleanly() {
     let mut chain = Chain::spawn(Options::default()).await;
-    chain.edge().await.charge(charge(&new_account(), 500, None, LONG, &[])).await.unwrap();
+    chain
+        .edge()
+        .await
+        .charge(charge(&new_account(), 500, None, LONG, &[]))
+        .await
+        .unwrap();
     let mut services = std::mem::take(&mut chain.services);
     // Off the runtime's thread, so this test's client connections keep being served while
     // the processes drain.

@@ -1,6 +1,8 @@
 //! Crashes: a ledger killed (SIGKILL) in the middle of a charge's transaction leaves no
 //! trace in Postgres, and the retry after its restart charges exactly once.
 
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
 mod support;
 
 use std::time::Duration;
@@ -16,17 +18,36 @@ async fn a_ledger_killed_mid_charge_loses_nothing_and_charges_once_on_retry() {
     let account = new_account();
     let key = new_key();
     // The processor call sits inside the transaction, after the key is claimed.
-    chain.set_faults(LEDGER, Faults { delay_ms: 3000, ..faults() }).await;
+    chain
+        .set_faults(
+            LEDGER,
+            Faults {
+                delay_ms: 3000,
+                ..faults()
+            },
+        )
+        .await;
 
     let mut edge = chain.edge().await;
     let in_flight = {
         let (account, key) = (account.clone(), key.clone());
         tokio::spawn(async move {
-            edge.charge(charge(&account, 500, Some(&key), Duration::from_secs(20), &[])).await
+            edge.charge(charge(
+                &account,
+                500,
+                Some(&key),
+                Duration::from_secs(20),
+                &[],
+            ))
+            .await
         })
     };
     tokio::time::sleep(Duration::from_millis(700)).await;
-    assert_eq!(row_counts(&database_url).await, (0, 0, 0), "nothing is visible mid-transaction");
+    assert_eq!(
+        row_counts(&database_url).await,
+        (0, 0, 0),
+        "nothing is visible mid-transaction"
+    );
     chain.services[LEDGER].crash();
 
     let status = in_flight.await.unwrap().expect_err("the ledger died");
@@ -36,23 +57,46 @@ async fn a_ledger_killed_mid_charge_loses_nothing_and_charges_once_on_retry() {
         Some(key.as_str()),
         "the client learns the key to retry with"
     );
-    assert_eq!(row_counts(&database_url).await, (0, 0, 0), "the transaction rolled back");
+    assert_eq!(
+        row_counts(&database_url).await,
+        (0, 0, 0),
+        "the transaction rolled back"
+    );
 
     chain.services[LEDGER].restart(&[("DATABASE_URL", database_url.as_str())]);
     let retry = chain
         .edge()
         .await
-        .charge(charge(&account, 500, Some(&key), Duration::from_secs(20), &[]))
+        .charge(charge(
+            &account,
+            500,
+            Some(&key),
+            Duration::from_secs(20),
+            &[],
+        ))
         .await
         .expect("the retry charges");
-    assert_eq!(header(&retry, "idempotent-replayed"), None, "the first attempt never committed");
+    assert_eq!(
+        header(&retry, "idempotent-replayed"),
+        None,
+        "the first attempt never committed"
+    );
     let again = chain
         .edge()
         .await
-        .charge(charge(&account, 500, Some(&key), Duration::from_secs(20), &[]))
+        .charge(charge(
+            &account,
+            500,
+            Some(&key),
+            Duration::from_secs(20),
+            &[],
+        ))
         .await
         .unwrap();
-    assert_eq!(header(&again, "idempotent-replayed").as_deref(), Some("true"));
+    assert_eq!(
+        header(&again, "idempotent-replayed").as_deref(),
+        Some("true")
+    );
     assert_eq!(again.get_ref().charge_id, retry.get_ref().charge_id);
     assert_eq!(chain.account(&account).await, Some((500, 1)));
     assert_eq!(row_counts(&database_url).await, (1, 1, 1));
@@ -63,7 +107,11 @@ async fn a_relay_killed_and_restarted_is_retried_around() {
     let mut chain = Chain::spawn(Options::default()).await;
     let account = new_account();
     chain.services[2].crash();
-    let status = chain.edge().await.charge(charge(&account, 500, None, Duration::from_secs(5), &[])).await;
+    let status = chain
+        .edge()
+        .await
+        .charge(charge(&account, 500, None, Duration::from_secs(5), &[]))
+        .await;
     let status = status.expect_err("hop3 is down");
     assert_eq!(status.code(), Code::Unavailable);
     let key = status_header(&status, "idempotency-key").expect("key returned on failure");
@@ -72,7 +120,13 @@ async fn a_relay_killed_and_restarted_is_retried_around() {
     let reply = chain
         .edge()
         .await
-        .charge(charge(&account, 500, Some(&key), Duration::from_secs(5), &[]))
+        .charge(charge(
+            &account,
+            500,
+            Some(&key),
+            Duration::from_secs(5),
+            &[],
+        ))
         .await
         .expect("hop3 is back");
     assert_eq!(reply.get_ref().balance_cents, 500);

@@ -1,6 +1,8 @@
 //! The ledger on its own, through its gRPC port, on real Postgres: exactly-once charges
 //! under lost replies, duplicates, races, bad input and retention.
 
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
 mod support;
 
 use std::time::{Duration, Instant};
@@ -37,13 +39,32 @@ impl Ledger {
         self.control.clone().set_faults(faults).await.unwrap();
     }
     async fn executions(&self) -> u64 {
-        self.control.clone().get_stats(GetStatsRequest {}).await.unwrap().into_inner().executions
+        self.control
+            .clone()
+            .get_stats(GetStatsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .executions
     }
     async fn bottom_calls(&self) -> u64 {
-        self.control.clone().get_stats(GetStatsRequest {}).await.unwrap().into_inner().downstream_attempts
+        self.control
+            .clone()
+            .get_stats(GetStatsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .downstream_attempts
     }
     async fn balance(&self, account: &str) -> Option<(i64, i64)> {
-        match self.payments.clone().get_account(GetAccountRequest { account_id: account.into() }).await {
+        match self
+            .payments
+            .clone()
+            .get_account(GetAccountRequest {
+                account_id: account.into(),
+            })
+            .await
+        {
             Ok(r) => Some((r.get_ref().balance_cents, r.get_ref().charges)),
             Err(s) if s.code() == Code::NotFound => None,
             Err(s) => panic!("{s:?}"),
@@ -55,17 +76,40 @@ impl Ledger {
 async fn a_lost_reply_retried_with_the_same_key_charges_once() {
     let l = ledger(&[]).await;
     let key = new_key();
-    l.faults(Faults { drop_reply_rate: 1.0, ..faults() }).await;
+    l.faults(Faults {
+        drop_reply_rate: 1.0,
+        ..faults()
+    })
+    .await;
 
-    let lost = l.payments.clone().charge(charge("alice", 500, Some(&key), T, &[])).await;
+    let lost = l
+        .payments
+        .clone()
+        .charge(charge("alice", 500, Some(&key), T, &[]))
+        .await;
     assert_eq!(lost.expect_err("reply dropped").code(), Code::Unavailable);
 
     l.faults(faults()).await;
-    let retry = l.payments.clone().charge(charge("alice", 500, Some(&key), T, &[])).await.expect("retry");
-    assert_eq!(header(&retry, "idempotent-replayed").as_deref(), Some("true"));
+    let retry = l
+        .payments
+        .clone()
+        .charge(charge("alice", 500, Some(&key), T, &[]))
+        .await
+        .expect("retry");
+    assert_eq!(
+        header(&retry, "idempotent-replayed").as_deref(),
+        Some("true")
+    );
     let pool = sqlx::PgPool::connect(&l.url).await.unwrap();
-    let committed: uuid::Uuid = sqlx::query_scalar("SELECT charge_id FROM charges").fetch_one(&pool).await.unwrap();
-    assert_eq!(retry.get_ref().charge_id, committed.to_string(), "the retry got the original charge's reply");
+    let committed: uuid::Uuid = sqlx::query_scalar("SELECT charge_id FROM charges")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        retry.get_ref().charge_id,
+        committed.to_string(),
+        "the retry got the original charge's reply"
+    );
     assert_eq!(retry.get_ref().balance_cents, 500);
     assert_eq!(l.executions().await, 1);
     assert_eq!(l.balance("alice").await, Some((500, 1)));
@@ -74,11 +118,24 @@ async fn a_lost_reply_retried_with_the_same_key_charges_once() {
 #[tokio::test]
 async fn a_lost_reply_retried_with_a_fresh_key_charges_twice() {
     let l = ledger(&[]).await;
-    l.faults(Faults { drop_reply_rate: 1.0, ..faults() }).await;
-    let lost = l.payments.clone().charge(charge("bob", 500, Some(&new_key()), T, &[])).await;
+    l.faults(Faults {
+        drop_reply_rate: 1.0,
+        ..faults()
+    })
+    .await;
+    let lost = l
+        .payments
+        .clone()
+        .charge(charge("bob", 500, Some(&new_key()), T, &[]))
+        .await;
     assert_eq!(lost.expect_err("reply dropped").code(), Code::Unavailable);
     l.faults(faults()).await;
-    let retry = l.payments.clone().charge(charge("bob", 500, Some(&new_key()), T, &[])).await.expect("retry");
+    let retry = l
+        .payments
+        .clone()
+        .charge(charge("bob", 500, Some(&new_key()), T, &[]))
+        .await
+        .expect("retry");
     assert_eq!(header(&retry, "idempotent-replayed"), None);
     assert_eq!(l.executions().await, 2);
     assert_eq!(l.balance("bob").await, Some((1000, 2)));
@@ -88,7 +145,11 @@ async fn a_lost_reply_retried_with_a_fresh_key_charges_twice() {
 async fn the_same_key_with_another_amount_is_refused_and_changes_nothing() {
     let l = ledger(&[]).await;
     let key = new_key();
-    l.payments.clone().charge(charge("carol", 500, Some(&key), T, &[])).await.expect("first");
+    l.payments
+        .clone()
+        .charge(charge("carol", 500, Some(&key), T, &[]))
+        .await
+        .expect("first");
     let status = l
         .payments
         .clone()
@@ -96,7 +157,13 @@ async fn the_same_key_with_another_amount_is_refused_and_changes_nothing() {
         .await
         .expect_err("different parameters");
     assert_eq!(status.code(), Code::FailedPrecondition);
-    assert!(status.message().contains("reused with different parameters"), "{}", status.message());
+    assert!(
+        status
+            .message()
+            .contains("reused with different parameters"),
+        "{}",
+        status.message()
+    );
     assert_eq!(l.balance("carol").await, Some((500, 1)));
     assert_eq!(l.executions().await, 1);
 }
@@ -104,7 +171,11 @@ async fn the_same_key_with_another_amount_is_refused_and_changes_nothing() {
 #[tokio::test]
 async fn concurrent_requests_with_one_key_execute_once() {
     let l = ledger(&[]).await;
-    l.faults(Faults { delay_ms: 200, ..faults() }).await;
+    l.faults(Faults {
+        delay_ms: 200,
+        ..faults()
+    })
+    .await;
     let key = new_key();
     let (mut c1, mut c2) = (l.payments.clone(), l.payments.clone());
     let start = Instant::now();
@@ -117,7 +188,10 @@ async fn concurrent_requests_with_one_key_execute_once() {
     println!("two concurrent charges with one key and a 200 ms processor: {elapsed:?}");
     assert_eq!(a.get_ref().charge_id, b.get_ref().charge_id);
     assert_eq!(l.executions().await, 1);
-    let replayed = [&a, &b].iter().filter(|r| header(r, "idempotent-replayed").is_some()).count();
+    let replayed = [&a, &b]
+        .iter()
+        .filter(|r| header(r, "idempotent-replayed").is_some())
+        .count();
     assert_eq!(replayed, 1, "one executed, one replayed");
 
     let key = new_key();
@@ -127,8 +201,10 @@ async fn concurrent_requests_with_one_key_execute_once() {
         async move { client.charge(charge("erin", 700, Some(&key), T, &[])).await }
     });
     let replies = futures::future::join_all(calls).await;
-    let ids: std::collections::HashSet<String> =
-        replies.into_iter().map(|r| r.expect("every duplicate succeeds").into_inner().charge_id).collect();
+    let ids: std::collections::HashSet<String> = replies
+        .into_iter()
+        .map(|r| r.expect("every duplicate succeeds").into_inner().charge_id)
+        .collect();
     assert_eq!(ids.len(), 1, "all 50 got the same charge");
     assert_eq!(l.balance("erin").await, Some((700, 1)));
     assert_eq!(l.executions().await, 2);
@@ -137,26 +213,50 @@ async fn concurrent_requests_with_one_key_execute_once() {
 #[tokio::test]
 async fn in_flight_reject_answers_aborted_while_the_first_commits() {
     let l = ledger(&["--in-flight", "reject"]).await;
-    l.faults(Faults { delay_ms: 500, ..faults() }).await;
+    l.faults(Faults {
+        delay_ms: 500,
+        ..faults()
+    })
+    .await;
     let key = new_key();
     let first = {
         let mut client = l.payments.clone();
         let key = key.clone();
-        tokio::spawn(async move { client.charge(charge("frank", 500, Some(&key), T, &[])).await })
+        tokio::spawn(async move {
+            client
+                .charge(charge("frank", 500, Some(&key), T, &[]))
+                .await
+        })
     };
     tokio::time::sleep(Duration::from_millis(150)).await;
-    let second = l.payments.clone().charge(charge("frank", 500, Some(&key), T, &[])).await;
+    let second = l
+        .payments
+        .clone()
+        .charge(charge("frank", 500, Some(&key), T, &[]))
+        .await;
     assert_eq!(second.expect_err("in flight").code(), Code::Aborted);
     first.await.unwrap().expect("the first commits");
     assert_eq!(l.executions().await, 1);
-    let after = l.payments.clone().charge(charge("frank", 500, Some(&key), T, &[])).await.expect("replay");
-    assert_eq!(header(&after, "idempotent-replayed").as_deref(), Some("true"));
+    let after = l
+        .payments
+        .clone()
+        .charge(charge("frank", 500, Some(&key), T, &[]))
+        .await
+        .expect("replay");
+    assert_eq!(
+        header(&after, "idempotent-replayed").as_deref(),
+        Some("true")
+    );
 }
 
 #[tokio::test]
 async fn in_flight_wait_is_bounded_by_the_waiters_deadline() {
     let l = ledger(&[]).await;
-    l.faults(Faults { delay_ms: 2000, ..faults() }).await;
+    l.faults(Faults {
+        delay_ms: 2000,
+        ..faults()
+    })
+    .await;
     let key = new_key();
     let first = {
         let mut client = l.payments.clone();
@@ -168,11 +268,20 @@ async fn in_flight_wait_is_bounded_by_the_waiters_deadline() {
     let waiter = l
         .payments
         .clone()
-        .charge(charge("gina", 500, Some(&key), Duration::from_millis(400), &[]))
+        .charge(charge(
+            "gina",
+            500,
+            Some(&key),
+            Duration::from_millis(400),
+            &[],
+        ))
         .await;
     let waited = start.elapsed();
     assert_eq!(waiter.expect_err("gave up").code(), Code::DeadlineExceeded);
-    assert!(waited < Duration::from_millis(1500), "gave up at its own deadline, not the first's: {waited:?}");
+    assert!(
+        waited < Duration::from_millis(1500),
+        "gave up at its own deadline, not the first's: {waited:?}"
+    );
     first.await.unwrap().expect("the first commits");
     assert_eq!(l.executions().await, 1);
 }
@@ -181,8 +290,18 @@ async fn in_flight_wait_is_bounded_by_the_waiters_deadline() {
 async fn keys_are_scoped_per_account() {
     let l = ledger(&[]).await;
     let key = new_key();
-    let a = l.payments.clone().charge(charge("henry", 500, Some(&key), T, &[])).await.unwrap();
-    let b = l.payments.clone().charge(charge("irene", 500, Some(&key), T, &[])).await.unwrap();
+    let a = l
+        .payments
+        .clone()
+        .charge(charge("henry", 500, Some(&key), T, &[]))
+        .await
+        .unwrap();
+    let b = l
+        .payments
+        .clone()
+        .charge(charge("irene", 500, Some(&key), T, &[]))
+        .await
+        .unwrap();
     assert_ne!(a.get_ref().charge_id, b.get_ref().charge_id);
     assert_eq!(header(&b, "idempotent-replayed"), None);
     assert_eq!(l.executions().await, 2);
@@ -197,15 +316,39 @@ async fn bad_input_is_invalid_argument_and_writes_nothing() {
         ("no key", charge("jack", 500, None, T, &[])),
         ("empty key", charge("jack", 500, Some(""), T, &[])),
         ("key over 255", charge("jack", 500, Some(&long_key), T, &[])),
-        ("key with a space", charge("jack", 500, Some("two words"), T, &[])),
+        (
+            "key with a space",
+            charge("jack", 500, Some("two words"), T, &[]),
+        ),
         ("empty account", charge("", 500, Some("k1"), T, &[])),
-        ("account over 64", charge(&long_account, 500, Some("k1"), T, &[])),
+        (
+            "account over 64",
+            charge(&long_account, 500, Some("k1"), T, &[]),
+        ),
         ("zero amount", charge("jack", 0, Some("k1"), T, &[])),
         ("negative amount", charge("jack", -5, Some("k1"), T, &[])),
-        ("amount over the maximum", charge("jack", 1_000_000_000_001, Some("k1"), T, &[])),
-        ("malformed grpc-timeout", charge("jack", 500, Some("k1"), T, &[("grpc-timeout", "soon")])),
-        ("nine-digit grpc-timeout", charge("jack", 500, Some("k1"), T, &[("grpc-timeout", "100000000m")])),
-        ("unknown retry mode", charge("jack", 500, Some("k1"), T, &[("x-retry-mode", "sometimes")])),
+        (
+            "amount over the maximum",
+            charge("jack", 1_000_000_000_001, Some("k1"), T, &[]),
+        ),
+        (
+            "malformed grpc-timeout",
+            charge("jack", 500, Some("k1"), T, &[("grpc-timeout", "soon")]),
+        ),
+        (
+            "nine-digit grpc-timeout",
+            charge(
+                "jack",
+                500,
+                Some("k1"),
+                T,
+                &[("grpc-timeout", "100000000m")],
+            ),
+        ),
+        (
+            "unknown retry mode",
+            charge("jack", 500, Some("k1"), T, &[("x-retry-mode", "sometimes")]),
+        ),
     ];
     for (what, request) in cases {
         let status = l.payments.clone().charge(request).await.expect_err(what);
@@ -214,43 +357,92 @@ async fn bad_input_is_invalid_argument_and_writes_nothing() {
     assert_eq!(l.bottom_calls().await, 0, "no processor call for bad input");
     assert_eq!(row_counts(&l.url).await, (0, 0, 0));
     // The largest valid amount is accepted.
-    l.payments.clone().charge(charge("jack", 1_000_000_000_000, Some("k1"), T, &[])).await.expect("max amount");
+    l.payments
+        .clone()
+        .charge(charge("jack", 1_000_000_000_000, Some("k1"), T, &[]))
+        .await
+        .expect("max amount");
 }
 
 #[tokio::test]
 async fn a_failing_processor_commits_nothing_and_retries_only_in_every_layer_mode() {
     let l = ledger(&["--backoff-base-ms", "1", "--backoff-cap-ms", "5"]).await;
-    l.faults(Faults { fail_rate: 1.0, ..faults() }).await;
+    l.faults(Faults {
+        fail_rate: 1.0,
+        ..faults()
+    })
+    .await;
     let status = l
         .payments
         .clone()
-        .charge(charge("kate", 500, Some(&new_key()), T, &[("x-retry-mode", "every-layer")]))
+        .charge(charge(
+            "kate",
+            500,
+            Some(&new_key()),
+            T,
+            &[("x-retry-mode", "every-layer")],
+        ))
         .await
         .expect_err("processor down");
     assert_eq!(status.code(), Code::Unavailable);
-    assert!(status.message().contains("3 attempts"), "{}", status.message());
+    assert!(
+        status.message().contains("3 attempts"),
+        "{}",
+        status.message()
+    );
     assert_eq!(l.bottom_calls().await, 3, "max-attempts processor calls");
 
-    let status = l.payments.clone().charge(charge("kate", 500, Some(&new_key()), T, &[])).await;
-    assert_eq!(status.expect_err("processor down").code(), Code::Unavailable);
+    let status = l
+        .payments
+        .clone()
+        .charge(charge("kate", 500, Some(&new_key()), T, &[]))
+        .await;
+    assert_eq!(
+        status.expect_err("processor down").code(),
+        Code::Unavailable
+    );
     assert_eq!(l.bottom_calls().await, 4, "edge-only: one processor call");
-    assert_eq!(row_counts(&l.url).await, (0, 0, 0), "nothing committed, not even the keys");
+    assert_eq!(
+        row_counts(&l.url).await,
+        (0, 0, 0),
+        "nothing committed, not even the keys"
+    );
 }
 
 #[tokio::test]
 async fn a_key_past_retention_is_purged_and_charges_anew() {
     let l = ledger(&["--key-retention", "1s"]).await;
     let key = new_key();
-    l.payments.clone().charge(charge("liam", 500, Some(&key), T, &[])).await.expect("first");
-    let replay = l.payments.clone().charge(charge("liam", 500, Some(&key), T, &[])).await.expect("replay");
-    assert_eq!(header(&replay, "idempotent-replayed").as_deref(), Some("true"));
+    l.payments
+        .clone()
+        .charge(charge("liam", 500, Some(&key), T, &[]))
+        .await
+        .expect("first");
+    let replay = l
+        .payments
+        .clone()
+        .charge(charge("liam", 500, Some(&key), T, &[]))
+        .await
+        .expect("replay");
+    assert_eq!(
+        header(&replay, "idempotent-replayed").as_deref(),
+        Some("true")
+    );
 
     let start = Instant::now();
     while row_counts(&l.url).await.2 > 0 {
-        assert!(start.elapsed() < Duration::from_secs(15), "the key was never purged");
+        assert!(
+            start.elapsed() < Duration::from_secs(15),
+            "the key was never purged"
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let again = l.payments.clone().charge(charge("liam", 500, Some(&key), T, &[])).await.expect("new charge");
+    let again = l
+        .payments
+        .clone()
+        .charge(charge("liam", 500, Some(&key), T, &[]))
+        .await
+        .expect("new charge");
     assert_eq!(header(&again, "idempotent-replayed"), None);
     assert_eq!(l.balance("liam").await, Some((1000, 2)));
     assert!(l.service.log().contains("purged expired idempotency keys"));
@@ -265,8 +457,18 @@ async fn set_faults_needs_fault_injection() {
         &[("DATABASE_URL", url.as_str())],
     );
     let mut control = ControlClient::new(connect(&service.addr).await);
-    let status = control.set_faults(Faults { fail_rate: 1.0, ..faults() }).await.expect_err("refused");
+    let status = control
+        .set_faults(Faults {
+            fail_rate: 1.0,
+            ..faults()
+        })
+        .await
+        .expect_err("refused");
     assert_eq!(status.code(), Code::PermissionDenied);
-    let stats = control.get_stats(GetStatsRequest {}).await.unwrap().into_inner();
+    let stats = control
+        .get_stats(GetStatsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(stats.service, "ledger");
 }

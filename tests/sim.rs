@@ -1,5 +1,7 @@
 //! `retrychain sim --json`: the design notes' figures, reproduced on our own code.
 
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
 use std::process::Command;
 
 fn within(value: f64, expected: f64, tolerance: f64) -> bool {
@@ -12,8 +14,13 @@ fn sim_reproduces_the_design_notes() {
         .args(["sim", "--json"])
         .output()
         .expect("run retrychain sim");
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
-    let report: serde_json::Value = serde_json::from_slice(&output.stdout).expect("one JSON object");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let report: serde_json::Value =
+        serde_json::from_slice(&output.stdout).expect("one JSON object");
 
     assert_eq!(report["layered"], serde_json::json!([3, 9, 27, 81, 243]));
 
@@ -22,8 +29,14 @@ fn sim_reproduces_the_design_notes() {
     assert_eq!(storm["exponential"]["calls"], 5050.0);
     for (policy, notes) in [("full", 643.0), ("equal", 657.0), ("decorrelated", 576.0)] {
         let calls = storm[policy]["calls"].as_f64().expect("calls");
-        assert!(within(calls, notes, 0.15), "{policy}: {calls} calls, notes {notes}");
-        assert!(storm[policy]["ticks"].as_f64().expect("ticks") > 100.0, "{policy}");
+        assert!(
+            within(calls, notes, 0.15),
+            "{policy}: {calls} calls, notes {notes}"
+        );
+        assert!(
+            storm[policy]["ticks"].as_f64().expect("ticks") > 100.0,
+            "{policy}"
+        );
     }
 
     let outage = &report["outage"];

@@ -64,7 +64,9 @@ impl ClusterOrUrl {
             ClusterOrUrl::Cluster(c) => c.url(database),
             ClusterOrUrl::Url(url) => {
                 // Replace the path of the given URL with `database`.
-                let (base, query) = url.split_once('?').map_or((url.as_str(), None), |(b, q)| (b, Some(q)));
+                let (base, query) = url
+                    .split_once('?')
+                    .map_or((url.as_str(), None), |(b, q)| (b, Some(q)));
                 let base = base.rsplit_once('/').map_or(base, |(b, _)| b);
                 match query {
                     Some(q) => format!("{base}/{database}?{q}"),
@@ -90,7 +92,13 @@ impl Default for Options {
     /// The test deployment: edge-only, override allowed, faults allowed, quick backoff.
     fn default() -> Self {
         Self {
-            all: args(&["--fault-injection", "--backoff-base-ms", "2", "--backoff-cap-ms", "20"]),
+            all: args(&[
+                "--fault-injection",
+                "--backoff-base-ms",
+                "2",
+                "--backoff-cap-ms",
+                "20",
+            ]),
             edge: args(&["--allow-retry-mode-override"]),
             ledger: args(&["--db-pool-size", "8"]),
         }
@@ -116,7 +124,10 @@ impl Service {
         let mut command = Command::new(env!("CARGO_BIN_EXE_retrychain"));
         command
             .args(&args)
-            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+            )
             .env_remove("DATABASE_URL")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -233,7 +244,12 @@ impl Chain {
                 EDGE => args(&["edge"]),
                 _ => args(&["relay"]),
             };
-            args.extend(["--listen".into(), "127.0.0.1:0".into(), "--name".into(), name.to_string()]);
+            args.extend([
+                "--listen".into(),
+                "127.0.0.1:0".into(),
+                "--name".into(),
+                name.to_string(),
+            ]);
             if i != LEDGER {
                 args.extend(["--downstream".into(), downstream.clone()]);
             }
@@ -266,12 +282,16 @@ impl Chain {
     /// and the retry-mode override, as `docker compose` and `retrychain up` do.
     pub async fn deployment() -> Chain {
         static LOCK: OnceLock<Arc<tokio::sync::Mutex<()>>> = OnceLock::new();
-        let external: Option<Vec<String>> =
-            EXTERNAL_VARS.iter().map(|v| std::env::var(v).ok()).collect();
+        let external: Option<Vec<String>> = EXTERNAL_VARS
+            .iter()
+            .map(|v| std::env::var(v).ok())
+            .collect();
         let Some(addrs) = external else {
             return Chain::spawn(Options::default()).await;
         };
-        let guard = Arc::clone(LOCK.get_or_init(Default::default)).lock_owned().await;
+        let guard = Arc::clone(LOCK.get_or_init(Default::default))
+            .lock_owned()
+            .await;
         let chain = Chain {
             addrs,
             services: Vec::new(),
@@ -311,7 +331,12 @@ impl Chain {
     }
 
     pub async fn stats(&self, i: usize) -> Stats {
-        self.control(i).await.get_stats(GetStatsRequest {}).await.unwrap().into_inner()
+        self.control(i)
+            .await
+            .get_stats(GetStatsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
     }
 
     pub async fn all_stats(&self) -> Vec<Stats> {
@@ -324,12 +349,21 @@ impl Chain {
 
     pub async fn reset_stats(&self) {
         for i in 0..5 {
-            self.control(i).await.reset_stats(ResetStatsRequest {}).await.unwrap();
+            self.control(i)
+                .await
+                .reset_stats(ResetStatsRequest {})
+                .await
+                .unwrap();
         }
     }
 
     pub async fn set_faults(&self, i: usize, faults: Faults) -> Faults {
-        self.control(i).await.set_faults(faults).await.unwrap().into_inner()
+        self.control(i)
+            .await
+            .set_faults(faults)
+            .await
+            .unwrap()
+            .into_inner()
     }
 
     pub fn log(&self, i: usize) -> String {
@@ -341,7 +375,9 @@ impl Chain {
         match self
             .edge()
             .await
-            .get_account(GetAccountRequest { account_id: account.into() })
+            .get_account(GetAccountRequest {
+                account_id: account.into(),
+            })
             .await
         {
             Ok(r) => Some((r.get_ref().balance_cents, r.get_ref().charges)),
@@ -370,7 +406,9 @@ pub fn charge(
             .insert("idempotency-key", MetadataValue::try_from(key).unwrap());
     }
     for (k, v) in metadata {
-        request.metadata_mut().insert(*k, MetadataValue::try_from(*v).unwrap());
+        request
+            .metadata_mut()
+            .insert(*k, MetadataValue::try_from(*v).unwrap());
     }
     request
 }
@@ -383,7 +421,10 @@ pub fn header(response: &Response<ChargeReply>, key: &str) -> Option<String> {
 }
 
 pub fn status_header(status: &Status, key: &str) -> Option<String> {
-    status.metadata().get(key).map(|v| v.to_str().unwrap().to_owned())
+    status
+        .metadata()
+        .get(key)
+        .map(|v| v.to_str().unwrap().to_owned())
 }
 
 /// A fresh key for a test's logical operation.
@@ -403,7 +444,14 @@ pub fn faults() -> Faults {
 /// A ledger alone, on its own database, with fault injection on.
 pub async fn spawn_ledger(extra: &[&str]) -> (Service, String) {
     let url = database().await;
-    let mut list = args(&["ledger", "--listen", "127.0.0.1:0", "--fault-injection", "--db-pool-size", "60"]);
+    let mut list = args(&[
+        "ledger",
+        "--listen",
+        "127.0.0.1:0",
+        "--fault-injection",
+        "--db-pool-size",
+        "60",
+    ]);
     list.extend(args(extra));
     let service = Service::start("ledger", list, &[("DATABASE_URL", url.as_str())]);
     (service, url)
@@ -414,10 +462,11 @@ pub async fn row_counts(database_url: &str) -> (i64, i64, i64) {
     let pool = sqlx::PgPool::connect(database_url).await.unwrap();
     let mut counts = Vec::new();
     for table in ["accounts", "charges", "idempotency_keys"] {
-        let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
-            .fetch_one(&pool)
-            .await
-            .unwrap();
+        let n: i64 =
+            sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
+                .fetch_one(&pool)
+                .await
+                .unwrap();
         counts.push(n);
     }
     pool.close().await;

@@ -12,7 +12,11 @@ use tonic_health::pb::{
 #[derive(Debug, Clone, Args)]
 pub struct HealthArgs {
     /// The service to ask, e.g. http://127.0.0.1:50051.
-    #[arg(long, env = "RETRYCHAIN_HEALTH_ADDR", default_value = "http://127.0.0.1:50051")]
+    #[arg(
+        long,
+        env = "RETRYCHAIN_HEALTH_ADDR",
+        default_value = "http://127.0.0.1:50051"
+    )]
     pub addr: String,
     /// Give up after this many ms.
     #[arg(long, default_value_t = 2000)]

@@ -28,8 +28,12 @@ pub async fn hop(args: HopArgs, edge: bool) -> anyhow::Result<()> {
     };
     let listener = bind(service, default_listen).await?;
     // Only the edge retries under a budget; elsewhere Stats reports 0 tokens.
-    let budget = (edge && !service.no_budget)
-        .then(|| Arc::new(RetryBudget::new(service.budget_tokens, service.budget_refund)));
+    let budget = (edge && !service.no_budget).then(|| {
+        Arc::new(RetryBudget::new(
+            service.budget_tokens,
+            service.budget_refund,
+        ))
+    });
     let node = node(service, default_name, budget.clone());
     // Connect lazily: services may start in any order, and a downstream that is not up
     // yet is an UNAVAILABLE attempt like any other.
@@ -99,7 +103,10 @@ fn hop_mode(service: &ServiceArgs) -> &'static str {
 
 fn node(service: &ServiceArgs, default_name: &str, budget: Option<Arc<RetryBudget>>) -> Arc<Node> {
     Arc::new(Node::new(
-        service.name.clone().unwrap_or_else(|| default_name.to_owned()),
+        service
+            .name
+            .clone()
+            .unwrap_or_else(|| default_name.to_owned()),
         service.fault_injection,
         Duration::from_millis(service.default_deadline_ms),
         budget,

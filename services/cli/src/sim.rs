@@ -223,7 +223,10 @@ const NOTES_STORM: [(&str, f64, f64); 5] = [
 /// Prints the report as tables, with the design notes' figures beside ours.
 pub fn print_tables(report: &SimReport, seeds: u64) {
     println!("Layered retries: 3 tries per layer, every call failing");
-    println!("  {:<8} {:>12} {:>14}", "layers", "bottom calls", "design notes");
+    println!(
+        "  {:<8} {:>12} {:>14}",
+        "layers", "bottom calls", "design notes"
+    );
     for (i, calls) in report.layered.iter().enumerate() {
         println!("  {:<8} {:>12} {:>14}", i + 1, calls, NOTES_LAYERED[i]);
     }
@@ -251,7 +254,11 @@ pub fn print_tables(report: &SimReport, seeds: u64) {
     );
     for (name, result, notes) in [
         ("no budget", report.outage.no_budget, "24000 (4.00x)"),
-        ("budget 10, refund 0.1", report.outage.budget, "6609 (1.10x)"),
+        (
+            "budget 10, refund 0.1",
+            report.outage.budget,
+            "6609 (1.10x)",
+        ),
     ] {
         println!(
             "  {:<22} {:>6} {:>8} {:>6.2}x   {:>14}",
@@ -280,6 +287,9 @@ mod tests {
     #[test]
     fn outage_matches_the_design_notes() {
         assert_eq!(outage(None, 6000, 3).backend, 24_000);
-        assert_eq!(outage(Some(&RetryBudget::new(10.0, 0.1)), 6000, 3).backend, 6609);
+        assert_eq!(
+            outage(Some(&RetryBudget::new(10.0, 0.1)), 6000, 3).backend,
+            6609
+        );
     }
 }

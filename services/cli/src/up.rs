@@ -62,11 +62,31 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     };
     let base = args.base_port;
     let specs = [
-        Spec { name: "ledger", role: "ledger", port: base + 4 },
-        Spec { name: "hop4", role: "relay", port: base + 3 },
-        Spec { name: "hop3", role: "relay", port: base + 2 },
-        Spec { name: "hop2", role: "relay", port: base + 1 },
-        Spec { name: "edge", role: "edge", port: base },
+        Spec {
+            name: "ledger",
+            role: "ledger",
+            port: base + 4,
+        },
+        Spec {
+            name: "hop4",
+            role: "relay",
+            port: base + 3,
+        },
+        Spec {
+            name: "hop3",
+            role: "relay",
+            port: base + 2,
+        },
+        Spec {
+            name: "hop2",
+            role: "relay",
+            port: base + 1,
+        },
+        Spec {
+            name: "edge",
+            role: "edge",
+            port: base,
+        },
     ];
     let exe = std::env::current_exe().context("locating this binary")?;
     let mode = args.retry_mode.to_possible_value_name();

@@ -124,7 +124,9 @@ impl Hop {
                 budget: retry.budget.clone(),
                 ..every_layer.clone()
             },
-            Role::Relay => RetryPolicy::single_attempt(retry.backoff, retry.margin, retry.min_attempt),
+            Role::Relay => {
+                RetryPolicy::single_attempt(retry.backoff, retry.margin, retry.min_attempt)
+            }
         };
         Self {
             role,
@@ -175,9 +177,7 @@ impl Hop {
                     .ok()
                     .and_then(|text| text.parse::<RetryMode>().ok())
                     .ok_or_else(|| {
-                        Status::invalid_argument(
-                            "x-retry-mode must be every-layer or edge-only",
-                        )
+                        Status::invalid_argument("x-retry-mode must be every-layer or edge-only")
                     })?;
                 (mode, true)
             }
@@ -299,9 +299,12 @@ impl Payments for Hop {
                 // Bad input fails here, not five hops down (and is never retried).
                 AccountId::parse(&message.account_id)?;
                 AmountCents::parse(message.amount_cents)?;
-                self.relay(&scope, &forward, message, |mut client, request| async move {
-                    client.charge(request).await
-                })
+                self.relay(
+                    &scope,
+                    &forward,
+                    message,
+                    |mut client, request| async move { client.charge(request).await },
+                )
                 .await
             })
             .await
@@ -317,9 +320,12 @@ impl Payments for Hop {
                 let forward = self.forward(&request, &scope, false)?;
                 let message = request.into_inner();
                 AccountId::parse(&message.account_id)?;
-                self.relay(&scope, &forward, message, |mut client, request| async move {
-                    client.get_account(request).await
-                })
+                self.relay(
+                    &scope,
+                    &forward,
+                    message,
+                    |mut client, request| async move { client.get_account(request).await },
+                )
                 .await
             })
             .await

@@ -59,7 +59,11 @@ impl Processor {
         }
         let delay = std::time::Duration::from_millis(u64::from(faults.delay_ms));
         if !delay.is_zero() {
-            tracing::debug!(attempt = attempt.number, delay_ms = faults.delay_ms, "processor working");
+            tracing::debug!(
+                attempt = attempt.number,
+                delay_ms = faults.delay_ms,
+                "processor working"
+            );
             tokio::time::sleep(delay).await;
         }
         Ok(())

@@ -190,12 +190,12 @@ impl Payments for Ledger {
         scope
             .run(async {
                 let account = AccountId::parse(&request.get_ref().account_id)?;
-                let found = tokio::time::timeout_at(
-                    scope.deadline.instant(),
-                    self.store.account(&account),
-                )
-                .await
-                .map_err(|_| Status::deadline_exceeded("the deadline ran out reading the account"))??;
+                let found =
+                    tokio::time::timeout_at(scope.deadline.instant(), self.store.account(&account))
+                        .await
+                        .map_err(|_| {
+                            Status::deadline_exceeded("the deadline ran out reading the account")
+                        })??;
                 let (balance_cents, charges) = found.ok_or_else(|| {
                     Status::not_found(format!("account {account} has never been charged"))
                 })?;
@@ -211,7 +211,11 @@ impl Payments for Ledger {
 
 /// Deletes expired keys every `every` until the process ends. A key's retention starts
 /// when it was claimed; after it, the same key is a new request.
-pub async fn run_retention(store: KeyStore, retention: std::time::Duration, every: std::time::Duration) {
+pub async fn run_retention(
+    store: KeyStore,
+    retention: std::time::Duration,
+    every: std::time::Duration,
+) {
     let mut ticker = tokio::time::interval(every);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -223,4 +227,3 @@ pub async fn run_retention(store: KeyStore, retention: std::time::Duration, ever
         }
     }
 }
-

@@ -161,13 +161,12 @@ impl KeyStore {
             // A transaction-scoped advisory lock on (account, key) tells "someone is running
             // this key" without waiting. Two keys whose hashes collide can only cause a
             // spurious ABORTED, which the caller retries.
-            let free: bool = sqlx::query_scalar(
-                "SELECT pg_try_advisory_xact_lock(hashtext($1), hashtext($2))",
-            )
-            .bind(account.as_str())
-            .bind(key.as_str())
-            .fetch_one(&mut *tx)
-            .await?;
+            let free: bool =
+                sqlx::query_scalar("SELECT pg_try_advisory_xact_lock(hashtext($1), hashtext($2))")
+                    .bind(account.as_str())
+                    .bind(key.as_str())
+                    .fetch_one(&mut *tx)
+                    .await?;
             if !free {
                 return Err(StoreError::InFlight);
             }

@@ -29,10 +29,7 @@ impl Control for ControlService {
         Ok(Response::new(self.node.stats()))
     }
 
-    async fn reset_stats(
-        &self,
-        _: Request<ResetStatsRequest>,
-    ) -> Result<Response<Stats>, Status> {
+    async fn reset_stats(&self, _: Request<ResetStatsRequest>) -> Result<Response<Stats>, Status> {
         self.node.counters.reset();
         Ok(Response::new(self.node.stats()))
     }

@@ -144,7 +144,10 @@ mod tests {
     #[test]
     fn accounts() {
         assert!(AccountId::parse("acct-1").is_ok());
-        assert!(AccountId::parse(&"é".repeat(64)).is_ok(), "counts characters");
+        assert!(
+            AccountId::parse(&"é".repeat(64)).is_ok(),
+            "counts characters"
+        );
         assert!(AccountId::parse("").is_err());
         assert!(AccountId::parse(&"a".repeat(65)).is_err());
     }

@@ -187,7 +187,11 @@ mod tests {
                 Code::InvalidArgument
             );
         }
-        assert_eq!(switch.current().fail_code, "RESOURCE_EXHAUSTED", "unchanged");
+        assert_eq!(
+            switch.current().fail_code,
+            "RESOURCE_EXHAUSTED",
+            "unchanged"
+        );
     }
 
     #[test]

@@ -54,9 +54,7 @@ where
 {
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<PaymentsServer<P>>().await;
-    health
-        .set_serving::<ControlServer<ControlService>>()
-        .await;
+    health.set_serving::<ControlServer<ControlService>>().await;
     let reflection_v1 = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
@@ -78,7 +76,9 @@ where
         async move {
             shutdown.await;
             tracing::info!("shutting down: draining in-flight calls");
-            health.set_service_status("", ServingStatus::NotServing).await;
+            health
+                .set_service_status("", ServingStatus::NotServing)
+                .await;
             stopping.notify_one();
         }
     };

@@ -213,7 +213,10 @@ mod tests {
                 seen_small |= *d < e / 4;
             }
         }
-        assert!(seen_small, "full jitter should sometimes wait far less than e");
+        assert!(
+            seen_small,
+            "full jitter should sometimes wait far less than e"
+        );
     }
 
     #[test]
@@ -222,7 +225,10 @@ mod tests {
         for run in samples(BackoffKind::Equal, 4) {
             for (retry, d) in run.iter().enumerate() {
                 let e = backoff.exponential(retry as u32);
-                assert!(*d >= e / 2 && *d <= e, "retry {retry}: {d:?} outside [e/2, e]");
+                assert!(
+                    *d >= e / 2 && *d <= e,
+                    "retry {retry}: {d:?} outside [e/2, e]"
+                );
             }
         }
     }

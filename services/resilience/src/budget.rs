@@ -138,10 +138,7 @@ mod tests {
                     scope.spawn(move || (0..500).filter(|_| budget.try_withdraw()).count())
                 })
                 .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().expect("thread"))
-                .sum()
+            handles.into_iter().map(|h| h.join().expect("thread")).sum()
         });
         assert_eq!(granted, 1000);
         assert_eq!(budget.tokens(), 0.0);

@@ -106,9 +106,15 @@ mod tests {
     fn a_local_transport_failure_is_unavailable_but_a_servers_unknown_is_not() {
         let local = Status::from_error(Box::new(std::io::Error::other("connection reset")));
         assert_eq!(local.code(), Code::Unknown);
-        assert_eq!(transport_failure_as_unavailable(local).code(), Code::Unavailable);
+        assert_eq!(
+            transport_failure_as_unavailable(local).code(),
+            Code::Unavailable
+        );
         let remote = Status::unknown("the server said unknown");
-        assert_eq!(transport_failure_as_unavailable(remote).code(), Code::Unknown);
+        assert_eq!(
+            transport_failure_as_unavailable(remote).code(),
+            Code::Unknown
+        );
     }
 
     #[test]

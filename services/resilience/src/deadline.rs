@@ -183,17 +183,30 @@ mod tests {
         for text in ["3H", "2M", "7S", "250m", "1998548u", "42n", "99999999n"] {
             let parsed = parse_grpc_timeout(text).expect("valid");
             let formatted = format_grpc_timeout(parsed);
-            assert_eq!(parse_grpc_timeout(&formatted), Ok(parsed), "{text} -> {formatted}");
+            assert_eq!(
+                parse_grpc_timeout(&formatted),
+                Ok(parsed),
+                "{text} -> {formatted}"
+            );
         }
     }
 
     #[test]
     fn formats_in_the_finest_unit_that_fits_eight_digits() {
-        assert_eq!(format_grpc_timeout(Duration::from_nanos(99_999_999)), "99999999n");
-        assert_eq!(format_grpc_timeout(Duration::from_nanos(100_000_000)), "100000u");
+        assert_eq!(
+            format_grpc_timeout(Duration::from_nanos(99_999_999)),
+            "99999999n"
+        );
+        assert_eq!(
+            format_grpc_timeout(Duration::from_nanos(100_000_000)),
+            "100000u"
+        );
         assert_eq!(format_grpc_timeout(Duration::from_secs(2)), "2000000u");
         assert_eq!(format_grpc_timeout(Duration::from_secs(100_000)), "100000S");
-        assert_eq!(format_grpc_timeout(Duration::from_secs(3600 * 100_000_000)), "99999999H");
+        assert_eq!(
+            format_grpc_timeout(Duration::from_secs(3600 * 100_000_000)),
+            "99999999H"
+        );
         for value in [1u64, 999, 123_456_789, 98_765_432_109, 7_000_000_000_000] {
             let formatted = format_grpc_timeout(Duration::from_nanos(value));
             let digits = formatted.len() - 1;
@@ -223,7 +236,10 @@ mod tests {
         for bad in [
             "", "m", "10", "10x", "1.5S", "-5m", "+5m", " 5m", "5 m", "5mm", "five", "5µ", "0x10m",
         ] {
-            assert!(parse_grpc_timeout(bad).is_err(), "{bad:?} should be rejected");
+            assert!(
+                parse_grpc_timeout(bad).is_err(),
+                "{bad:?} should be rejected"
+            );
         }
     }
 

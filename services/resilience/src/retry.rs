@@ -367,8 +367,16 @@ mod tests {
             .await;
         let status = result.expect_err("always fails");
         assert_eq!(status.code(), Code::Unavailable);
-        assert!(status.message().contains("3 attempts"), "{}", status.message());
-        assert!(status.message().contains("max attempts"), "{}", status.message());
+        assert!(
+            status.message().contains("3 attempts"),
+            "{}",
+            status.message()
+        );
+        assert!(
+            status.message().contains("max attempts"),
+            "{}",
+            status.message()
+        );
         assert_eq!(counts.attempts.load(Ordering::Relaxed), 3);
         assert_eq!(counts.retries.load(Ordering::Relaxed), 2);
     }
@@ -405,7 +413,11 @@ mod tests {
         assert_eq!(counts.budget_denied.load(Ordering::Relaxed), 1);
         assert_eq!(status.code(), Code::Unavailable);
         assert!(status.message().contains("budget"), "{}", status.message());
-        assert!(status.message().contains("2 attempts"), "{}", status.message());
+        assert!(
+            status.message().contains("2 attempts"),
+            "{}",
+            status.message()
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -432,7 +444,10 @@ mod tests {
             .await
             .expect_err("fails");
         assert_eq!(status.code(), Code::DeadlineExceeded);
-        assert!(Instant::now() <= deadline.instant(), "returned after the deadline");
+        assert!(
+            Instant::now() <= deadline.instant(),
+            "returned after the deadline"
+        );
         let starts = starts.into_inner().expect("lock");
         // Waits 20, 40, 80, 160 ms: attempts at 0, 20, 60, 140, 300; the next wait (320 ms)
         // would end past the deadline, so the executor stops without sleeping it.
@@ -465,7 +480,9 @@ mod tests {
         let counts = Counts::default();
         let deadline = Deadline::after(Duration::from_millis(1000));
         let status = retry
-            .run(deadline, &counts, |_| std::future::pending::<Result<(), Status>>())
+            .run(deadline, &counts, |_| {
+                std::future::pending::<Result<(), Status>>()
+            })
             .await
             .expect_err("never answers");
         assert_eq!(status.code(), Code::DeadlineExceeded);

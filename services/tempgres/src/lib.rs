@@ -122,7 +122,9 @@ impl TempCluster {
         })?;
         if !output.status.success() {
             let _ = fs::remove_dir_all(&dir);
-            return Err(Error::Initdb(String::from_utf8_lossy(&output.stderr).into()));
+            return Err(Error::Initdb(
+                String::from_utf8_lossy(&output.stderr).into(),
+            ));
         }
 
         let port = match options.port {
@@ -147,8 +149,14 @@ impl TempCluster {
             .arg(&socket)
             .args(["-p", &port.to_string()])
             .args(["-c", "listen_addresses=127.0.0.1"])
-            .args(["-c", &format!("max_connections={}", options.max_connections)])
-            .args(["-c", &format!("fsync={}", if options.fsync { "on" } else { "off" })])
+            .args([
+                "-c",
+                &format!("max_connections={}", options.max_connections),
+            ])
+            .args([
+                "-c",
+                &format!("fsync={}", if options.fsync { "on" } else { "off" }),
+            ])
             .stdin(Stdio::piped())
             .stdout(log.try_clone()?)
             .stderr(log);
@@ -170,10 +178,7 @@ impl TempCluster {
 
     /// The URL of database `database` as the superuser.
     pub fn url(&self, database: &str) -> String {
-        format!(
-            "postgres://{SUPERUSER}@127.0.0.1:{}/{database}",
-            self.port
-        )
+        format!("postgres://{SUPERUSER}@127.0.0.1:{}/{database}", self.port)
     }
 
     /// The port the server listens on.
@@ -290,7 +295,11 @@ mod tests {
     fn starts_serves_and_cleans_up() {
         let cluster = TempCluster::start().expect("start postgres");
         let dir = cluster.dir().to_owned();
-        assert!(cluster.url("postgres").starts_with("postgres://postgres@127.0.0.1:"));
+        assert!(
+            cluster
+                .url("postgres")
+                .starts_with("postgres://postgres@127.0.0.1:")
+        );
         std::net::TcpStream::connect(("127.0.0.1", cluster.port())).expect("server listens");
         cluster.stop();
         assert!(!dir.exists(), "the guardian removed {}", dir.display());
