@@ -250,6 +250,9 @@ async fn the_deadline_shrinks_at_every_hop_and_ends_in_deadline_exceeded() {
         );
     }
     assert_eq!(stats[LEDGER].executions, 0);
+    assert!(status_header(&status, "trace-id").is_some(), "{status:?}");
+    let key = status_header(&status, "idempotency-key").expect("the edge returns the key it made");
+    assert!(uuid::Uuid::parse_str(&key).is_ok(), "{key}");
 }
 
 #[tokio::test]

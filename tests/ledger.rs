@@ -449,6 +449,26 @@ async fn a_key_past_retention_is_purged_and_charges_anew() {
 }
 
 #[tokio::test]
+async fn the_longest_grpc_timeout_is_served_and_breaks_nothing() {
+    let l = ledger(&[]).await;
+    for i in 0..40 {
+        let reply = l
+            .payments
+            .clone()
+            .charge(charge(
+                "mona",
+                100,
+                Some(&format!("long-{i}")),
+                T,
+                &[("grpc-timeout", "99999999H")],
+            ))
+            .await;
+        assert!(reply.is_ok(), "{reply:?}");
+    }
+    assert_eq!(l.balance("mona").await, Some((4000, 40)));
+}
+
+#[tokio::test]
 async fn set_faults_needs_fault_injection() {
     let url = database().await;
     let service = Service::start(

@@ -28,6 +28,8 @@ pub enum Command {
     Ledger(LedgerArgs),
     /// Run the whole chain here: Postgres (unless DATABASE_URL), five services on 50051..50055.
     Up(crate::up::UpArgs),
+    /// Run the design notes' scenarios against a chain and print measured figures.
+    Demo(crate::demo::DemoArgs),
     /// Run the design notes' simulations on the project's own backoff and budget code.
     Sim(crate::sim::SimArgs),
     /// Exit 0 when the service at --addr reports SERVING (for container health checks).
@@ -144,7 +146,7 @@ pub struct ServiceArgs {
     pub default_deadline_ms: u64,
     /// Taken off the remaining time for each downstream deadline, in ms; the service
     /// answers DEADLINE_EXCEEDED itself at half this margin before its own deadline.
-    #[arg(long, env = "RETRYCHAIN_DEADLINE_MARGIN_MS", default_value_t = 20)]
+    #[arg(long, env = "RETRYCHAIN_DEADLINE_MARGIN_MS", default_value_t = 20, value_parser = clap::value_parser!(u64).range(2..))]
     pub deadline_margin_ms: u64,
     /// Shortest downstream attempt worth starting, in ms.
     #[arg(long, env = "RETRYCHAIN_MIN_ATTEMPT_MS", default_value_t = 20)]

@@ -5,14 +5,18 @@
 //!
 //! - [`config`]: the command line (clap, every flag also an environment variable).
 //! - [`serve`]: `edge`, `relay`, `ledger` — start one service from its flags.
+//! - [`launch`]: starting services as child processes (for `up` and `demo`).
 //! - [`up`]: the whole chain on this machine.
+//! - [`demo`]: the design notes' scenarios measured on running services.
 //! - [`sim`]: the design notes' simulations on the resilience crate's own code.
 //! - [`health`]: the container health check.
 
 use std::process::ExitCode;
 
 pub mod config;
+pub mod demo;
 pub mod health;
+pub mod launch;
 pub mod serve;
 pub mod sim;
 pub mod up;
@@ -26,6 +30,14 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Relay(args) => serve::hop(args, false).await?,
         Command::Ledger(args) => serve::ledger(args).await?,
         Command::Up(args) => up::run(args).await?,
+        Command::Demo(args) => {
+            let report = demo::run(&args).await?;
+            if args.json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                demo::print_report(&report);
+            }
+        }
         Command::Sim(args) => {
             let seeds = args.seeds;
             let report = tokio::task::spawn_blocking(move || sim::run(seeds)).await??;

@@ -161,7 +161,10 @@ impl Hop {
             },
         };
         if let Some(key) = &key {
-            scope.span.record("key", key.as_str());
+            scope.record_key(key);
+            if let Role::Edge { .. } = self.role {
+                scope.echo_key(key);
+            }
         }
         let honour_mode = match self.role {
             Role::Edge {
@@ -218,16 +221,6 @@ impl Hop {
         Ok(response)
     }
 
-    /// The edge tells the client which key its charge ran under, on success and failure
-    /// alike: after a failure the client needs it to retry safely.
-    fn stamp_key(&self, metadata: &mut MetadataMap, key: Option<&IdempotencyKey>) {
-        if let (Role::Edge { .. }, Some(key)) = (self.role, key)
-            && let Ok(value) = MetadataValue::try_from(key.as_str())
-        {
-            metadata.insert(IDEMPOTENCY_KEY, value);
-        }
-    }
-
     /// Sends a call downstream under the request's retry mode and relays the answer.
     async fn relay<Req, Rep, F, Fut>(
         &self,
@@ -253,18 +246,16 @@ impl Hop {
                 let (downstream_metadata, reply, _) = response.into_parts();
                 let mut response = Response::new(reply);
                 copy_relayed(&downstream_metadata, response.metadata_mut());
-                self.stamp_key(response.metadata_mut(), forward.key.as_ref());
                 Ok(response)
             }
             Err(status) => {
                 let mut metadata = MetadataMap::new();
                 copy_relayed(status.metadata(), &mut metadata);
-                for key in [resilience::classify::PUSHBACK_HEADER] {
-                    if let Some(value) = status.metadata().get(key) {
-                        metadata.insert(key, value.clone());
-                    }
+                // A pushback is for whoever retries next, whichever layer that is.
+                let pushback = resilience::classify::PUSHBACK_HEADER;
+                if let Some(value) = status.metadata().get(pushback) {
+                    metadata.insert(pushback, value.clone());
                 }
-                self.stamp_key(&mut metadata, forward.key.as_ref());
                 Err(Status::with_metadata(
                     status.code(),
                     status.message().to_owned(),

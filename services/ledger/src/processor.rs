@@ -7,7 +7,7 @@ use std::sync::{
 };
 
 use resilience::Attempt;
-use retrychain_node::{Node, faults::failure};
+use retrychain_node::{IdempotencyKey, Node, faults::failure};
 use tonic::{Code, Status};
 
 /// A processor that succeeds unless the faults say otherwise.
@@ -37,9 +37,12 @@ impl Processor {
         }
     }
 
-    /// One processor call: may fail (`fail_rate`), may be busy (`processor_capacity`),
-    /// takes `delay_ms`. The retry executor bounds it by the attempt's timeout.
-    pub async fn charge(&self, attempt: Attempt) -> Result<(), Status> {
+    /// One processor call for the charge under `key`: may fail (`fail_rate`), may be busy
+    /// (`processor_capacity`), takes `delay_ms`. The retry executor bounds it by the
+    /// attempt's timeout. The key goes with the call, as it would to a real processor: if
+    /// the ledger's transaction rolls back after the processor succeeded, the retry's
+    /// processor call carries the same key and a real processor would not charge again.
+    pub async fn charge(&self, attempt: Attempt, key: &IdempotencyKey) -> Result<(), Status> {
         let name = &self.node.name;
         if let Some(status) = self.node.faults.injected_failure(name) {
             return Err(status);
@@ -61,6 +64,7 @@ impl Processor {
         if !delay.is_zero() {
             tracing::debug!(
                 attempt = attempt.number,
+                %key,
                 delay_ms = faults.delay_ms,
                 "processor working"
             );

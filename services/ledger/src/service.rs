@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use resilience::{Retry, RetryPolicy};
+use resilience::{Deadline, Retry, RetryPolicy};
 use retrychain_node::{
     AccountId, AmountCents, IdempotencyKey, Node, RetryMode, RpcScope,
     faults::lost_reply,
@@ -14,6 +14,7 @@ use retrychain_proto::v1::{
     Account, ChargeReply, ChargeRequest, GetAccountRequest, payments_server::Payments,
 };
 use tonic::{Request, Response, Status, metadata::MetadataValue};
+use tracing::Instrument;
 
 use crate::{
     processor::Processor,
@@ -68,6 +69,44 @@ impl Ledger {
     /// The key store, for the retention task.
     pub fn store(&self) -> &KeyStore {
         &self.store
+    }
+
+    /// One charge: the key store's transaction with the processor call(s) inside it, under
+    /// the mode's retry policy, and its counters. Processor attempts and lock waits end at
+    /// `answer_by`, less the margin, which leaves the last statements and the commit their
+    /// time before this service must answer.
+    async fn charge_once(
+        &self,
+        account: AccountId,
+        key: IdempotencyKey,
+        amount: AmountCents,
+        mode: RetryMode,
+        answer_by: Deadline,
+    ) -> Result<(SavedReply, bool), Status> {
+        let executor = match mode {
+            RetryMode::EveryLayer => &self.every_layer,
+            RetryMode::EdgeOnly => &self.single,
+        };
+        let outcome = self
+            .store
+            .charge(&account, &key, amount, answer_by, self.in_flight, || {
+                executor.run(answer_by, &self.node.counters, |attempt| {
+                    self.processor.charge(attempt, &key)
+                })
+            })
+            .await?;
+        Ok(match outcome {
+            ChargeOutcome::Executed(saved) => {
+                Counters::bump(&self.node.counters.executions);
+                tracing::info!(charge_id = %saved.charge_id, balance_cents = saved.balance_cents, "charge committed");
+                (saved, false)
+            }
+            ChargeOutcome::Replayed(saved) => {
+                Counters::bump(&self.node.counters.replays);
+                tracing::info!(charge_id = %saved.charge_id, "replayed the saved reply");
+                (saved, true)
+            }
+        })
     }
 
     fn mode_of<T>(&self, request: &Request<T>) -> Result<RetryMode, Status> {
@@ -136,35 +175,26 @@ impl Payments for Ledger {
                         ));
                     }
                 };
-                scope.span.record("key", key.as_str());
-                let executor = match self.mode_of(&request)? {
-                    RetryMode::EveryLayer => &self.every_layer,
-                    RetryMode::EdgeOnly => &self.single,
-                };
+                scope.record_key(&key);
+                scope.echo_key(&key);
+                let mode = self.mode_of(&request)?;
                 let message = request.into_inner();
                 let account = AccountId::parse(&message.account_id)?;
                 let amount = AmountCents::parse(message.amount_cents)?;
 
-                let outcome = self
-                    .store
-                    .charge(&account, &key, amount, scope.deadline, self.in_flight, || {
-                        executor.run(scope.deadline, &self.node.counters, |attempt| {
-                            self.processor.charge(attempt)
-                        })
-                    })
-                    .await?;
-                let (saved, replayed) = match outcome {
-                    ChargeOutcome::Executed(saved) => {
-                        Counters::bump(&self.node.counters.executions);
-                        tracing::info!(charge_id = %saved.charge_id, balance_cents = saved.balance_cents, "charge committed");
-                        (saved, false)
-                    }
-                    ChargeOutcome::Replayed(saved) => {
-                        Counters::bump(&self.node.counters.replays);
-                        tracing::info!(charge_id = %saved.charge_id, "replayed the saved reply");
-                        (saved, true)
-                    }
+                // The transaction runs in its own task: if this handler is dropped (its
+                // deadline passed, the client went away), the transaction still ends
+                // properly — committed and counted, or rolled back — instead of being cut
+                // off between two statements.
+                let ledger = self.clone();
+                let answer_by = scope.answer_by;
+                let transaction = async move {
+                    ledger.charge_once(account, key, amount, mode, answer_by).await
                 };
+                let (saved, replayed) = tokio::spawn(transaction.instrument(scope.span.clone()))
+                    .await
+                    .map_err(|e| Status::internal(format!("the charge task failed: {e}")))??;
+
                 if self.node.faults.drop_reply() {
                     return Err(lost_reply(&self.node.name));
                 }
@@ -173,9 +203,6 @@ impl Payments for Ledger {
                     response
                         .metadata_mut()
                         .insert(IDEMPOTENT_REPLAYED, MetadataValue::from_static("true"));
-                }
-                if let Ok(value) = MetadataValue::try_from(key.as_str()) {
-                    response.metadata_mut().insert(IDEMPOTENCY_KEY, value);
                 }
                 Ok(response)
             })

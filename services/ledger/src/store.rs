@@ -98,8 +98,9 @@ pub enum StoreError {
 /// Postgres access for the ledger.
 #[derive(Debug, Clone)]
 pub struct KeyStore {
-    /// Connections; `test_before_acquire` is off, since a broken connection fails its
-    /// statement anyway and the ping costs a round trip per charge.
+    /// Connections. `test_before_acquire` is off: a broken connection fails its statement
+    /// anyway, and the ping would cost a round trip before every charge (sqlx still pings
+    /// each connection when it is released, off the request path).
     pool: PgPool,
 }
 
@@ -147,8 +148,9 @@ impl KeyStore {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<(), tonic::Status>>,
     {
-        // Waits for locks end at the deadline (at least 1 ms: 0 would mean "no limit").
-        let lock_ms = deadline.remaining().as_millis().max(1);
+        // Waits for locks end at the deadline: at least 1 ms (0 would mean "no limit"), at
+        // most what Postgres accepts (a 1000-hour grpc-timeout would otherwise fail BEGIN).
+        let lock_ms = deadline.remaining().as_millis().clamp(1, i32::MAX as u128);
         let begin = format!("BEGIN; SET LOCAL lock_timeout = {lock_ms}");
         let mut tx = tokio::time::timeout_at(
             deadline.instant(),

@@ -11,20 +11,53 @@ use rand::RngExt;
 use retrychain_proto::v1::Faults;
 use tonic::{Code, Status};
 
+/// The faults in force, parsed: what every downstream call reads, cheap to copy.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FaultPlan {
+    /// Probability that a call fails before reaching downstream.
+    pub fail_rate: f64,
+    /// The code of those failures.
+    pub fail_code: Code,
+    /// With RESOURCE_EXHAUSTED: the pushback to send, in ms (0: none).
+    pub pushback_ms: u32,
+    /// With RESOURCE_EXHAUSTED: send a negative pushback (do not retry).
+    pub pushback_never: bool,
+    /// Added to each downstream call, in ms.
+    pub delay_ms: u32,
+    /// Probability that a successful reply is lost.
+    pub drop_reply_rate: f64,
+    /// Ledger: processor calls served at once (0: no limit).
+    pub processor_capacity: u32,
+}
+
+impl Default for FaultPlan {
+    fn default() -> Self {
+        Self {
+            fail_rate: 0.0,
+            fail_code: Code::Unavailable,
+            pushback_ms: 0,
+            pushback_never: false,
+            delay_ms: 0,
+            drop_reply_rate: 0.0,
+            processor_capacity: 0,
+        }
+    }
+}
+
 /// The faults in force on one service, shared by its handlers.
 #[derive(Debug, Default)]
 pub struct FaultSwitch {
-    /// The current faults, validated. Read on every call, written by SetFaults.
-    faults: RwLock<Faults>,
+    /// The current faults, validated and parsed. Read on every call, written by SetFaults.
+    plan: RwLock<FaultPlan>,
 }
 
 impl FaultSwitch {
     /// The faults now in force.
-    pub fn current(&self) -> Faults {
-        self.faults
+    pub fn current(&self) -> FaultPlan {
+        *self
+            .plan
             .read()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .clone()
     }
 
     /// Validates and installs new faults; INVALID_ARGUMENT leaves the old ones in force.
@@ -40,29 +73,36 @@ impl FaultSwitch {
             }
         }
         let code = parse_code(&faults.fail_code)?;
-        let normalised = Faults {
-            fail_code: code_name(code).to_owned(),
-            ..faults
+        let plan = FaultPlan {
+            fail_rate: faults.fail_rate,
+            fail_code: code,
+            pushback_ms: faults.pushback_ms,
+            pushback_never: faults.pushback_never,
+            delay_ms: faults.delay_ms,
+            drop_reply_rate: faults.drop_reply_rate,
+            processor_capacity: faults.processor_capacity,
         };
         *self
-            .faults
+            .plan
             .write()
-            .unwrap_or_else(|poisoned| poisoned.into_inner()) = normalised.clone();
-        Ok(normalised)
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = plan;
+        Ok(Faults {
+            fail_code: code_name(code).to_owned(),
+            ..faults
+        })
     }
 
     /// The injected failure for this call, if the dice say it fails before reaching
     /// downstream.
     pub fn injected_failure(&self, service: &str) -> Option<Status> {
-        let faults = self.current();
-        if faults.fail_rate <= 0.0 || !rand::rng().random_bool(faults.fail_rate.min(1.0)) {
+        let plan = self.current();
+        if plan.fail_rate <= 0.0 || !rand::rng().random_bool(plan.fail_rate.min(1.0)) {
             return None;
         }
-        let code = parse_code(&faults.fail_code).unwrap_or(Code::Unavailable);
         Some(failure(
-            code,
+            plan.fail_code,
             format!("injected fault at {service}: downstream call failed"),
-            &faults,
+            &plan,
         ))
     }
 
@@ -79,7 +119,7 @@ impl FaultSwitch {
 }
 
 /// A failure with `code`, carrying the faults' pushback when the code is RESOURCE_EXHAUSTED.
-pub fn failure(code: Code, message: String, faults: &Faults) -> Status {
+pub fn failure(code: Code, message: String, faults: &FaultPlan) -> Status {
     let mut status = Status::new(code, message);
     if code == Code::ResourceExhausted {
         if faults.pushback_never {
@@ -189,7 +229,7 @@ mod tests {
         }
         assert_eq!(
             switch.current().fail_code,
-            "RESOURCE_EXHAUSTED",
+            Code::ResourceExhausted,
             "unchanged"
         );
     }

@@ -106,10 +106,9 @@ fn parse_trace_id(value: &str) -> Option<String> {
 }
 
 fn random_hex(bytes: usize) -> String {
-    let mut rng = rand::rng();
-    (0..bytes)
-        .map(|_| format!("{:02x}", rng.random::<u8>()))
-        .collect()
+    let value: u128 = rand::rng().random();
+    let hex = format!("{value:032x}");
+    hex[..bytes * 2].to_owned()
 }
 
 #[cfg(test)]

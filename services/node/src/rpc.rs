@@ -1,17 +1,24 @@
 //! What every Payments handler does first and last: count the request, take its deadline
-//! and trace context, open the span its log lines belong to, and log one line with the
-//! outcome.
+//! and trace context, open the span its log lines belong to, answer DEADLINE_EXCEEDED itself
+//! when the deadline is about to pass, stamp the trace id (and, at the edge, the key) on
+//! whatever it answers, and log one line with the outcome.
 
-use std::{sync::atomic::Ordering, time::Duration};
+use std::{
+    sync::{OnceLock, atomic::Ordering},
+    time::Duration,
+};
 
 use resilience::{Deadline, IncomingDeadline};
 use tokio::time::Instant;
-use tonic::{Request, Response, Status, metadata::MetadataValue};
+use tonic::{
+    Request, Response, Status,
+    metadata::{Ascii, MetadataMap, MetadataValue},
+};
 use tracing::{Instrument, Span, field};
 
 use crate::{
-    Node, TraceContext,
-    metadata::{TRACE_ID, TRACEPARENT},
+    IdempotencyKey, Node, TraceContext,
+    metadata::{IDEMPOTENCY_KEY, TRACE_ID, TRACEPARENT},
     stats::Counters,
 };
 
@@ -20,6 +27,9 @@ use crate::{
 pub struct RpcScope {
     /// When the caller stops waiting.
     pub deadline: Deadline,
+    /// When this service must have answered: a little before `deadline`, so that its own
+    /// DEADLINE_EXCEEDED reaches the caller before the caller's clock runs out.
+    pub answer_by: Deadline,
     /// The `grpc-timeout` received, or the default applied.
     pub timeout: Duration,
     /// This request's trace.
@@ -27,6 +37,8 @@ pub struct RpcScope {
     /// The span every log line of this call belongs to; the handler records `key` in it
     /// once it has parsed (or, at the edge, made) the idempotency key.
     pub span: Span,
+    /// The key to return in the `idempotency-key` response header, if the handler set one.
+    echo_key: OnceLock<MetadataValue<Ascii>>,
     /// When the call arrived.
     started: Instant,
 }
@@ -42,10 +54,12 @@ impl RpcScope {
             .unwrap_or_else(|| {
                 // Only reachable without the server stack (the DeadlineLayer is in it).
                 let timeout = node.default_deadline;
+                let deadline = Deadline::after(timeout);
                 IncomingDeadline {
-                    deadline: Deadline::after(timeout),
+                    deadline,
                     received: None,
                     timeout,
+                    answer_by: deadline,
                 }
             });
         node.counters
@@ -68,30 +82,49 @@ impl RpcScope {
         );
         Self {
             deadline: incoming.deadline,
+            answer_by: incoming.answer_by,
             timeout: incoming.timeout,
             trace,
             span,
+            echo_key: OnceLock::new(),
             started: Instant::now(),
         }
     }
 
-    /// Runs the handler body inside this call's span, then logs the outcome and stamps the
-    /// trace id on the reply or the failure.
+    /// Records the request's key in the span.
+    pub fn record_key(&self, key: &IdempotencyKey) {
+        self.span.record("key", key.as_str());
+    }
+
+    /// Returns `key` to the caller in the `idempotency-key` header of the answer, success or
+    /// failure — including a DEADLINE_EXCEEDED this scope answers after the body was cut
+    /// short. The edge uses it: a client that sent no key learns the one its charge ran under.
+    pub fn echo_key(&self, key: &IdempotencyKey) {
+        if let Ok(value) = MetadataValue::try_from(key.as_str()) {
+            let _ = self.echo_key.set(value);
+        }
+    }
+
+    /// Runs the handler body inside this call's span until `answer_by` (then answers
+    /// DEADLINE_EXCEEDED), logs the outcome, and stamps trace id and key on the answer.
     pub async fn run<T, F>(&self, body: F) -> Result<Response<T>, Status>
     where
         F: Future<Output = Result<Response<T>, Status>>,
     {
         let span = self.span.clone();
         async move {
-            let result = body.await;
+            let result = match tokio::time::timeout_at(self.answer_by.instant(), body).await {
+                Ok(result) => result,
+                Err(_) => Err(Status::deadline_exceeded(format!(
+                    "the deadline of {:?} ran out before an answer",
+                    self.timeout
+                ))),
+            };
             let elapsed_ms = self.started.elapsed().as_secs_f64() * 1e3;
-            let trace_id = MetadataValue::try_from(self.trace.trace_id.as_str()).ok();
             match result {
                 Ok(mut response) => {
                     tracing::info!(code = "OK", elapsed_ms, "rpc done");
-                    if let Some(value) = trace_id {
-                        response.metadata_mut().insert(TRACE_ID, value);
-                    }
+                    self.stamp(response.metadata_mut());
                     Ok(response)
                 }
                 Err(mut status) => {
@@ -102,14 +135,21 @@ impl RpcScope {
                         remaining_ms = self.deadline.remaining().as_millis() as u64,
                         "rpc failed"
                     );
-                    if let Some(value) = trace_id {
-                        status.metadata_mut().insert(TRACE_ID, value);
-                    }
+                    self.stamp(status.metadata_mut());
                     Err(status)
                 }
             }
         }
         .instrument(span)
         .await
+    }
+
+    fn stamp(&self, metadata: &mut MetadataMap) {
+        if let Ok(value) = MetadataValue::try_from(self.trace.trace_id.as_str()) {
+            metadata.insert(TRACE_ID, value);
+        }
+        if let Some(key) = self.echo_key.get() {
+            metadata.insert(IDEMPOTENCY_KEY, key.clone());
+        }
     }
 }

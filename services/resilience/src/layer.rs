@@ -3,7 +3,8 @@
 //! [`DeadlineLayer`] reads the incoming `grpc-timeout` (or applies a default), refuses a
 //! malformed one with INVALID_ARGUMENT before the handler runs, hands the handler its
 //! [`IncomingDeadline`] through the request extensions, and answers DEADLINE_EXCEEDED itself
-//! shortly before the deadline. The last part matters: tonic enforces `grpc-timeout` by
+//! shortly before the deadline if the handler has not (handlers are asked to answer a little
+//! earlier still, at `answer_by`, so that their own answer carries their metadata). The last part matters: tonic enforces `grpc-timeout` by
 //! dropping the handler and answering CANCELLED, which a caller must not retry and cannot
 //! tell from a user's cancel; answering first keeps the status honest.
 
@@ -31,6 +32,10 @@ pub struct IncomingDeadline {
     pub received: Option<Duration>,
     /// The timeout in force: `received`, or the default.
     pub timeout: Duration,
+    /// When the handler must have its answer ready: the deadline less the layer's reserve.
+    /// A handler that answers DEADLINE_EXCEEDED itself at this point can still stamp its own
+    /// metadata (trace id, the key the edge made) on the answer.
+    pub answer_by: Deadline,
 }
 
 /// Applies deadlines to every request of a server; see the module docs.
@@ -38,13 +43,14 @@ pub struct IncomingDeadline {
 pub struct DeadlineLayer {
     /// Applied when a request carries no `grpc-timeout`.
     default_timeout: Duration,
-    /// How long before the deadline the server answers DEADLINE_EXCEEDED itself.
+    /// How long before the deadline the handler must answer; the layer itself answers
+    /// DEADLINE_EXCEEDED at half of this, should the handler not have.
     reserve: Duration,
 }
 
 impl DeadlineLayer {
-    /// A layer that applies `default_timeout` to requests without a deadline and answers
-    /// `reserve` before each deadline.
+    /// A layer that applies `default_timeout` to requests without a deadline, asks handlers
+    /// to answer `reserve` before each deadline, and answers for them at `reserve / 2`.
     pub fn new(default_timeout: Duration, reserve: Duration) -> Self {
         Self {
             default_timeout,
@@ -110,11 +116,12 @@ where
             deadline,
             received,
             timeout,
+            answer_by: deadline.earlier_by(self.config.reserve),
         });
-        let answer_by = deadline.earlier_by(self.config.reserve);
+        let backstop = deadline.earlier_by(self.config.reserve / 2);
         let response = self.inner.call(request);
         Box::pin(async move {
-            match tokio::time::timeout_at(answer_by.instant(), response).await {
+            match tokio::time::timeout_at(backstop.instant(), response).await {
                 Ok(result) => result,
                 Err(_) => Ok(Status::deadline_exceeded(format!(
                     "the deadline of {timeout:?} ran out before an answer"

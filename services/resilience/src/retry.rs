@@ -242,7 +242,11 @@ impl Retry {
             };
 
             if !is_retryable(status.code()) {
-                return Err(status);
+                return Err(if number > 1 {
+                    self.stopped(status, number, StopReason::NotRetryable)
+                } else {
+                    status
+                });
             }
             if number >= policy.max_attempts {
                 return Err(self.stopped(status, number, StopReason::MaxAttempts));
@@ -256,12 +260,19 @@ impl Retry {
             };
             if !deadline.has_room_after(wait, policy.margin, policy.min_attempt) {
                 observer.deadline_denied();
-                let status = Status::deadline_exceeded(format!(
-                    "last failure {:?}: {}; a retry after {wait:?} would not fit in the {:?} left",
-                    status.code(),
-                    status.message(),
-                    deadline.remaining()
-                ));
+                // DEADLINE_EXCEEDED, as the contract asks when the deadline stops the call;
+                // the last failure's code and message stay in the message and its metadata
+                // (a pushback, say) stays on the status.
+                let status = Status::with_metadata(
+                    Code::DeadlineExceeded,
+                    format!(
+                        "last failure {:?}: {}; a retry after {wait:?} would not fit in the {:?} left",
+                        status.code(),
+                        status.message(),
+                        deadline.remaining()
+                    ),
+                    status.metadata().clone(),
+                );
                 return Err(self.stopped(status, number, StopReason::NoRoom));
             }
             if let Some(budget) = &policy.budget
@@ -563,6 +574,68 @@ mod tests {
         assert_eq!(counts.attempts.load(Ordering::Relaxed), 1);
         assert_eq!(status.code(), Code::ResourceExhausted);
         assert!(status.message().contains("pushback"));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pushback_past_the_deadline_ends_in_deadline_exceeded_keeping_the_pushback() {
+        let retry = Retry::with_seed(policy(3, BackoffKind::None), 1).with_label("edge");
+        let deadline = Deadline::after(Duration::from_secs(1));
+        let status = retry
+            .run(deadline, &(), |_| async {
+                let mut status = Status::resource_exhausted("busy");
+                set_pushback(&mut status, 5000);
+                Err::<(), _>(status)
+            })
+            .await
+            .expect_err("fails");
+        assert_eq!(status.code(), Code::DeadlineExceeded);
+        assert!(
+            status.message().contains("ResourceExhausted"),
+            "{}",
+            status.message()
+        );
+        assert!(
+            status.message().contains("[edge: 1 attempt,"),
+            "{}",
+            status.message()
+        );
+        assert_eq!(
+            pushback(&status),
+            Pushback::RetryAfter(Duration::from_secs(5)),
+            "the caller still learns to wait"
+        );
+        assert!(
+            deadline.remaining() > Duration::from_millis(900),
+            "answered at once"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_final_failure_after_retries_names_the_attempts() {
+        let retry = Retry::with_seed(policy(3, BackoffKind::None), 1).with_label("hop2");
+        let status = retry
+            .run(long(), &(), |attempt| async move {
+                Err::<(), _>(if attempt.number == 1 {
+                    Status::unavailable("blip")
+                } else {
+                    Status::failed_precondition("key reused with different parameters")
+                })
+            })
+            .await
+            .expect_err("fails");
+        assert_eq!(status.code(), Code::FailedPrecondition);
+        assert!(
+            status
+                .message()
+                .starts_with("key reused with different parameters")
+        );
+        assert!(
+            status
+                .message()
+                .contains("[hop2: 2 attempts, not retryable]"),
+            "{}",
+            status.message()
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -1,0 +1,799 @@
+//! `retrychain demo`: the design notes' scenarios, measured on running services.
+//!
+//! Runs against a chain it starts (like `up`, on `--base-port`) or an existing one
+//! (`--edge`, `--hop2` … `--ledger`, e.g. a `docker compose up` deployment started with its
+//! demo settings). Scenarios a–c go through the chain's own edge. d–f need edges configured
+//! in particular ways (a retry-mode override, no budget, a single attempt), so the demo
+//! starts its own edges locally, pointed at the chain's hop2, and names the mode of every
+//! request with `x-retry-mode`: the figures do not depend on how the chain was configured.
+//! The chain must allow fault injection on its ledger.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Args;
+use futures::StreamExt;
+use indicatif::{ProgressBar, ProgressStyle};
+use resilience::{Backoff, BackoffKind, Deadline, Retry, RetryPolicy};
+use retrychain_proto::v1::{
+    ChargeReply, ChargeRequest, Faults, GetAccountRequest, GetStatsRequest, ResetStatsRequest,
+    Stats, control_client::ControlClient, payments_client::PaymentsClient,
+};
+use serde::Serialize;
+use tonic::{Code, Request, Response, Status, metadata::MetadataValue, transport::Channel};
+
+use crate::launch::{ChainOptions, ChildService, LocalChain, Logs};
+
+/// Flags of `demo`.
+#[derive(Debug, Clone, Args)]
+pub struct DemoArgs {
+    /// Print one JSON object instead of the report.
+    #[arg(long)]
+    pub json: bool,
+    /// An existing chain's edge; with --hop2 … --ledger. Unset: start a chain here.
+    #[arg(long, env = "RETRYCHAIN_EDGE", requires_all = ["hop2", "hop3", "hop4", "ledger"])]
+    pub edge: Option<String>,
+    /// The existing chain's hop2 (the demo's own edges forward to it).
+    #[arg(long, env = "RETRYCHAIN_HOP2")]
+    pub hop2: Option<String>,
+    /// The existing chain's hop3 (for its counters).
+    #[arg(long, env = "RETRYCHAIN_HOP3")]
+    pub hop3: Option<String>,
+    /// The existing chain's hop4 (for its counters).
+    #[arg(long, env = "RETRYCHAIN_HOP4")]
+    pub hop4: Option<String>,
+    /// The existing chain's ledger (counters and faults).
+    #[arg(long, env = "RETRYCHAIN_LEDGER")]
+    pub ledger: Option<String>,
+    /// For a chain started here: Postgres URL (unset: a throwaway cluster).
+    #[arg(long, env = "DATABASE_URL")]
+    pub database_url: Option<String>,
+    /// For a chain started here: the edge's port; the others take the next four.
+    #[arg(long, default_value_t = 50061)]
+    pub base_port: u16,
+    /// Requests in the outage scenario.
+    #[arg(long, default_value_t = 2000)]
+    pub outage_requests: u64,
+    /// Clients in the contention storm.
+    #[arg(long, default_value_t = 100)]
+    pub storm_clients: usize,
+    /// The storm's tick: how long the processor takes per charge, in ms.
+    #[arg(long, default_value_t = 10)]
+    pub tick_ms: u64,
+}
+
+/// Everything the demo measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct DemoReport {
+    /// a. A lost reply, retried with a fresh key and with the same key.
+    pub lost_reply: LostReply,
+    /// b. The same key with another amount.
+    pub key_reuse: KeyReuse,
+    /// c. Two concurrent requests with one key.
+    pub concurrent: Concurrent,
+    /// d. Bottom calls per retry mode against a failing processor.
+    pub layered: Layered,
+    /// e. A total outage with and without the budget.
+    pub outage: Outage,
+    /// f. The contention storm per backoff policy.
+    pub storm: Storm,
+}
+
+/// a.
+#[derive(Debug, Clone, Serialize)]
+pub struct LostReply {
+    /// The retry used a new key.
+    pub fresh_key: Effect,
+    /// The retry reused the key.
+    pub same_key: Effect,
+    /// The retry with the same key got the original charge's id.
+    pub same_charge_id: bool,
+    /// … marked `idempotent-replayed: true`.
+    pub replayed: bool,
+}
+
+/// What an account ended with.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Effect {
+    /// Charges committed.
+    pub executions: i64,
+    /// Balance, in cents.
+    pub balance_cents: i64,
+}
+
+/// b.
+#[derive(Debug, Clone, Serialize)]
+pub struct KeyReuse {
+    /// The code of the second request.
+    pub code: String,
+    /// Balance and charge count after the first request and after the second.
+    pub before: Effect,
+    /// …
+    pub after: Effect,
+}
+
+/// c.
+#[derive(Debug, Clone, Serialize)]
+pub struct Concurrent {
+    /// Charges committed.
+    pub executions: i64,
+    /// Both got the same charge id.
+    pub same_reply: bool,
+    /// Wall time for both, in ms.
+    pub elapsed_ms: f64,
+    /// The processor delay used, in ms.
+    pub processor_delay_ms: u32,
+}
+
+/// d.
+#[derive(Debug, Clone, Serialize)]
+pub struct Layered {
+    /// `x-retry-mode: every-layer`.
+    pub every_layer: ModeCounts,
+    /// `x-retry-mode: edge-only`.
+    pub edge_only: ModeCounts,
+}
+
+/// One request's counts in one mode.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModeCounts {
+    /// Ledger processor calls.
+    pub bottom_calls: u64,
+    /// Requests received by edge, hop2, hop3, hop4, ledger.
+    pub received: Vec<u64>,
+    /// The code the client saw.
+    pub code: String,
+}
+
+/// e.
+#[derive(Debug, Clone, Serialize)]
+pub struct Outage {
+    /// Requests sent per configuration.
+    pub requests: u64,
+    /// Up to 4 attempts, no budget.
+    pub no_budget: Load,
+    /// Up to 4 attempts, the default budget.
+    pub budget: Load,
+}
+
+/// Bottom calls per first attempt.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Load {
+    /// First attempts (requests the edge received).
+    pub first: u64,
+    /// Bottom calls.
+    pub bottom_calls: u64,
+    /// bottom_calls / first.
+    pub load: f64,
+}
+
+/// f.
+#[derive(Debug, Clone, Serialize)]
+pub struct Storm {
+    /// Clients started together.
+    pub clients: usize,
+    /// The processor's time per charge, in ms; it serves one at a time.
+    pub tick_ms: u64,
+    /// Per policy.
+    pub none: StormRun,
+    /// …
+    pub exponential: StormRun,
+    /// …
+    pub full: StormRun,
+    /// …
+    pub equal: StormRun,
+    /// …
+    pub decorrelated: StormRun,
+}
+
+/// One storm run.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct StormRun {
+    /// Bottom calls (processor calls, refused ones included).
+    pub bottom_calls: u64,
+    /// Clients whose charge went through.
+    pub succeeded: usize,
+    /// Time until the last client finished, in ms.
+    pub elapsed_ms: f64,
+}
+
+/// The chain the demo talks to.
+struct Target {
+    /// Edge first, ledger last.
+    urls: Vec<String>,
+    /// One channel per service.
+    channels: Vec<Channel>,
+    /// A tag that keeps this run's accounts and keys apart from earlier runs'.
+    run: String,
+}
+
+const LEDGER: usize = 4;
+const T: Duration = Duration::from_secs(30);
+
+/// Runs every scenario and returns the report.
+pub async fn run(args: &DemoArgs) -> anyhow::Result<DemoReport> {
+    let local = match &args.edge {
+        Some(_) => None,
+        None => Some(
+            LocalChain::start(ChainOptions {
+                database_url: args.database_url.clone(),
+                base_port: args.base_port,
+                flags: Vec::new(),
+                logs: Logs::Discard,
+            })
+            .await?,
+        ),
+    };
+    let urls: Vec<String> = match &local {
+        Some(chain) => chain.urls(),
+        None => [&args.edge, &args.hop2, &args.hop3, &args.hop4, &args.ledger]
+            .iter()
+            .map(|url| with_scheme(url.as_deref().unwrap_or_default()))
+            .collect(),
+    };
+    let result = async {
+        let target = Target::connect(urls).await?;
+        target
+            .faults(LEDGER, Faults::default())
+            .await
+            .context("the ledger must allow fault injection (--fault-injection)")?;
+        let report = scenarios(&target, args).await;
+        let _ = target.faults(LEDGER, Faults::default()).await;
+        report
+    }
+    .await;
+    if let Some(chain) = local {
+        chain.stop().await;
+    }
+    result
+}
+
+async fn scenarios(target: &Target, args: &DemoArgs) -> anyhow::Result<DemoReport> {
+    let lost_reply = target.lost_reply().await?;
+    let key_reuse = target.key_reuse().await?;
+    let concurrent = target.concurrent().await?;
+    let hop2 = target.urls[1].clone();
+    let quick = ["--backoff-base-ms", "1", "--backoff-cap-ms", "10"];
+
+    let edge = DemoEdge::start("demo-edge", &hop2, &[]).await?;
+    let layered = target.layered(&edge).await;
+    edge.stop().await;
+    let layered = layered?;
+
+    let no_budget = DemoEdge::start(
+        "edge-no-budget",
+        &hop2,
+        &[&["--max-attempts", "4", "--no-budget"][..], &quick[..]].concat(),
+    )
+    .await?;
+    let budgeted = DemoEdge::start(
+        "edge-budget",
+        &hop2,
+        &[&["--max-attempts", "4"][..], &quick[..]].concat(),
+    )
+    .await?;
+    let outage = target
+        .outage(&no_budget, &budgeted, args.outage_requests)
+        .await;
+    no_budget.stop().await;
+    budgeted.stop().await;
+    let outage = outage?;
+
+    let single = DemoEdge::start("edge-single", &hop2, &["--max-attempts", "1"]).await?;
+    let storm = target
+        .storm(&single, args.storm_clients, args.tick_ms)
+        .await;
+    single.stop().await;
+    Ok(DemoReport {
+        lost_reply,
+        key_reuse,
+        concurrent,
+        layered,
+        outage,
+        storm: storm?,
+    })
+}
+
+fn with_scheme(url: &str) -> String {
+    if url.contains("://") {
+        url.to_owned()
+    } else {
+        format!("http://{url}")
+    }
+}
+
+/// An edge the demo starts for itself, forwarding to the chain's hop2.
+struct DemoEdge {
+    /// The process.
+    service: ChildService,
+    /// A channel to it.
+    channel: Channel,
+}
+
+impl DemoEdge {
+    async fn start(name: &str, hop2: &str, flags: &[&str]) -> anyhow::Result<Self> {
+        let mut args: Vec<String> = [
+            "edge",
+            "--listen",
+            "127.0.0.1:0",
+            "--name",
+            name,
+            "--downstream",
+            hop2,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        args.push("--allow-retry-mode-override".into());
+        args.extend(flags.iter().map(|s| s.to_string()));
+        let service = ChildService::start(name, &args, &[], Logs::Discard).await?;
+        let channel = connect(&service.url).await?;
+        Ok(Self { service, channel })
+    }
+
+    fn payments(&self) -> PaymentsClient<Channel> {
+        PaymentsClient::new(self.channel.clone())
+    }
+
+    async fn stats(&self) -> anyhow::Result<Stats> {
+        Ok(ControlClient::new(self.channel.clone())
+            .get_stats(GetStatsRequest {})
+            .await?
+            .into_inner())
+    }
+
+    async fn reset(&self) -> anyhow::Result<()> {
+        ControlClient::new(self.channel.clone())
+            .reset_stats(ResetStatsRequest {})
+            .await?;
+        Ok(())
+    }
+
+    async fn stop(self) {
+        self.service.stop().await;
+    }
+}
+
+async fn connect(url: &str) -> anyhow::Result<Channel> {
+    tonic::transport::Endpoint::from_shared(url.to_owned())
+        .with_context(|| format!("URL {url:?}"))?
+        .connect()
+        .await
+        .with_context(|| format!("connecting to {url}"))
+}
+
+/// A Charge request with a key, a deadline and an optional retry mode.
+fn charge(
+    account: &str,
+    amount: i64,
+    key: &str,
+    mode: Option<&'static str>,
+) -> Request<ChargeRequest> {
+    let mut request = Request::new(ChargeRequest {
+        account_id: account.to_owned(),
+        amount_cents: amount,
+    });
+    request.set_timeout(T);
+    if let Ok(value) = MetadataValue::try_from(key) {
+        request.metadata_mut().insert("idempotency-key", value);
+    }
+    if let Some(mode) = mode {
+        request
+            .metadata_mut()
+            .insert("x-retry-mode", MetadataValue::from_static(mode));
+    }
+    request
+}
+
+fn replayed(response: &Response<ChargeReply>) -> bool {
+    response
+        .metadata()
+        .get("idempotent-replayed")
+        .is_some_and(|v| v == "true")
+}
+
+fn code_name(code: Code) -> String {
+    retrychain_node::faults::code_name(code).to_owned()
+}
+
+impl Target {
+    async fn connect(urls: Vec<String>) -> anyhow::Result<Self> {
+        let mut channels = Vec::new();
+        for url in &urls {
+            channels.push(connect(url).await?);
+        }
+        let run = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
+        Ok(Self {
+            urls,
+            channels,
+            run,
+        })
+    }
+
+    fn edge(&self) -> PaymentsClient<Channel> {
+        PaymentsClient::new(self.channels[0].clone())
+    }
+
+    fn control(&self, i: usize) -> ControlClient<Channel> {
+        ControlClient::new(self.channels[i].clone())
+    }
+
+    async fn faults(&self, i: usize, faults: Faults) -> Result<Faults, Status> {
+        Ok(self.control(i).set_faults(faults).await?.into_inner())
+    }
+
+    async fn stats(&self, i: usize) -> anyhow::Result<Stats> {
+        Ok(self
+            .control(i)
+            .get_stats(GetStatsRequest {})
+            .await?
+            .into_inner())
+    }
+
+    async fn reset(&self, range: std::ops::Range<usize>) -> anyhow::Result<()> {
+        for i in range {
+            self.control(i).reset_stats(ResetStatsRequest {}).await?;
+        }
+        Ok(())
+    }
+
+    fn name(&self, what: &str) -> String {
+        format!("demo-{}-{what}", self.run)
+    }
+
+    async fn effect(&self, account: &str) -> anyhow::Result<Effect> {
+        match self
+            .edge()
+            .get_account(GetAccountRequest {
+                account_id: account.to_owned(),
+            })
+            .await
+        {
+            Ok(account) => Ok(Effect {
+                executions: account.get_ref().charges,
+                balance_cents: account.get_ref().balance_cents,
+            }),
+            Err(status) if status.code() == Code::NotFound => Ok(Effect {
+                executions: 0,
+                balance_cents: 0,
+            }),
+            Err(status) => Err(status.into()),
+        }
+    }
+
+    /// A charge whose reply is lost; returns nothing (the client saw an error).
+    async fn lose_a_reply(&self, account: &str, key: &str) -> anyhow::Result<()> {
+        self.faults(
+            LEDGER,
+            Faults {
+                drop_reply_rate: 1.0,
+                ..Faults::default()
+            },
+        )
+        .await?;
+        let lost = self.edge().charge(charge(account, 500, key, None)).await;
+        self.faults(LEDGER, Faults::default()).await?;
+        anyhow::ensure!(lost.is_err(), "the reply should have been lost");
+        Ok(())
+    }
+
+    async fn lost_reply(&self) -> anyhow::Result<LostReply> {
+        let fresh = self.name("lost-fresh");
+        self.lose_a_reply(&fresh, &self.name("k1")).await?;
+        self.edge()
+            .charge(charge(&fresh, 500, &self.name("k2"), None))
+            .await?;
+
+        let same = self.name("lost-same");
+        let key = self.name("k3");
+        self.lose_a_reply(&same, &key).await?;
+        let retry = self.edge().charge(charge(&same, 500, &key, None)).await?;
+        let again = self.edge().charge(charge(&same, 500, &key, None)).await?;
+        Ok(LostReply {
+            fresh_key: self.effect(&fresh).await?,
+            same_key: self.effect(&same).await?,
+            same_charge_id: retry.get_ref().charge_id == again.get_ref().charge_id,
+            replayed: replayed(&retry),
+        })
+    }
+
+    async fn key_reuse(&self) -> anyhow::Result<KeyReuse> {
+        let account = self.name("reuse");
+        let key = self.name("k4");
+        self.edge()
+            .charge(charge(&account, 500, &key, None))
+            .await?;
+        let before = self.effect(&account).await?;
+        let code = match self.edge().charge(charge(&account, 900, &key, None)).await {
+            Ok(_) => "OK".to_owned(),
+            Err(status) => code_name(status.code()),
+        };
+        Ok(KeyReuse {
+            code,
+            before,
+            after: self.effect(&account).await?,
+        })
+    }
+
+    async fn concurrent(&self) -> anyhow::Result<Concurrent> {
+        let delay = 200;
+        self.faults(
+            LEDGER,
+            Faults {
+                delay_ms: delay,
+                ..Faults::default()
+            },
+        )
+        .await?;
+        let account = self.name("concurrent");
+        let key = self.name("k5");
+        let (mut a, mut b) = (self.edge(), self.edge());
+        let start = Instant::now();
+        let (first, second) = tokio::join!(
+            a.charge(charge(&account, 500, &key, None)),
+            b.charge(charge(&account, 500, &key, None))
+        );
+        let elapsed = start.elapsed();
+        self.faults(LEDGER, Faults::default()).await?;
+        let (first, second) = (first?, second?);
+        Ok(Concurrent {
+            executions: self.effect(&account).await?.executions,
+            same_reply: first.get_ref() == second.get_ref(),
+            elapsed_ms: elapsed.as_secs_f64() * 1e3,
+            processor_delay_ms: delay,
+        })
+    }
+
+    async fn layered(&self, edge: &DemoEdge) -> anyhow::Result<Layered> {
+        self.faults(
+            LEDGER,
+            Faults {
+                fail_rate: 1.0,
+                ..Faults::default()
+            },
+        )
+        .await?;
+        let mut counts = Vec::new();
+        for mode in ["every-layer", "edge-only"] {
+            self.reset(1..5).await?;
+            edge.reset().await?;
+            let result = edge
+                .payments()
+                .charge(charge(
+                    &self.name("layered"),
+                    100,
+                    &self.name(mode),
+                    Some(mode),
+                ))
+                .await;
+            let mut received = vec![edge.stats().await?.requests_received];
+            for i in 1..5 {
+                received.push(self.stats(i).await?.requests_received);
+            }
+            counts.push(ModeCounts {
+                bottom_calls: self.stats(LEDGER).await?.downstream_attempts,
+                received,
+                code: result.map_or_else(|s| code_name(s.code()), |_| "OK".into()),
+            });
+        }
+        self.faults(LEDGER, Faults::default()).await?;
+        let edge_only = counts.pop().context("two modes")?;
+        let every_layer = counts.pop().context("two modes")?;
+        Ok(Layered {
+            every_layer,
+            edge_only,
+        })
+    }
+
+    async fn outage(
+        &self,
+        no_budget: &DemoEdge,
+        budget: &DemoEdge,
+        requests: u64,
+    ) -> anyhow::Result<Outage> {
+        self.faults(
+            LEDGER,
+            Faults {
+                fail_rate: 1.0,
+                ..Faults::default()
+            },
+        )
+        .await?;
+        let mut loads = Vec::new();
+        for (label, edge) in [("no-budget", no_budget), ("budget", budget)] {
+            self.reset(LEDGER..LEDGER + 1).await?;
+            edge.reset().await?;
+            let bar = progress(requests, &format!("e. outage, {label}"));
+            let unexpected = futures::stream::iter(0..requests)
+                .map(|i| {
+                    let mut client = edge.payments();
+                    let key = self.name(&format!("outage-{label}-{i}"));
+                    let account = self.name("outage");
+                    async move {
+                        let result = client
+                            .charge(charge(&account, 100, &key, Some("edge-only")))
+                            .await;
+                        result.err().map(|status| status.code())
+                    }
+                })
+                .buffer_unordered(16)
+                .filter(|code| {
+                    bar.inc(1);
+                    std::future::ready(*code != Some(Code::Unavailable))
+                })
+                .count()
+                .await;
+            bar.finish_and_clear();
+            anyhow::ensure!(
+                unexpected == 0,
+                "{unexpected} outage requests ended other than UNAVAILABLE"
+            );
+            let first = edge.stats().await?.requests_received;
+            let bottom_calls = self.stats(LEDGER).await?.downstream_attempts;
+            loads.push(Load {
+                first,
+                bottom_calls,
+                load: bottom_calls as f64 / first.max(1) as f64,
+            });
+        }
+        self.faults(LEDGER, Faults::default()).await?;
+        Ok(Outage {
+            requests,
+            no_budget: loads[0],
+            budget: loads[1],
+        })
+    }
+
+    async fn storm(&self, edge: &DemoEdge, clients: usize, tick_ms: u64) -> anyhow::Result<Storm> {
+        let tick = Duration::from_millis(tick_ms);
+        self.faults(
+            LEDGER,
+            Faults {
+                delay_ms: tick_ms as u32,
+                processor_capacity: 1,
+                ..Faults::default()
+            },
+        )
+        .await?;
+        let mut runs = Vec::new();
+        for kind in BackoffKind::ALL {
+            self.reset(LEDGER..LEDGER + 1).await?;
+            let bar = progress(clients as u64, &format!("f. storm, {kind}"));
+            let retry = Retry::new(RetryPolicy {
+                max_attempts: u32::MAX,
+                backoff: Backoff::new(kind, 2 * tick, 64 * tick),
+                budget: None,
+                margin: Duration::ZERO,
+                min_attempt: Duration::from_millis(1),
+            });
+            let deadline = Deadline::after(Duration::from_secs(120));
+            let start = Instant::now();
+            let attempts = (0..clients).map(|i| {
+                let client = edge.payments();
+                let (retry, bar) = (&retry, &bar);
+                let account = self.name(&format!("storm-{kind}-{i}"));
+                let key = self.name(&format!("storm-{kind}-{i}"));
+                async move {
+                    let outcome = retry
+                        .run(deadline, &(), |attempt| {
+                            let mut client = client.clone();
+                            let mut request = charge(&account, 100, &key, Some("edge-only"));
+                            attempt.apply(&mut request);
+                            async move { client.charge(request).await }
+                        })
+                        .await;
+                    bar.inc(1);
+                    outcome.is_ok()
+                }
+            });
+            let succeeded = futures::future::join_all(attempts)
+                .await
+                .into_iter()
+                .filter(|ok| *ok)
+                .count();
+            let elapsed = start.elapsed();
+            bar.finish_and_clear();
+            runs.push(StormRun {
+                bottom_calls: self.stats(LEDGER).await?.downstream_attempts,
+                succeeded,
+                elapsed_ms: elapsed.as_secs_f64() * 1e3,
+            });
+        }
+        self.faults(LEDGER, Faults::default()).await?;
+        Ok(Storm {
+            clients,
+            tick_ms,
+            none: runs[0],
+            exponential: runs[1],
+            full: runs[2],
+            equal: runs[3],
+            decorrelated: runs[4],
+        })
+    }
+}
+
+fn progress(len: u64, label: &str) -> ProgressBar {
+    let bar = ProgressBar::new(len);
+    if let Ok(style) = ProgressStyle::with_template("{msg:<24} [{bar:30}] {pos}/{len} {elapsed}") {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar.set_message(label.to_owned());
+    bar
+}
+
+/// Prints the report with the design notes' figures beside the measured ones.
+pub fn print_report(r: &DemoReport) {
+    let a = &r.lost_reply;
+    println!("a. A charge of 500 whose reply is lost, then retried");
+    println!(
+        "   with a fresh key:  {} executions, balance {}        (design notes: 2 executions, balance 1000)",
+        a.fresh_key.executions, a.fresh_key.balance_cents
+    );
+    println!(
+        "   with the same key: {} execution,  balance {}, same charge_id: {}, replayed: {}   (design notes: 1 execution, balance 500, the original reply)",
+        a.same_key.executions, a.same_key.balance_cents, a.same_charge_id, a.replayed
+    );
+    let b = &r.key_reuse;
+    println!("b. The same key again with amount 900");
+    println!(
+        "   {} ; balance {} -> {}, charges {} -> {}   (design notes: refused (422), state unchanged)",
+        b.code,
+        b.before.balance_cents,
+        b.after.balance_cents,
+        b.before.executions,
+        b.after.executions
+    );
+    let c = &r.concurrent;
+    println!(
+        "c. Two concurrent charges with one key, {} ms processor",
+        c.processor_delay_ms
+    );
+    println!(
+        "   {} execution, same reply: {}, {:.0} ms   (design notes: 1 execution, same reply, about 0.25 s)",
+        c.executions, c.same_reply, c.elapsed_ms
+    );
+    let d = &r.layered;
+    println!("d. One request against a failing processor");
+    println!(
+        "   every-layer: {:>4} bottom calls, received {:?}  (design notes: 243; 1, 3, 9, 27, 81)",
+        d.every_layer.bottom_calls, d.every_layer.received
+    );
+    println!(
+        "   edge-only:   {:>4} bottom calls, received {:?}     (design notes: 3)",
+        d.edge_only.bottom_calls, d.edge_only.received
+    );
+    let e = &r.outage;
+    println!(
+        "e. Total outage: {} requests, up to 4 attempts each",
+        e.requests
+    );
+    println!(
+        "   no budget:      {:>6} bottom calls = {:.2}x   (design notes: 4.00x)",
+        e.no_budget.bottom_calls, e.no_budget.load
+    );
+    println!(
+        "   default budget: {:>6} bottom calls = {:.2}x   (design notes: 1.10x)",
+        e.budget.bottom_calls, e.budget.load
+    );
+    let f = &r.storm;
+    println!(
+        "f. Contention storm: {} clients, processor serves one charge at a time ({} ms each), every client retries until it succeeds",
+        f.clients, f.tick_ms
+    );
+    println!(
+        "   {:<13} {:>12} {:>10} {:>10}   design notes (calls)",
+        "backoff", "bottom calls", "time ms", "succeeded"
+    );
+    for (name, run, notes) in [
+        ("none", f.none, 5050),
+        ("exponential", f.exponential, 5050),
+        ("full", f.full, 643),
+        ("equal", f.equal, 657),
+        ("decorrelated", f.decorrelated, 576),
+    ] {
+        println!(
+            "   {:<13} {:>12} {:>10.0} {:>10}   {}",
+            name, run.bottom_calls, run.elapsed_ms, run.succeeded, notes
+        );
+    }
+}

@@ -1,0 +1,79 @@
+//! docker-compose.yml: valid, and wired as the README says. There is no Docker engine on
+//! this kind of machine, so the file is checked with `docker-compose config`, not run.
+
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+use std::process::Command;
+
+fn config(env: &[(&str, &str)]) -> String {
+    let mut command = Command::new("docker-compose");
+    command.args([
+        "-f",
+        concat!(env!("CARGO_MANIFEST_DIR"), "/docker-compose.yml"),
+        "config",
+    ]);
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    let output = command.output().expect(
+        "docker-compose is needed to validate the compose file (apt-get install docker-compose)",
+    );
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8(output.stdout).unwrap()
+}
+
+#[test]
+fn compose_file_is_valid_and_wires_the_chain() {
+    let resolved = config(&[]);
+    for (service, port) in [
+        ("edge", 50051),
+        ("hop2", 50052),
+        ("hop3", 50053),
+        ("hop4", 50054),
+        ("ledger", 50055),
+    ] {
+        assert!(
+            resolved.contains(&format!("  {service}:")),
+            "{service} missing"
+        );
+        assert!(
+            resolved.contains(&format!("published: {port}"))
+                || resolved.contains(&format!("{port}:{port}")),
+            "{service} port {port}"
+        );
+        assert!(
+            resolved.contains(&format!("http://127.0.0.1:{port}")),
+            "{service} health check"
+        );
+    }
+    for downstream in [
+        "http://hop2:50052",
+        "http://hop3:50053",
+        "http://hop4:50054",
+        "http://ledger:50055",
+    ] {
+        assert!(resolved.contains(downstream), "{downstream}");
+    }
+    assert!(resolved.contains("condition: service_healthy"));
+    assert!(resolved.contains("RETRYCHAIN_RETRY_MODE: edge-only"));
+    assert!(
+        resolved.contains("RETRYCHAIN_ALLOW_RETRY_MODE_OVERRIDE: 'true'")
+            || resolved.contains("RETRYCHAIN_ALLOW_RETRY_MODE_OVERRIDE: \"true\"")
+    );
+}
+
+#[test]
+fn the_retry_mode_comes_from_the_shell() {
+    let resolved = config(&[("RETRY_MODE", "every-layer")]);
+    assert_eq!(
+        resolved
+            .matches("RETRYCHAIN_RETRY_MODE: every-layer")
+            .count(),
+        5,
+        "{resolved}"
+    );
+}
