@@ -30,6 +30,8 @@ pub enum Command {
     Up(crate::up::UpArgs),
     /// Run the design notes' scenarios against a chain and print measured figures.
     Demo(crate::demo::DemoArgs),
+    /// Load a chain and report success, amplification, throughput and latency.
+    Storm(crate::storm::StormArgs),
     /// Run the design notes' simulations on the project's own backoff and budget code.
     Sim(crate::sim::SimArgs),
     /// Exit 0 when the service at --addr reports SERVING (for container health checks).

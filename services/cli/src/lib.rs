@@ -9,16 +9,19 @@
 //! - [`up`]: the whole chain on this machine.
 //! - [`demo`]: the design notes' scenarios measured on running services.
 //! - [`sim`]: the design notes' simulations on the resilience crate's own code.
+//! - [`storm`]: load against a chain: amplification, throughput, latency; [`chart`] draws it.
 //! - [`health`]: the container health check.
 
 use std::process::ExitCode;
 
+pub mod chart;
 pub mod config;
 pub mod demo;
 pub mod health;
 pub mod launch;
 pub mod serve;
 pub mod sim;
+pub mod storm;
 pub mod up;
 
 use config::{Cli, Command};
@@ -36,6 +39,14 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 println!("{}", serde_json::to_string(&report)?);
             } else {
                 demo::print_report(&report);
+            }
+        }
+        Command::Storm(args) => {
+            let report = storm::run(&args).await?;
+            if args.json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                storm::print_report(&report);
             }
         }
         Command::Sim(args) => {

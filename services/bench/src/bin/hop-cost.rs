@@ -1,0 +1,210 @@
+//! The CPU cost of one retrychain relay hop against a bare tonic forwarder, measured in the
+//! same run: each forwards the same number of Charges to the same sink, and the CPU time
+//! each process used (from /proc) is divided by the requests.
+//!
+//! ```text
+//! cargo run --release -p retrychain-bench --bin hop-cost -- --requests 100000
+//! ```
+//!
+//! The same binary also runs the pieces: `hop-cost sink --listen ADDR` and
+//! `hop-cost forward --listen ADDR --downstream URL`.
+
+use std::{
+    process::{Child, Command, Stdio},
+    time::Duration,
+};
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use retrychain_bench::{BareForwarder, Sink, cpu_seconds, load, rss_kib, serve};
+use serde::Serialize;
+use tokio::net::TcpListener;
+
+#[derive(Debug, Parser)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Role>,
+    /// Charges sent through each forwarder per round.
+    #[arg(long, default_value_t = 50_000)]
+    requests: u64,
+    /// Requests in flight.
+    #[arg(long, default_value_t = 32)]
+    concurrency: usize,
+    /// Rounds, alternating the two forwarders; figures are summed over rounds.
+    #[arg(long, default_value_t = 3)]
+    rounds: u32,
+    /// The retrychain binary (default: next to this one).
+    #[arg(long)]
+    retrychain: Option<std::path::PathBuf>,
+    /// RUST_LOG for the relay: `info` logs one line per call, as deployed.
+    #[arg(long, default_value = "info")]
+    relay_log: String,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+enum Role {
+    /// Answer every Charge at once.
+    Sink {
+        #[arg(long)]
+        listen: String,
+    },
+    /// Forward every call, with nothing else.
+    Forward {
+        #[arg(long)]
+        listen: String,
+        #[arg(long)]
+        downstream: String,
+    },
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    requests: u64,
+    concurrency: usize,
+    relay_cpu_us_per_request: f64,
+    bare_cpu_us_per_request: f64,
+    ratio: f64,
+    relay_rss_kib: u64,
+    bare_rss_kib: u64,
+    relay_rps: f64,
+    bare_rps: f64,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match &cli.command {
+        Some(Role::Sink { listen }) => serve(TcpListener::bind(listen).await?, Sink).await,
+        Some(Role::Forward { listen, downstream }) => {
+            let channel = tonic::transport::Endpoint::from_shared(downstream.clone())?
+                .tcp_nodelay(true)
+                .connect_lazy();
+            serve(
+                TcpListener::bind(listen).await?,
+                BareForwarder::new(channel),
+            )
+            .await
+        }
+        None => compare(&cli).await,
+    }
+}
+
+/// A child process killed on drop.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+async fn wait_listening(port: u16) -> anyhow::Result<()> {
+    for _ in 0..200 {
+        if tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_ok()
+        {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    anyhow::bail!("nothing listens on {port}")
+}
+
+async fn compare(cli: &Cli) -> anyhow::Result<()> {
+    let me = std::env::current_exe()?;
+    let retrychain = match &cli.retrychain {
+        Some(path) => path.clone(),
+        None => me.with_file_name("retrychain"),
+    };
+    let (sink_port, relay_port, bare_port) = (free_port()?, free_port()?, free_port()?);
+    let sink_url = format!("http://127.0.0.1:{sink_port}");
+    let spawn = |command: &mut Command| -> anyhow::Result<Proc> {
+        Ok(Proc(
+            command
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()?,
+        ))
+    };
+    let _sink =
+        spawn(Command::new(&me).args(["sink", "--listen", &format!("127.0.0.1:{sink_port}")]))?;
+    let relay = spawn(
+        Command::new(&retrychain)
+            .args([
+                "relay",
+                "--listen",
+                &format!("127.0.0.1:{relay_port}"),
+                "--downstream",
+                &sink_url,
+            ])
+            .env("RUST_LOG", &cli.relay_log),
+    )
+    .with_context(|| format!("starting {}", retrychain.display()))?;
+    let bare = spawn(Command::new(&me).args([
+        "forward",
+        "--listen",
+        &format!("127.0.0.1:{bare_port}"),
+        "--downstream",
+        &sink_url,
+    ]))?;
+    for port in [sink_port, relay_port, bare_port] {
+        wait_listening(port).await?;
+    }
+    let targets = [
+        (format!("http://127.0.0.1:{relay_port}"), relay.0.id()),
+        (format!("http://127.0.0.1:{bare_port}"), bare.0.id()),
+    ];
+    // Warm both up, then alternate rounds so drift on a shared machine hits both alike.
+    for (url, _) in &targets {
+        load(url, cli.requests / 10 + 100, cli.concurrency).await?;
+    }
+    let mut cpu = [0.0f64; 2];
+    let mut wall = [0.0f64; 2];
+    for _ in 0..cli.rounds {
+        for (i, (url, pid)) in targets.iter().enumerate() {
+            let before = cpu_seconds(*pid)?;
+            wall[i] += load(url, cli.requests, cli.concurrency)
+                .await?
+                .as_secs_f64();
+            cpu[i] += cpu_seconds(*pid)? - before;
+        }
+    }
+    let total = (cli.requests * u64::from(cli.rounds)) as f64;
+    let report = Report {
+        requests: cli.requests * u64::from(cli.rounds),
+        concurrency: cli.concurrency,
+        relay_cpu_us_per_request: cpu[0] / total * 1e6,
+        bare_cpu_us_per_request: cpu[1] / total * 1e6,
+        ratio: cpu[0] / cpu[1].max(f64::EPSILON),
+        relay_rss_kib: rss_kib(targets[0].1)?,
+        bare_rss_kib: rss_kib(targets[1].1)?,
+        relay_rps: total / wall[0],
+        bare_rps: total / wall[1],
+    };
+    if cli.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!(
+            "relay: {:.1} µs CPU per request ({:.0} req/s, RSS {} KiB)\nbare:  {:.1} µs CPU per request ({:.0} req/s, RSS {} KiB)\nratio relay/bare: {:.2}",
+            report.relay_cpu_us_per_request,
+            report.relay_rps,
+            report.relay_rss_kib,
+            report.bare_cpu_us_per_request,
+            report.bare_rps,
+            report.bare_rss_kib,
+            report.ratio
+        );
+    }
+    Ok(())
+}

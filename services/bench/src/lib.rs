@@ -1,0 +1,165 @@
+//! Benchmark helpers.
+//!
+//! - [`Sink`]: a Payments server that answers every Charge at once, so the cost of a hop in
+//!   front of it is the cost being measured.
+//! - [`BareForwarder`]: the minimal tonic forwarder — one shared channel, the request
+//!   message passed on, nothing else: no deadline layer, no key or trace handling, no retry
+//!   executor, no counters, no logging. It is the baseline a retrychain relay is compared to.
+//! - [`cpu_seconds`]: a process's user + system CPU time, from `/proc`.
+
+use std::time::Duration;
+
+use retrychain_proto::v1::{
+    Account, ChargeReply, ChargeRequest, GetAccountRequest,
+    payments_client::PaymentsClient,
+    payments_server::{Payments, PaymentsServer},
+};
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::{Request, Response, Status, transport::Channel};
+
+/// Answers every call at once.
+#[derive(Debug, Clone, Default)]
+pub struct Sink;
+
+#[tonic::async_trait]
+impl Payments for Sink {
+    async fn charge(
+        &self,
+        request: Request<ChargeRequest>,
+    ) -> Result<Response<ChargeReply>, Status> {
+        let message = request.into_inner();
+        Ok(Response::new(ChargeReply {
+            charge_id: "sink".into(),
+            account_id: message.account_id,
+            amount_cents: message.amount_cents,
+            balance_cents: message.amount_cents,
+        }))
+    }
+
+    async fn get_account(
+        &self,
+        request: Request<GetAccountRequest>,
+    ) -> Result<Response<Account>, Status> {
+        Ok(Response::new(Account {
+            account_id: request.into_inner().account_id,
+            balance_cents: 0,
+            charges: 0,
+        }))
+    }
+}
+
+/// Forwards every call downstream and nothing more.
+#[derive(Debug, Clone)]
+pub struct BareForwarder {
+    /// The downstream service.
+    downstream: PaymentsClient<Channel>,
+}
+
+impl BareForwarder {
+    /// A forwarder over `channel`.
+    pub fn new(channel: Channel) -> Self {
+        Self {
+            downstream: PaymentsClient::new(channel),
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl Payments for BareForwarder {
+    async fn charge(
+        &self,
+        request: Request<ChargeRequest>,
+    ) -> Result<Response<ChargeReply>, Status> {
+        let reply = self.downstream.clone().charge(request.into_inner()).await?;
+        Ok(Response::new(reply.into_inner()))
+    }
+
+    async fn get_account(
+        &self,
+        request: Request<GetAccountRequest>,
+    ) -> Result<Response<Account>, Status> {
+        let reply = self
+            .downstream
+            .clone()
+            .get_account(request.into_inner())
+            .await?;
+        Ok(Response::new(reply.into_inner()))
+    }
+}
+
+/// Serves `service` on `listener` until the process ends.
+pub async fn serve<P: Payments>(listener: TcpListener, service: P) -> anyhow::Result<()> {
+    tonic::transport::Server::builder()
+        .add_service(PaymentsServer::new(service))
+        .serve_with_incoming(TcpListenerStream::new(listener))
+        .await?;
+    Ok(())
+}
+
+/// User plus system CPU time a process has used, from `/proc/<pid>/stat`.
+pub fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the command name, which is in parentheses and may contain spaces.
+    let after = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest)
+        .ok_or_else(|| anyhow::anyhow!("unexpected /proc/{pid}/stat"))?;
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of stat, i.e. 11 and 12 after the name.
+    let ticks: f64 = fields
+        .get(11)
+        .zip(fields.get(12))
+        .map(|(u, s)| u.parse::<f64>().unwrap_or(0.0) + s.parse::<f64>().unwrap_or(0.0))
+        .ok_or_else(|| anyhow::anyhow!("short /proc/{pid}/stat"))?;
+    Ok(ticks / clock_ticks_per_second())
+}
+
+/// Resident set size of a process in KiB, from `/proc/<pid>/status`.
+pub fn rss_kib(pid: u32) -> anyhow::Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("no VmRSS for {pid}"))
+}
+
+/// Linux's USER_HZ, which is 100 on every architecture Linux runs on today.
+fn clock_ticks_per_second() -> f64 {
+    100.0
+}
+
+/// Sends `requests` Charges to `target`, `concurrency` at a time, each with an idempotency
+/// key and a deadline (what a retrychain relay requires). Returns the wall time.
+pub async fn load(target: &str, requests: u64, concurrency: usize) -> anyhow::Result<Duration> {
+    use futures::StreamExt;
+    let channel = tonic::transport::Endpoint::from_shared(target.to_owned())?
+        .tcp_nodelay(true)
+        .connect()
+        .await?;
+    let client = PaymentsClient::new(channel);
+    let start = std::time::Instant::now();
+    let failures = futures::stream::iter(0..requests)
+        .map(|n| {
+            let mut client = client.clone();
+            async move {
+                let mut request = Request::new(ChargeRequest {
+                    account_id: format!("bench-{}", n % 100),
+                    amount_cents: 100,
+                });
+                request.set_timeout(Duration::from_secs(5));
+                if let Ok(key) = format!("bench-{n}").parse() {
+                    request.metadata_mut().insert("idempotency-key", key);
+                }
+                client.charge(request).await.is_err()
+            }
+        })
+        .buffer_unordered(concurrency.max(1))
+        .filter(|failed| std::future::ready(*failed))
+        .count()
+        .await;
+    anyhow::ensure!(failures == 0, "{failures} of {requests} requests failed");
+    Ok(start.elapsed())
+}

@@ -1,0 +1,536 @@
+//! `retrychain storm`: load against a chain, with per-mode amplification and tail latency.
+//!
+//! Sends Charges with fresh keys (a closed loop of `--concurrency` workers, or an open loop
+//! at `--rate` requests a second) for `--duration` or `--requests`, optionally with faults
+//! set on the ledger first, and reports success, status codes, first attempts and bottom
+//! calls (from the edge's and the ledger's own counters), amplification, throughput and
+//! latency percentiles. `--csv` writes per-second samples; `--svg` draws them.
+
+use std::{
+    collections::BTreeMap,
+    path::PathBuf,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use anyhow::Context;
+use clap::Args;
+use hdrhistogram::Histogram;
+use indicatif::{ProgressBar, ProgressStyle};
+use retrychain_proto::v1::{
+    ChargeRequest, Faults, GetStatsRequest, control_client::ControlClient,
+    payments_client::PaymentsClient,
+};
+use serde::Serialize;
+use tonic::{Code, Request, metadata::MetadataValue, transport::Channel};
+
+use crate::{
+    config::{BackoffArg, ModeArg},
+    launch::{ChainOptions, LocalChain, Logs},
+};
+
+/// Flags of `storm`.
+#[derive(Debug, Clone, Args)]
+pub struct StormArgs {
+    /// An existing chain's edge (with --ledger). Unset: start a chain here.
+    #[arg(long, env = "RETRYCHAIN_EDGE", requires = "ledger")]
+    pub edge: Option<String>,
+    /// The existing chain's ledger, for its counters and faults.
+    #[arg(long, env = "RETRYCHAIN_LEDGER")]
+    pub ledger: Option<String>,
+    /// Requests in flight at once (closed loop); with --rate, the most in flight.
+    #[arg(long, default_value_t = 32)]
+    pub concurrency: usize,
+    /// Open loop: start this many requests a second, whatever the latency.
+    #[arg(long)]
+    pub rate: Option<f64>,
+    /// How long to send (e.g. 10s, 1m).
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    pub duration: Duration,
+    /// Stop after this many requests instead of after --duration.
+    #[arg(long)]
+    pub requests: Option<u64>,
+    /// Send `x-retry-mode` (honoured by an edge with --allow-retry-mode-override).
+    #[arg(long, value_enum)]
+    pub retry_mode: Option<ModeArg>,
+    /// Ledger fault during the run: probability that a processor call fails.
+    #[arg(long, default_value_t = 0.0)]
+    pub fail_rate: f64,
+    /// Ledger fault: the code of those failures.
+    #[arg(long, default_value = "")]
+    pub fail_code: String,
+    /// Ledger fault: processor latency, in ms.
+    #[arg(long, default_value_t = 0)]
+    pub delay_ms: u32,
+    /// Ledger fault: probability that a reply is lost after commit.
+    #[arg(long, default_value_t = 0.0)]
+    pub drop_reply_rate: f64,
+    /// Deadline of each request, in ms.
+    #[arg(long, default_value_t = 5000)]
+    pub deadline_ms: u64,
+    /// Spread charges over this many accounts.
+    #[arg(long, default_value_t = 1000)]
+    pub accounts: u64,
+    /// For a chain started here: backoff of its services.
+    #[arg(long, value_enum, default_value_t = BackoffArg::Full)]
+    pub backoff: BackoffArg,
+    /// For a chain started here: Postgres URL (unset: a throwaway cluster).
+    #[arg(long, env = "DATABASE_URL")]
+    pub database_url: Option<String>,
+    /// For a chain started here: the edge's port; the others take the next four.
+    #[arg(long, default_value_t = 50071)]
+    pub base_port: u16,
+    /// Print one JSON object instead of the report.
+    #[arg(long)]
+    pub json: bool,
+    /// Write per-second samples to this CSV file.
+    #[arg(long)]
+    pub csv: Option<PathBuf>,
+    /// Draw throughput, errors and bottom calls per second into this SVG file.
+    #[arg(long)]
+    pub svg: Option<PathBuf>,
+}
+
+/// What one storm measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct StormReport {
+    /// Requests completed.
+    pub requests: u64,
+    /// Requests that succeeded.
+    pub ok: u64,
+    /// ok / requests.
+    pub success_rate: f64,
+    /// Completed requests per final status code.
+    pub codes: BTreeMap<String, u64>,
+    /// Requests the edge received during the run (its `requests_received`).
+    pub first_attempts: u64,
+    /// Processor calls the ledger made during the run (its `downstream_attempts`).
+    pub bottom_calls: u64,
+    /// bottom_calls / first_attempts.
+    pub amplification: f64,
+    /// Completed requests per second.
+    pub throughput_rps: f64,
+    /// Wall time of the run, in seconds.
+    pub duration_s: f64,
+    /// Latency percentiles, in ms.
+    pub latency_ms: Latency,
+    /// Per-second samples.
+    pub samples: Vec<Sample>,
+}
+
+/// Latency percentiles of completed requests, in ms.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Latency {
+    /// Median.
+    pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
+    /// 99th percentile.
+    pub p99: f64,
+    /// 99.9th percentile.
+    pub p999: f64,
+    /// Slowest.
+    pub max: f64,
+}
+
+/// One second of the run.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Sample {
+    /// Seconds since the start.
+    pub second: u64,
+    /// Requests completed OK in that second.
+    pub ok: u64,
+    /// Requests failed in that second.
+    pub errors: u64,
+    /// Bottom calls in that second.
+    pub bottom_calls: u64,
+}
+
+/// Counters the workers share.
+#[derive(Debug, Default)]
+struct Tally {
+    /// Requests started (for --requests).
+    started: AtomicU64,
+    /// Requests completed OK.
+    ok: AtomicU64,
+    /// Requests failed.
+    errors: AtomicU64,
+    /// Final codes.
+    codes: Mutex<BTreeMap<String, u64>>,
+    /// Latencies in µs.
+    latency: Mutex<Option<Histogram<u64>>>,
+}
+
+/// Runs a storm per `args` and returns its report.
+pub async fn run(args: &StormArgs) -> anyhow::Result<StormReport> {
+    let local = match &args.edge {
+        Some(_) => None,
+        None => Some(
+            LocalChain::start(ChainOptions {
+                database_url: args.database_url.clone(),
+                base_port: args.base_port,
+                flags: vec![
+                    "--backoff".into(),
+                    format!("{:?}", args.backoff).to_lowercase(),
+                    "--log-format".into(),
+                    "text".into(),
+                ],
+                logs: Logs::Discard,
+            })
+            .await?,
+        ),
+    };
+    let (edge, ledger) = match &local {
+        Some(chain) => {
+            let urls = chain.urls();
+            (urls[0].clone(), urls[4].clone())
+        }
+        None => (
+            args.edge.clone().unwrap_or_default(),
+            args.ledger.clone().unwrap_or_default(),
+        ),
+    };
+    let result = storm(args, &edge, &ledger).await;
+    if let Some(chain) = local {
+        chain.stop().await;
+    }
+    let report = result?;
+    if let Some(path) = &args.csv {
+        write_csv(path, &report.samples)?;
+    }
+    if let Some(path) = &args.svg {
+        crate::chart::draw(path, &report.samples)?;
+    }
+    Ok(report)
+}
+
+async fn connect(url: &str) -> anyhow::Result<Channel> {
+    let url = if url.contains("://") {
+        url.to_owned()
+    } else {
+        format!("http://{url}")
+    };
+    tonic::transport::Endpoint::from_shared(url.clone())
+        .with_context(|| format!("URL {url:?}"))?
+        .tcp_nodelay(true)
+        .connect()
+        .await
+        .with_context(|| format!("connecting to {url}"))
+}
+
+async fn storm(args: &StormArgs, edge_url: &str, ledger_url: &str) -> anyhow::Result<StormReport> {
+    let edge = connect(edge_url).await?;
+    let ledger = connect(ledger_url).await?;
+    let mut ledger_control = ControlClient::new(ledger.clone());
+    let faulty = args.fail_rate > 0.0 || args.delay_ms > 0 || args.drop_reply_rate > 0.0;
+    if faulty {
+        ledger_control
+            .set_faults(Faults {
+                fail_rate: args.fail_rate,
+                fail_code: args.fail_code.clone(),
+                delay_ms: args.delay_ms,
+                drop_reply_rate: args.drop_reply_rate,
+                ..Faults::default()
+            })
+            .await
+            .context("setting the ledger's faults (it needs --fault-injection)")?;
+    }
+    let edge_before = ControlClient::new(edge.clone())
+        .get_stats(GetStatsRequest {})
+        .await?
+        .into_inner();
+    let ledger_before = ledger_control
+        .get_stats(GetStatsRequest {})
+        .await?
+        .into_inner();
+
+    let tally = Arc::new(Tally {
+        latency: Mutex::new(Some(Histogram::new_with_bounds(1, 600_000_000, 3)?)),
+        ..Tally::default()
+    });
+    let start = Instant::now();
+    let end = start + args.duration;
+    let bar = progress(args);
+    let marks: Marks = Arc::default();
+    mark(&tally, &mut ledger_control, start, &marks).await;
+    let sampler = tokio::spawn(sample(
+        Arc::clone(&tally),
+        ledger_control.clone(),
+        start,
+        Arc::clone(&marks),
+        bar.clone(),
+        args.requests.is_some(),
+    ));
+    let run = format!("{:08x}", rand::random::<u32>());
+
+    let mode = args
+        .retry_mode
+        .map(|m| retrychain_node::RetryMode::from(m).as_str());
+    let send = {
+        let tally = Arc::clone(&tally);
+        let client = PaymentsClient::new(edge.clone());
+        let deadline = Duration::from_millis(args.deadline_ms);
+        let accounts = args.accounts.max(1);
+        move |n: u64| {
+            let mut client = client.clone();
+            let tally = Arc::clone(&tally);
+            let mut request = Request::new(ChargeRequest {
+                account_id: format!("storm-{}", n % accounts),
+                amount_cents: 100,
+            });
+            request.set_timeout(deadline);
+            if let Ok(key) = MetadataValue::try_from(format!("storm-{run}-{n}")) {
+                request.metadata_mut().insert("idempotency-key", key);
+            }
+            if let Some(mode) = mode {
+                request
+                    .metadata_mut()
+                    .insert("x-retry-mode", MetadataValue::from_static(mode));
+            }
+            async move {
+                let sent = Instant::now();
+                let result = client.charge(request).await;
+                tally.record(result.map(|_| ()).map_err(|s| s.code()), sent.elapsed());
+            }
+        }
+    };
+    let limit = args.requests.unwrap_or(u64::MAX);
+    let more = |tally: &Tally| {
+        let n = tally.started.fetch_add(1, Ordering::Relaxed);
+        (n < limit && (args.requests.is_some() || Instant::now() < end)).then_some(n)
+    };
+    match args.rate {
+        None => {
+            let workers = (0..args.concurrency.max(1)).map(|_| {
+                let send = send.clone();
+                let tally = Arc::clone(&tally);
+                async move {
+                    while let Some(n) = more(&tally) {
+                        send(n).await;
+                    }
+                }
+            });
+            futures::future::join_all(workers).await;
+        }
+        Some(rate) => {
+            let permits = Arc::new(tokio::sync::Semaphore::new(args.concurrency.max(1)));
+            let mut ticker = tokio::time::interval(Duration::from_secs_f64(1.0 / rate.max(0.001)));
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+            let mut tasks = tokio::task::JoinSet::new();
+            while let Some(n) = more(&tally) {
+                ticker.tick().await;
+                let permit = Arc::clone(&permits).acquire_owned().await?;
+                let request = send(n);
+                tasks.spawn(async move {
+                    request.await;
+                    drop(permit);
+                });
+            }
+            while tasks.join_next().await.is_some() {}
+        }
+    }
+    let elapsed = start.elapsed();
+    sampler.abort();
+    mark(&tally, &mut ledger_control, start, &marks).await;
+    let samples = samples(&marks);
+    bar.finish_and_clear();
+
+    let edge_after = ControlClient::new(edge.clone())
+        .get_stats(GetStatsRequest {})
+        .await?
+        .into_inner();
+    let ledger_after = ledger_control
+        .get_stats(GetStatsRequest {})
+        .await?
+        .into_inner();
+    if faulty {
+        ledger_control.set_faults(Faults::default()).await?;
+    }
+    let ok = tally.ok.load(Ordering::Relaxed);
+    let requests = ok + tally.errors.load(Ordering::Relaxed);
+    let first_attempts = edge_after
+        .requests_received
+        .saturating_sub(edge_before.requests_received);
+    let bottom_calls = ledger_after
+        .downstream_attempts
+        .saturating_sub(ledger_before.downstream_attempts);
+    let histogram = tally
+        .latency
+        .lock()
+        .map_err(|_| anyhow::anyhow!("latency lock"))?
+        .take();
+    let latency = histogram.map_or(
+        Latency {
+            p50: 0.0,
+            p90: 0.0,
+            p99: 0.0,
+            p999: 0.0,
+            max: 0.0,
+        },
+        |h| Latency {
+            p50: h.value_at_quantile(0.5) as f64 / 1e3,
+            p90: h.value_at_quantile(0.9) as f64 / 1e3,
+            p99: h.value_at_quantile(0.99) as f64 / 1e3,
+            p999: h.value_at_quantile(0.999) as f64 / 1e3,
+            max: h.max() as f64 / 1e3,
+        },
+    );
+    let codes = tally
+        .codes
+        .lock()
+        .map_err(|_| anyhow::anyhow!("codes lock"))?
+        .clone();
+    Ok(StormReport {
+        requests,
+        ok,
+        success_rate: ok as f64 / requests.max(1) as f64,
+        codes,
+        first_attempts,
+        bottom_calls,
+        amplification: bottom_calls as f64 / first_attempts.max(1) as f64,
+        throughput_rps: requests as f64 / elapsed.as_secs_f64(),
+        duration_s: elapsed.as_secs_f64(),
+        latency_ms: latency,
+        samples,
+    })
+}
+
+impl Tally {
+    fn record(&self, result: Result<(), Code>, latency: Duration) {
+        let code = match result {
+            Ok(()) => {
+                self.ok.fetch_add(1, Ordering::Relaxed);
+                "OK"
+            }
+            Err(code) => {
+                self.errors.fetch_add(1, Ordering::Relaxed);
+                retrychain_node::faults::code_name(code)
+            }
+        };
+        if let Ok(mut codes) = self.codes.lock() {
+            *codes.entry(code.to_owned()).or_default() += 1;
+        }
+        if let Ok(mut histogram) = self.latency.lock()
+            && let Some(histogram) = histogram.as_mut()
+        {
+            let _ = histogram.record(latency.as_micros().max(1) as u64);
+        }
+    }
+}
+
+/// Running totals read once a second: (second, ok, errors, bottom calls so far).
+type Marks = Arc<Mutex<Vec<(u64, u64, u64, u64)>>>;
+
+/// Reads the running totals once a second until aborted.
+/// The bar counts requests (`by_requests`) or seconds.
+async fn sample(
+    tally: Arc<Tally>,
+    mut ledger: ControlClient<Channel>,
+    start: Instant,
+    marks: Marks,
+    bar: ProgressBar,
+    by_requests: bool,
+) {
+    let mut ticker = tokio::time::interval(Duration::from_secs(1));
+    ticker.tick().await; // the first tick is immediate; the start mark is already taken
+    loop {
+        ticker.tick().await;
+        mark(&tally, &mut ledger, start, &marks).await;
+        let (ok, errors) = (
+            tally.ok.load(Ordering::Relaxed),
+            tally.errors.load(Ordering::Relaxed),
+        );
+        if by_requests {
+            bar.set_position(ok + errors);
+        } else {
+            bar.set_position(start.elapsed().as_secs());
+        }
+        bar.set_message(format!("ok {ok}, errors {errors}"));
+    }
+}
+
+async fn mark(tally: &Tally, ledger: &mut ControlClient<Channel>, start: Instant, marks: &Marks) {
+    let calls = bottom(ledger).await;
+    let entry = (
+        start.elapsed().as_secs(),
+        tally.ok.load(Ordering::Relaxed),
+        tally.errors.load(Ordering::Relaxed),
+        calls,
+    );
+    if let Ok(mut marks) = marks.lock() {
+        marks.push(entry);
+    }
+}
+
+/// Per-second samples: the differences between consecutive marks.
+fn samples(marks: &Marks) -> Vec<Sample> {
+    let marks = marks.lock().map(|m| m.clone()).unwrap_or_default();
+    marks
+        .windows(2)
+        .map(|w| Sample {
+            second: w[1].0,
+            ok: w[1].1.saturating_sub(w[0].1),
+            errors: w[1].2.saturating_sub(w[0].2),
+            bottom_calls: w[1].3.saturating_sub(w[0].3),
+        })
+        .collect()
+}
+
+async fn bottom(ledger: &mut ControlClient<Channel>) -> u64 {
+    ledger
+        .get_stats(GetStatsRequest {})
+        .await
+        .map_or(0, |s| s.into_inner().downstream_attempts)
+}
+
+fn progress(args: &StormArgs) -> ProgressBar {
+    let bar = match args.requests {
+        Some(n) => ProgressBar::new(n),
+        None => ProgressBar::new(args.duration.as_secs().max(1)),
+    };
+    if let Ok(style) = ProgressStyle::with_template("storm [{bar:30}] {pos}/{len} {msg}") {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar
+}
+
+fn write_csv(path: &PathBuf, samples: &[Sample]) -> anyhow::Result<()> {
+    let mut text = String::from("second,ok,errors,bottom_calls\n");
+    for s in samples {
+        text.push_str(&format!(
+            "{},{},{},{}\n",
+            s.second, s.ok, s.errors, s.bottom_calls
+        ));
+    }
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+}
+
+/// Prints the report for people.
+pub fn print_report(r: &StormReport) {
+    println!("requests        {}", r.requests);
+    println!(
+        "success rate    {:.2}% ({} ok)",
+        r.success_rate * 100.0,
+        r.ok
+    );
+    let codes: Vec<String> = r.codes.iter().map(|(c, n)| format!("{c} {n}")).collect();
+    println!("status codes    {}", codes.join(", "));
+    println!("first attempts  {}", r.first_attempts);
+    println!("bottom calls    {}", r.bottom_calls);
+    println!(
+        "amplification   {:.3} bottom calls per first attempt",
+        r.amplification
+    );
+    println!(
+        "throughput      {:.0} requests/s over {:.1} s",
+        r.throughput_rps, r.duration_s
+    );
+    let l = r.latency_ms;
+    println!(
+        "latency ms      p50 {:.2}  p90 {:.2}  p99 {:.2}  p99.9 {:.2}  max {:.2}",
+        l.p50, l.p90, l.p99, l.p999, l.max
+    );
+}

@@ -1,0 +1,108 @@
+//! `retrychain storm` against a spawned chain: its report agrees with the services' own
+//! counters, and it writes its CSV and SVG.
+
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+mod support;
+
+use std::process::Command;
+
+use support::*;
+
+#[tokio::test]
+async fn storm_counts_agree_with_the_services_stats() {
+    let chain = Chain::spawn(Options::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (csv, svg) = (dir.path().join("storm.csv"), dir.path().join("storm.svg"));
+    let mut command = Command::new(env!("CARGO_BIN_EXE_retrychain"));
+    command
+        .args([
+            "storm",
+            "--json",
+            "--requests",
+            "300",
+            "--concurrency",
+            "8",
+            "--fail-rate",
+            "0.3",
+        ])
+        .args([
+            "--edge",
+            &chain.addrs[EDGE],
+            "--ledger",
+            &chain.addrs[LEDGER],
+        ])
+        .arg("--csv")
+        .arg(&csv)
+        .arg("--svg")
+        .arg(&svg);
+    let output = tokio::task::spawn_blocking(move || command.output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    println!("{report}");
+
+    let stats = chain.all_stats().await;
+    assert_eq!(report["requests"], 300);
+    assert_eq!(report["first_attempts"], stats[EDGE].requests_received);
+    assert_eq!(report["first_attempts"], 300);
+    assert_eq!(report["bottom_calls"], stats[LEDGER].downstream_attempts);
+    let codes: u64 = report["codes"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_u64().unwrap())
+        .sum();
+    assert_eq!(codes, 300);
+    assert_eq!(report["ok"], report["codes"]["OK"]);
+    let bottom = report["bottom_calls"].as_u64().unwrap();
+    assert!(
+        bottom > 300,
+        "30% processor failures are retried by the edge: {bottom}"
+    );
+    let amplification = report["amplification"].as_f64().unwrap();
+    assert!((amplification - bottom as f64 / 300.0).abs() < 1e-9);
+    for p in ["p50", "p90", "p99", "p999"] {
+        assert!(report["latency_ms"][p].as_f64().unwrap() > 0.0, "{p}");
+    }
+    // The faults set for the run are cleared after it: 30 charges, 30 processor calls.
+    chain.reset_stats().await;
+    for _ in 0..30 {
+        chain
+            .edge()
+            .await
+            .charge(charge(
+                &new_account(),
+                100,
+                None,
+                std::time::Duration::from_secs(5),
+                &[],
+            ))
+            .await
+            .unwrap();
+    }
+    assert_eq!(chain.stats(LEDGER).await.downstream_attempts, 30);
+
+    let csv = std::fs::read_to_string(csv).unwrap();
+    assert!(csv.starts_with("second,ok,errors,bottom_calls\n"), "{csv}");
+    let sampled: u64 = csv
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').nth(3).unwrap().parse::<u64>().unwrap())
+        .sum();
+    assert_eq!(
+        sampled, bottom,
+        "per-second bottom calls add up to the total"
+    );
+    let svg = std::fs::read_to_string(svg).unwrap();
+    assert!(
+        svg.contains("<svg") && svg.contains("bottom calls"),
+        "an SVG chart"
+    );
+}
