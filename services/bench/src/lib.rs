@@ -3,8 +3,9 @@
 //! - [`Sink`]: a Payments server that answers every Charge at once, so the cost of a hop in
 //!   front of it is the cost being measured.
 //! - [`BareForwarder`]: the minimal tonic forwarder — one shared channel, the request
-//!   message passed on, nothing else: no deadline layer, no key or trace handling, no retry
-//!   executor, no counters, no logging. It is the baseline a retrychain relay is compared to.
+//!   message and its metadata passed on as they came, nothing else: no deadline layer or
+//!   arithmetic, no key, mode or trace handling, no retry executor, no counters, no logging.
+//!   It is the baseline a retrychain relay is compared to.
 //! - [`cpu_seconds`]: a process's user + system CPU time, from `/proc`.
 
 use std::time::Duration;

@@ -1,12 +1,14 @@
 //! The server side of deadline propagation, as a tower layer.
 //!
-//! [`DeadlineLayer`] reads the incoming `grpc-timeout` (or applies a default), refuses a
-//! malformed one with INVALID_ARGUMENT before the handler runs, hands the handler its
-//! [`IncomingDeadline`] through the request extensions, and answers DEADLINE_EXCEEDED itself
-//! shortly before the deadline if the handler has not (handlers are asked to answer a little
-//! earlier still, at `answer_by`, so that their own answer carries their metadata). The last part matters: tonic enforces `grpc-timeout` by
-//! dropping the handler and answering CANCELLED, which a caller must not retry and cannot
-//! tell from a user's cancel; answering first keeps the status honest.
+//! [`DeadlineLayer`] reads the incoming `grpc-timeout` (or applies the default), refuses a
+//! malformed one with INVALID_ARGUMENT before any handler runs, and hands the handler an
+//! [`IncomingDeadline`] through the request extensions: when the caller stops waiting, and
+//! `answer_by`, a little earlier, when the handler must answer DEADLINE_EXCEEDED itself.
+//! That matters because tonic enforces `grpc-timeout` by dropping the handler and answering
+//! CANCELLED, which a caller must not retry and cannot tell from a user's cancel; a handler
+//! that answers first keeps the status honest and can put its own metadata (trace id, the
+//! key the edge made) on the answer. The layer sets no timer of its own: the handler's
+//! guard (`RpcScope::run` in retrychain-node) is the one place the deadline is enforced.
 
 use std::{
     future::Future,
@@ -43,14 +45,13 @@ pub struct IncomingDeadline {
 pub struct DeadlineLayer {
     /// Applied when a request carries no `grpc-timeout`.
     default_timeout: Duration,
-    /// How long before the deadline the handler must answer; the layer itself answers
-    /// DEADLINE_EXCEEDED at half of this, should the handler not have.
+    /// How long before the deadline the handler must answer.
     reserve: Duration,
 }
 
 impl DeadlineLayer {
-    /// A layer that applies `default_timeout` to requests without a deadline, asks handlers
-    /// to answer `reserve` before each deadline, and answers for them at `reserve / 2`.
+    /// A layer that applies `default_timeout` to requests without a deadline and asks
+    /// handlers to answer `reserve` before each deadline.
     pub fn new(default_timeout: Duration, reserve: Duration) -> Self {
         Self {
             default_timeout,
@@ -79,18 +80,42 @@ pub struct EnforceDeadline<S> {
     config: DeadlineLayer,
 }
 
-type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+pin_project_lite::pin_project! {
+    /// The future of [`EnforceDeadline`]: the inner service's (`Inner`), or an immediate
+    /// refusal of a malformed `grpc-timeout` (`Refused`, taken when polled).
+    #[project = ResponseProj]
+    #[allow(missing_docs)] // the variants' fields are described above; the macro takes no field docs
+    pub enum ResponseFuture<F, B> {
+        Inner { #[pin] future: F },
+        Refused { response: Option<http::Response<B>> },
+    }
+}
+
+impl<F, B, E> Future for ResponseFuture<F, B>
+where
+    F: Future<Output = Result<http::Response<B>, E>>,
+{
+    type Output = Result<http::Response<B>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project() {
+            ResponseProj::Inner { future } => future.poll(cx),
+            ResponseProj::Refused { response } => match response.take() {
+                Some(response) => Poll::Ready(Ok(response)),
+                None => Poll::Pending,
+            },
+        }
+    }
+}
 
 impl<S, ReqBody, ResBody> Service<http::Request<ReqBody>> for EnforceDeadline<S>
 where
     S: Service<http::Request<ReqBody>, Response = http::Response<ResBody>>,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-    ResBody: Default + Send + 'static,
+    ResBody: Default,
 {
     type Response = http::Response<ResBody>;
     type Error = S::Error;
-    type Future = BoxFuture<Result<Self::Response, Self::Error>>;
+    type Future = ResponseFuture<S::Future, ResBody>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
@@ -106,8 +131,9 @@ where
             None => None,
             Some(Ok(timeout)) => Some(timeout),
             Some(Err(message)) => {
-                let response = Status::invalid_argument(message).into_http();
-                return Box::pin(async move { Ok(response) });
+                return ResponseFuture::Refused {
+                    response: Some(Status::invalid_argument(message).into_http()),
+                };
             }
         };
         let timeout = received.unwrap_or(self.config.default_timeout);
@@ -118,16 +144,8 @@ where
             timeout,
             answer_by: deadline.earlier_by(self.config.reserve),
         });
-        let backstop = deadline.earlier_by(self.config.reserve / 2);
-        let response = self.inner.call(request);
-        Box::pin(async move {
-            match tokio::time::timeout_at(backstop.instant(), response).await {
-                Ok(result) => result,
-                Err(_) => Ok(Status::deadline_exceeded(format!(
-                    "the deadline of {timeout:?} ran out before an answer"
-                ))
-                .into_http()),
-            }
-        })
+        ResponseFuture::Inner {
+            future: self.inner.call(request),
+        }
     }
 }
