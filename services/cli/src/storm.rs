@@ -421,7 +421,7 @@ impl Tally {
     }
 }
 
-/// Running totals read once a second: (second, ok, errors, bottom calls so far).
+/// Running totals read once a second: (seconds since the start, ok, errors, bottom calls).
 type Marks = Arc<Mutex<Vec<(u64, u64, u64, u64)>>>;
 
 /// Reads the running totals once a second until aborted.
@@ -465,13 +465,15 @@ async fn mark(tally: &Tally, ledger: &mut ControlClient<Channel>, start: Instant
     }
 }
 
-/// Per-second samples: the differences between consecutive marks.
+/// Per-second samples: the differences between consecutive marks, numbered from 1 (the
+/// last may cover less than a second).
 fn samples(marks: &Marks) -> Vec<Sample> {
     let marks = marks.lock().map(|m| m.clone()).unwrap_or_default();
     marks
         .windows(2)
-        .map(|w| Sample {
-            second: w[1].0,
+        .zip(1..)
+        .map(|(w, second)| Sample {
+            second,
             ok: w[1].1.saturating_sub(w[0].1),
             errors: w[1].2.saturating_sub(w[0].2),
             bottom_calls: w[1].3.saturating_sub(w[0].3),
