@@ -15,7 +15,7 @@ type Series = (&'static str, RGBColor, fn(&Sample) -> u64);
 pub fn draw(path: &Path, samples: &[Sample]) -> anyhow::Result<()> {
     let root = SVGBackend::new(path, (900, 420)).into_drawing_area();
     root.fill(&WHITE).context("drawing the chart")?;
-    let seconds = samples.last().map_or(1, |s| s.second.max(1));
+    let seconds = samples.last().map_or(1, |s| s.second) + 1;
     let top = samples
         .iter()
         .flat_map(|s| [s.ok, s.errors, s.bottom_calls])
@@ -32,6 +32,8 @@ pub fn draw(path: &Path, samples: &[Sample]) -> anyhow::Result<()> {
         .context("laying out the chart")?;
     chart
         .configure_mesh()
+        .light_line_style(WHITE)
+        .bold_line_style(BLACK.mix(0.15))
         .x_desc("seconds")
         .y_desc("per second")
         .draw()
