@@ -22,7 +22,7 @@ use retrychain_proto::v1::{
 use serde::Serialize;
 use tonic::{Code, Request, Response, Status, metadata::MetadataValue, transport::Channel};
 
-use crate::launch::{ChainOptions, ChildService, LocalChain, Logs};
+use crate::launch::{ChainOptions, ChildService, LocalChain, Logs, connect};
 
 /// Flags of `demo`.
 #[derive(Debug, Clone, Args)]
@@ -228,7 +228,7 @@ pub async fn run(args: &DemoArgs) -> anyhow::Result<DemoReport> {
         Some(chain) => chain.urls(),
         None => [&args.edge, &args.hop2, &args.hop3, &args.hop4, &args.ledger]
             .iter()
-            .map(|url| with_scheme(url.as_deref().unwrap_or_default()))
+            .map(|url| (*url).clone().unwrap_or_default())
             .collect(),
     };
     let result = async {
@@ -294,14 +294,6 @@ async fn scenarios(target: &Target, args: &DemoArgs) -> anyhow::Result<DemoRepor
     })
 }
 
-fn with_scheme(url: &str) -> String {
-    if url.contains("://") {
-        url.to_owned()
-    } else {
-        format!("http://{url}")
-    }
-}
-
 /// An edge the demo starts for itself, forwarding to the chain's hop2.
 struct DemoEdge {
     /// The process.
@@ -352,14 +344,6 @@ impl DemoEdge {
     async fn stop(self) {
         self.service.stop().await;
     }
-}
-
-async fn connect(url: &str) -> anyhow::Result<Channel> {
-    tonic::transport::Endpoint::from_shared(url.to_owned())
-        .with_context(|| format!("URL {url:?}"))?
-        .connect()
-        .await
-        .with_context(|| format!("connecting to {url}"))
 }
 
 /// A Charge request with a key, a deadline and an optional retry mode.

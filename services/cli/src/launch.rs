@@ -12,6 +12,21 @@ use tokio::{
 
 use crate::health;
 
+/// Connects to a service at `url` (`http://` is assumed when no scheme is given).
+pub async fn connect(url: &str) -> anyhow::Result<tonic::transport::Channel> {
+    let url = if url.contains("://") {
+        url.to_owned()
+    } else {
+        format!("http://{url}")
+    };
+    tonic::transport::Endpoint::from_shared(url.clone())
+        .with_context(|| format!("URL {url:?}"))?
+        .tcp_nodelay(true)
+        .connect()
+        .await
+        .with_context(|| format!("connecting to {url}"))
+}
+
 /// Where a child's log lines go.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Logs {

@@ -29,7 +29,7 @@ use tonic::{Code, Request, metadata::MetadataValue, transport::Channel};
 
 use crate::{
     config::{BackoffArg, ModeArg},
-    launch::{ChainOptions, LocalChain, Logs},
+    launch::{ChainOptions, LocalChain, Logs, connect},
 };
 
 /// Flags of `storm`.
@@ -205,20 +205,6 @@ pub async fn run(args: &StormArgs) -> anyhow::Result<StormReport> {
         crate::chart::draw(path, &report.samples)?;
     }
     Ok(report)
-}
-
-async fn connect(url: &str) -> anyhow::Result<Channel> {
-    let url = if url.contains("://") {
-        url.to_owned()
-    } else {
-        format!("http://{url}")
-    };
-    tonic::transport::Endpoint::from_shared(url.clone())
-        .with_context(|| format!("URL {url:?}"))?
-        .tcp_nodelay(true)
-        .connect()
-        .await
-        .with_context(|| format!("connecting to {url}"))
 }
 
 async fn storm(args: &StormArgs, edge_url: &str, ledger_url: &str) -> anyhow::Result<StormReport> {
