@@ -26,7 +26,7 @@ use retrychain_proto::v1::{
 };
 use tonic::{
     Request, Response, Status,
-    metadata::{MetadataMap, MetadataValue},
+    metadata::{Ascii, MetadataMap, MetadataValue},
     transport::Channel,
 };
 
@@ -77,32 +77,45 @@ pub struct Hop {
     edge_only: Arc<Retry>,
 }
 
-/// What a hop passes on with each downstream call.
+/// What a hop passes on with each downstream call, encoded once per request and cloned
+/// (cheaply: the values are shared bytes) into each attempt.
 struct Forward {
     /// The idempotency key (absent only on GetAccount).
-    key: Option<IdempotencyKey>,
+    key: Option<MetadataValue<Ascii>>,
     /// The mode for this request.
     mode: RetryMode,
     /// Whether to send `x-retry-mode` on.
     pass_mode: bool,
-    /// The trace this request belongs to.
-    trace: TraceContext,
+    /// This hop's `traceparent` for its downstream.
+    traceparent: Option<MetadataValue<Ascii>>,
 }
 
 impl Forward {
+    fn new(
+        key: Option<&IdempotencyKey>,
+        mode: RetryMode,
+        pass_mode: bool,
+        trace: &TraceContext,
+    ) -> Self {
+        Self {
+            key: key.and_then(|key| MetadataValue::try_from(key.as_str()).ok()),
+            mode,
+            pass_mode,
+            traceparent: MetadataValue::try_from(trace.traceparent()).ok(),
+        }
+    }
+
     fn request<T>(&self, message: T, attempt: &resilience::Attempt) -> Request<T> {
         let mut request = Request::new(message);
         let metadata = request.metadata_mut();
-        if let Some(key) = &self.key
-            && let Ok(value) = MetadataValue::try_from(key.as_str())
-        {
-            metadata.insert(IDEMPOTENCY_KEY, value);
+        if let Some(key) = &self.key {
+            metadata.insert(IDEMPOTENCY_KEY, key.clone());
         }
         if self.pass_mode {
             metadata.insert(RETRY_MODE, MetadataValue::from_static(self.mode.as_str()));
         }
-        if let Ok(value) = MetadataValue::try_from(self.trace.traceparent()) {
-            metadata.insert(TRACEPARENT, value);
+        if let Some(traceparent) = &self.traceparent {
+            metadata.insert(TRACEPARENT, traceparent.clone());
         }
         attempt.apply(&mut request);
         request
@@ -186,12 +199,7 @@ impl Hop {
             }
             None => (self.mode, false),
         };
-        Ok(Forward {
-            key,
-            mode,
-            pass_mode,
-            trace: scope.trace.clone(),
-        })
+        Ok(Forward::new(key.as_ref(), mode, pass_mode, &scope.trace))
     }
 
     fn executor(&self, mode: RetryMode) -> &Retry {
