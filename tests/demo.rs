@@ -6,31 +6,19 @@
 
 mod support;
 
-use std::process::Command;
-
 use support::*;
 
 #[tokio::test]
 async fn demo_reproduces_the_design_notes_on_the_running_chain() {
     let chain = Chain::spawn(Options::default()).await;
-    let mut command = Command::new(env!("CARGO_BIN_EXE_retrychain"));
-    command.args(["demo", "--json", "--storm-clients", "50", "--tick-ms", "5"]);
+    let mut command = args(&["demo", "--json", "--storm-clients", "50", "--tick-ms", "5"]);
     for (flag, addr) in ["--edge", "--hop2", "--hop3", "--hop4", "--ledger"]
         .iter()
         .zip(&chain.addrs)
     {
-        command.args([flag, addr.as_str()]);
+        command.extend([flag.to_string(), addr.clone()]);
     }
-    let output = tokio::task::spawn_blocking(move || command.output())
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let r: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let r = retrychain_json(command).await;
     println!("{}", serde_json::to_string_pretty(&r).unwrap());
 
     // a. A lost reply: a fresh key charges twice, the same key once.

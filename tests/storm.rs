@@ -5,8 +5,6 @@
 
 mod support;
 
-use std::process::Command;
-
 use support::*;
 
 #[tokio::test]
@@ -14,38 +12,29 @@ async fn storm_counts_agree_with_the_services_stats() {
     let chain = Chain::spawn(Options::default()).await;
     let dir = tempfile::tempdir().unwrap();
     let (csv, svg) = (dir.path().join("storm.csv"), dir.path().join("storm.svg"));
-    let mut command = Command::new(env!("CARGO_BIN_EXE_retrychain"));
-    command
-        .args([
-            "storm",
-            "--json",
-            "--requests",
-            "300",
-            "--concurrency",
-            "8",
-            "--fail-rate",
-            "0.3",
-        ])
-        .args([
-            "--edge",
-            &chain.addrs[EDGE],
-            "--ledger",
-            &chain.addrs[LEDGER],
-        ])
-        .arg("--csv")
-        .arg(&csv)
-        .arg("--svg")
-        .arg(&svg);
-    let output = tokio::task::spawn_blocking(move || command.output())
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let mut command = args(&[
+        "storm",
+        "--json",
+        "--requests",
+        "300",
+        "--concurrency",
+        "8",
+        "--fail-rate",
+        "0.3",
+    ]);
+    command.extend([
+        "--edge".into(),
+        chain.addrs[EDGE].clone(),
+        "--ledger".into(),
+        chain.addrs[LEDGER].clone(),
+    ]);
+    command.extend([
+        "--csv".into(),
+        csv.display().to_string(),
+        "--svg".into(),
+        svg.display().to_string(),
+    ]);
+    let report = retrychain_json(command).await;
     println!("{report}");
 
     let stats = chain.all_stats().await;

@@ -509,3 +509,22 @@ pub fn grpcurl() -> String {
 pub fn host_port(addr: &str) -> String {
     addr.trim_start_matches("http://").to_owned()
 }
+
+/// Runs `retrychain <args>` (a subcommand with `--json`) off the runtime's thread, asserts
+/// it succeeded, and returns the JSON object it printed.
+pub async fn retrychain_json(args: Vec<String>) -> serde_json::Value {
+    let output = tokio::task::spawn_blocking(move || {
+        Command::new(env!("CARGO_BIN_EXE_retrychain"))
+            .args(&args)
+            .output()
+    })
+    .await
+    .unwrap()
+    .expect("run retrychain");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout).expect("one JSON object on stdout")
+}
