@@ -296,10 +296,11 @@ impl Retry {
     /// how many attempts were made and why they stopped (left as it was when the policy
     /// never allowed a retry, so a single-attempt relay passes failures through unchanged).
     fn stopped(&self, status: Status, attempts: u32, reason: StopReason) -> Status {
-        tracing::info!(attempts, ?reason, code = ?status.code(), "giving up");
         if self.policy.max_attempts <= 1 && reason != StopReason::NoRoom {
+            // Nothing was retried: the caller's own outcome line says all there is.
             return status;
         }
+        tracing::info!(attempts, ?reason, code = ?status.code(), "giving up");
         let plural = if attempts == 1 { "" } else { "s" };
         let who = if self.label.is_empty() {
             String::new()
