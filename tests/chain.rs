@@ -485,8 +485,12 @@ async fn one_trace_id_runs_through_all_five_logs() {
         .await
         .unwrap();
     assert_eq!(header(&reply, "trace-id").as_deref(), Some(trace));
-    tokio::time::sleep(Duration::from_millis(200)).await; // let the log lines land
     for (i, name) in NAMES.iter().enumerate() {
+        // The lines reach us through a pipe and a reader thread: wait for them.
+        let start = Instant::now();
+        while !chain.log(i).contains("rpc done") && start.elapsed() < Duration::from_secs(10) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         let lines: Vec<String> = chain
             .log(i)
             .lines()

@@ -42,7 +42,15 @@ async fn a_ledger_killed_mid_charge_loses_nothing_and_charges_once_on_retry() {
             .await
         })
     };
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    // Wait until the processor is running: the key is claimed and the transaction open.
+    let start = std::time::Instant::now();
+    while chain.stats(LEDGER).await.downstream_attempts < 1 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the charge never reached the processor"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     assert_eq!(
         row_counts(&database_url).await,
         (0, 0, 0),

@@ -56,6 +56,19 @@ impl Ledger {
             .into_inner()
             .downstream_attempts
     }
+    /// Waits until the processor has been called `n` times: the first request then holds
+    /// its key (the processor is called after the claim), whatever the machine's load.
+    async fn until_bottom_calls(&self, n: u64) {
+        let start = Instant::now();
+        while self.bottom_calls().await < n {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "the processor was never called"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     async fn balance(&self, account: &str) -> Option<(i64, i64)> {
         match self
             .payments
@@ -228,7 +241,7 @@ async fn in_flight_reject_answers_aborted_while_the_first_commits() {
                 .await
         })
     };
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    l.until_bottom_calls(1).await;
     let second = l
         .payments
         .clone()
@@ -263,7 +276,7 @@ async fn in_flight_wait_is_bounded_by_the_waiters_deadline() {
         let key = key.clone();
         tokio::spawn(async move { client.charge(charge("gina", 500, Some(&key), T, &[])).await })
     };
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    l.until_bottom_calls(1).await;
     let start = Instant::now();
     let waiter = l
         .payments

@@ -55,7 +55,18 @@ fn sim_prints_the_notes_beside_our_figures() {
         .arg("sim")
         .output()
         .expect("run retrychain sim");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let text = String::from_utf8_lossy(&output.stdout);
+    // The measured column, not only the notes': five layers made 243 bottom calls.
+    assert!(
+        text.lines()
+            .any(|l| l.split_whitespace().collect::<Vec<_>>() == ["5", "243", "243"]),
+        "{text}"
+    );
     for expected in ["design notes", "243", "5050", "6609", "4.00x", "1.10x"] {
         assert!(text.contains(expected), "missing {expected:?} in:\n{text}");
     }

@@ -119,7 +119,7 @@ pub struct Service {
 }
 
 impl Service {
-    /// Starts `retrychain <args>` and waits for its "listening" line.
+    /// Starts `retrychain <args>` and waits for its ready line (on stderr, in any log format).
     pub fn start(name: &str, args: Vec<String>, env: &[(&str, &str)]) -> Service {
         let mut command = Command::new(env!("CARGO_BIN_EXE_retrychain"));
         command
@@ -147,10 +147,8 @@ impl Service {
             std::thread::spawn(move || {
                 for line in BufReader::new(stream).lines() {
                     let Ok(line) = line else { break };
-                    if line.contains("listening")
-                        && let Some(addr) = line.split("addr=").nth(1)
-                    {
-                        let _ = tx.send(addr.split_whitespace().next().unwrap_or("").to_owned());
+                    if let Some(addr) = line.strip_prefix("retrychain ready: listening on ") {
+                        let _ = tx.send(addr.trim().to_owned());
                     }
                     let mut log = log.lock().unwrap();
                     log.push_str(&line);

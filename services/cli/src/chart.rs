@@ -15,7 +15,7 @@ type Series = (&'static str, RGBColor, fn(&Sample) -> u64);
 pub fn draw(path: &Path, samples: &[Sample]) -> anyhow::Result<()> {
     let root = SVGBackend::new(path, (900, 420)).into_drawing_area();
     root.fill(&WHITE).context("drawing the chart")?;
-    let seconds = samples.last().map_or(1, |s| s.second) + 1;
+    let seconds = samples.last().map_or(1.0, |s| s.second).ceil().max(1.0);
     let top = samples
         .iter()
         .flat_map(|s| [s.ok, s.errors, s.bottom_calls])
@@ -28,7 +28,7 @@ pub fn draw(path: &Path, samples: &[Sample]) -> anyhow::Result<()> {
         .margin(12)
         .x_label_area_size(36)
         .y_label_area_size(60)
-        .build_cartesian_2d(0u64..seconds, 0f64..top)
+        .build_cartesian_2d(0f64..seconds, 0f64..top)
         .context("laying out the chart")?;
     chart
         .configure_mesh()

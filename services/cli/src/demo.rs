@@ -22,13 +22,13 @@ use retrychain_proto::v1::{
 use serde::Serialize;
 use tonic::{Code, Request, Response, Status, metadata::MetadataValue, transport::Channel};
 
-use crate::launch::{ChainOptions, ChildService, LocalChain, Logs, connect};
+use crate::launch::{ChainOptions, ChildService, Logs, connect, with_chain};
 
 /// Flags of `demo`.
 #[derive(Debug, Clone, Args)]
 pub struct DemoArgs {
     /// Print one JSON object instead of the report.
-    #[arg(long)]
+    #[arg(long, env = "RETRYCHAIN_DEMO_JSON")]
     pub json: bool,
     /// An existing chain's edge; with --hop2 … --ledger. Unset: start a chain here.
     #[arg(long, env = "RETRYCHAIN_EDGE", requires_all = ["hop2", "hop3", "hop4", "ledger"])]
@@ -49,16 +49,16 @@ pub struct DemoArgs {
     #[arg(long, env = "DATABASE_URL")]
     pub database_url: Option<String>,
     /// For a chain started here: the edge's port; the others take the next four.
-    #[arg(long, default_value_t = 50061)]
+    #[arg(long, default_value_t = 50061, env = "RETRYCHAIN_DEMO_BASE_PORT")]
     pub base_port: u16,
     /// Requests in the outage scenario.
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = 2000, env = "RETRYCHAIN_DEMO_OUTAGE_REQUESTS")]
     pub outage_requests: u64,
     /// Clients in the contention storm.
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 100, env = "RETRYCHAIN_DEMO_STORM_CLIENTS")]
     pub storm_clients: usize,
     /// The storm's tick: how long the processor takes per charge, in ms.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 10, env = "RETRYCHAIN_DEMO_TICK_MS")]
     pub tick_ms: u64,
 }
 
@@ -212,26 +212,19 @@ const T: Duration = Duration::from_secs(30);
 
 /// Runs every scenario and returns the report.
 pub async fn run(args: &DemoArgs) -> anyhow::Result<DemoReport> {
-    let local = match &args.edge {
-        Some(_) => None,
-        None => Some(
-            LocalChain::start(ChainOptions {
-                database_url: args.database_url.clone(),
-                base_port: args.base_port,
-                flags: Vec::new(),
-                logs: Logs::Discard,
-            })
-            .await?,
-        ),
-    };
-    let urls: Vec<String> = match &local {
-        Some(chain) => chain.urls(),
-        None => [&args.edge, &args.hop2, &args.hop3, &args.hop4, &args.ledger]
+    let external = args.edge.as_ref().map(|_| {
+        [&args.edge, &args.hop2, &args.hop3, &args.hop4, &args.ledger]
             .iter()
             .map(|url| (*url).clone().unwrap_or_default())
-            .collect(),
+            .collect()
+    });
+    let options = ChainOptions {
+        database_url: args.database_url.clone(),
+        base_port: args.base_port,
+        flags: Vec::new(),
+        logs: Logs::Discard,
     };
-    let result = async {
+    with_chain(external, options, |urls| async move {
         let target = Target::connect(urls).await?;
         target
             .faults(LEDGER, Faults::default())
@@ -240,12 +233,8 @@ pub async fn run(args: &DemoArgs) -> anyhow::Result<DemoReport> {
         let report = scenarios(&target, args).await;
         let _ = target.faults(LEDGER, Faults::default()).await;
         report
-    }
-    .await;
-    if let Some(chain) = local {
-        chain.stop().await;
-    }
-    result
+    })
+    .await
 }
 
 async fn scenarios(target: &Target, args: &DemoArgs) -> anyhow::Result<DemoReport> {

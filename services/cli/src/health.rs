@@ -19,7 +19,7 @@ pub struct HealthArgs {
     )]
     pub addr: String,
     /// Give up after this many ms.
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = 2000, env = "RETRYCHAIN_HEALTH_TIMEOUT_MS")]
     pub timeout_ms: u64,
 }
 

@@ -12,6 +12,53 @@ use tokio::{
 
 use crate::health;
 
+/// Runs `work` against a chain — the one at `external` (edge first, ledger last) if given,
+/// else a [`LocalChain`] started with `options` and stopped afterwards — and gives up on
+/// Ctrl-C or SIGTERM, stopping the local chain and clearing the ledger's faults (`work`
+/// may have set some) rather than leaving either behind.
+pub async fn with_chain<T, F, Fut>(
+    external: Option<Vec<String>>,
+    options: ChainOptions,
+    work: F,
+) -> anyhow::Result<T>
+where
+    F: FnOnce(Vec<String>) -> Fut,
+    Fut: Future<Output = anyhow::Result<T>>,
+{
+    let interrupted = crate::serve::shutdown_signal();
+    tokio::pin!(interrupted);
+    let local = match external {
+        Some(_) => None,
+        None => tokio::select! {
+            chain = LocalChain::start(options) => Some(chain?),
+            _ = &mut interrupted => anyhow::bail!("interrupted while starting the chain"),
+        },
+    };
+    let urls = match (&local, external) {
+        (Some(chain), _) => chain.urls(),
+        (None, Some(urls)) => urls,
+        (None, None) => unreachable!("a chain is either external or local"),
+    };
+    let ledger = urls.get(4).cloned();
+    let result = tokio::select! {
+        result = work(urls) => result,
+        _ = &mut interrupted => {
+            if let Some(ledger) = ledger
+                && let Ok(channel) = connect(&ledger).await
+            {
+                let _ = retrychain_proto::v1::control_client::ControlClient::new(channel)
+                    .set_faults(retrychain_proto::v1::Faults::default())
+                    .await;
+            }
+            Err(anyhow::anyhow!("interrupted"))
+        }
+    };
+    if let Some(chain) = local {
+        chain.stop().await;
+    }
+    result
+}
+
 /// Connects to a service at `url` (`http://` is assumed when no scheme is given).
 pub async fn connect(url: &str) -> anyhow::Result<tonic::transport::Channel> {
     let url = if url.contains("://") {
@@ -48,8 +95,8 @@ pub struct ChildService {
 }
 
 impl ChildService {
-    /// Starts `retrychain <args>`; `--listen` must be among `args`. Waits for its
-    /// "listening" log line, which names the address (so port 0 works).
+    /// Starts `retrychain <args>`; `--listen` must be among `args`. Waits for its ready line
+    /// on stderr, which names the address (so port 0 works).
     pub async fn start(
         name: &str,
         args: &[String],
@@ -73,10 +120,10 @@ impl ChildService {
             .with_context(|| format!("starting {name}"))?;
         let (tx, rx) = oneshot::channel();
         if let Some(out) = child.stdout.take() {
-            tokio::spawn(follow(name.to_owned(), out, logs, Some(tx)));
+            tokio::spawn(follow(name.to_owned(), out, logs, None));
         }
         if let Some(err) = child.stderr.take() {
-            tokio::spawn(follow(name.to_owned(), err, logs, None));
+            tokio::spawn(follow(name.to_owned(), err, logs, Some(tx)));
         }
         let address = tokio::time::timeout(Duration::from_secs(60), rx)
             .await
@@ -115,15 +162,11 @@ async fn follow(
 ) {
     let mut lines = BufReader::new(stream).lines();
     while let Ok(Some(line)) = lines.next_line().await {
-        if listening.is_some()
-            && line.contains("listening")
-            && let Some(address) = line
-                .split("addr=")
-                .nth(1)
-                .and_then(|a| a.split_whitespace().next())
+        if let Some(address) = line.strip_prefix(retrychain_node::READY_PREFIX)
             && let Some(tx) = listening.take()
         {
-            let _ = tx.send(address.to_owned());
+            let _ = tx.send(address.trim().to_owned());
+            continue;
         }
         if logs == Logs::Prefixed {
             println!("{name:>6} | {line}");

@@ -19,10 +19,10 @@ use tonic::Status;
 #[derive(Debug, Clone, Args)]
 pub struct SimArgs {
     /// Print one JSON object instead of tables.
-    #[arg(long)]
+    #[arg(long, env = "RETRYCHAIN_SIM_JSON")]
     pub json: bool,
     /// Seeds to average the jitter storm over.
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 20, env = "RETRYCHAIN_SIM_SEEDS")]
     pub seeds: u64,
 }
 

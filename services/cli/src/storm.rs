@@ -29,7 +29,7 @@ use tonic::{Code, Request, metadata::MetadataValue, transport::Channel};
 
 use crate::{
     config::{BackoffArg, ModeArg},
-    launch::{ChainOptions, LocalChain, Logs, connect},
+    launch::{ChainOptions, Logs, connect, with_chain},
 };
 
 /// Flags of `storm`.
@@ -42,55 +42,55 @@ pub struct StormArgs {
     #[arg(long, env = "RETRYCHAIN_LEDGER")]
     pub ledger: Option<String>,
     /// Requests in flight at once (closed loop); with --rate, the most in flight.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, env = "RETRYCHAIN_STORM_CONCURRENCY")]
     pub concurrency: usize,
     /// Open loop: start this many requests a second, whatever the latency.
-    #[arg(long)]
+    #[arg(long, env = "RETRYCHAIN_STORM_RATE")]
     pub rate: Option<f64>,
     /// How long to send (e.g. 10s, 1m).
-    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration, env = "RETRYCHAIN_STORM_DURATION")]
     pub duration: Duration,
     /// Stop after this many requests instead of after --duration.
-    #[arg(long)]
+    #[arg(long, env = "RETRYCHAIN_STORM_REQUESTS")]
     pub requests: Option<u64>,
     /// Send `x-retry-mode` (honoured by an edge with --allow-retry-mode-override).
-    #[arg(long, value_enum)]
+    #[arg(long, value_enum, env = "RETRYCHAIN_STORM_RETRY_MODE")]
     pub retry_mode: Option<ModeArg>,
     /// Ledger fault during the run: probability that a processor call fails.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, env = "RETRYCHAIN_STORM_FAIL_RATE")]
     pub fail_rate: f64,
     /// Ledger fault: the code of those failures.
-    #[arg(long, default_value = "")]
+    #[arg(long, default_value = "", env = "RETRYCHAIN_STORM_FAIL_CODE")]
     pub fail_code: String,
     /// Ledger fault: processor latency, in ms.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, env = "RETRYCHAIN_STORM_DELAY_MS")]
     pub delay_ms: u32,
     /// Ledger fault: probability that a reply is lost after commit.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, env = "RETRYCHAIN_STORM_DROP_REPLY_RATE")]
     pub drop_reply_rate: f64,
     /// Deadline of each request, in ms.
-    #[arg(long, default_value_t = 5000)]
+    #[arg(long, default_value_t = 5000, env = "RETRYCHAIN_STORM_DEADLINE_MS")]
     pub deadline_ms: u64,
     /// Spread charges over this many accounts.
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = 1000, env = "RETRYCHAIN_STORM_ACCOUNTS")]
     pub accounts: u64,
     /// For a chain started here: backoff of its services.
-    #[arg(long, value_enum, default_value_t = BackoffArg::Full)]
+    #[arg(long, value_enum, default_value_t = BackoffArg::Full, env = "RETRYCHAIN_STORM_BACKOFF")]
     pub backoff: BackoffArg,
     /// For a chain started here: Postgres URL (unset: a throwaway cluster).
     #[arg(long, env = "DATABASE_URL")]
     pub database_url: Option<String>,
     /// For a chain started here: the edge's port; the others take the next four.
-    #[arg(long, default_value_t = 50071)]
+    #[arg(long, default_value_t = 50071, env = "RETRYCHAIN_STORM_BASE_PORT")]
     pub base_port: u16,
     /// Print one JSON object instead of the report.
-    #[arg(long)]
+    #[arg(long, env = "RETRYCHAIN_STORM_JSON")]
     pub json: bool,
     /// Write per-second samples to this CSV file.
-    #[arg(long)]
+    #[arg(long, env = "RETRYCHAIN_STORM_CSV")]
     pub csv: Option<PathBuf>,
     /// Draw throughput, errors and bottom calls per second into this SVG file.
-    #[arg(long)]
+    #[arg(long, env = "RETRYCHAIN_STORM_SVG")]
     pub svg: Option<PathBuf>,
 }
 
@@ -136,11 +136,11 @@ pub struct Latency {
     pub max: f64,
 }
 
-/// One second of the run.
+/// One interval (about a second) of the run.
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct Sample {
-    /// Seconds since the start.
-    pub second: u64,
+    /// Seconds since the start at the end of the interval.
+    pub second: f64,
     /// Requests completed OK in that second.
     pub ok: u64,
     /// Requests failed in that second.
@@ -166,38 +166,30 @@ struct Tally {
 
 /// Runs a storm per `args` and returns its report.
 pub async fn run(args: &StormArgs) -> anyhow::Result<StormReport> {
-    let local = match &args.edge {
-        Some(_) => None,
-        None => Some(
-            LocalChain::start(ChainOptions {
-                database_url: args.database_url.clone(),
-                base_port: args.base_port,
-                flags: vec![
-                    "--backoff".into(),
-                    format!("{:?}", args.backoff).to_lowercase(),
-                    "--log-format".into(),
-                    "text".into(),
-                ],
-                logs: Logs::Discard,
-            })
-            .await?,
-        ),
+    let external = args.edge.as_ref().map(|edge| {
+        let ledger = args.ledger.clone().unwrap_or_default();
+        // with_chain wants five URLs, edge first and ledger last; storm uses those two.
+        vec![
+            edge.clone(),
+            String::new(),
+            String::new(),
+            String::new(),
+            ledger,
+        ]
+    });
+    let options = ChainOptions {
+        database_url: args.database_url.clone(),
+        base_port: args.base_port,
+        flags: vec![
+            "--backoff".into(),
+            format!("{:?}", args.backoff).to_lowercase(),
+        ],
+        logs: Logs::Discard,
     };
-    let (edge, ledger) = match &local {
-        Some(chain) => {
-            let urls = chain.urls();
-            (urls[0].clone(), urls[4].clone())
-        }
-        None => (
-            args.edge.clone().unwrap_or_default(),
-            args.ledger.clone().unwrap_or_default(),
-        ),
-    };
-    let result = storm(args, &edge, &ledger).await;
-    if let Some(chain) = local {
-        chain.stop().await;
-    }
-    let report = result?;
+    let report = with_chain(external, options, |urls| async move {
+        storm(args, &urls[0], &urls[4]).await
+    })
+    .await?;
     if let Some(path) = &args.csv {
         write_csv(path, &report.samples)?;
     }
@@ -224,6 +216,20 @@ async fn storm(args: &StormArgs, edge_url: &str, ledger_url: &str) -> anyhow::Re
             .await
             .context("setting the ledger's faults (it needs --fault-injection)")?;
     }
+    let result = measure(args, edge, ledger_control.clone()).await;
+    if faulty {
+        // On every path: a storm must not leave a deployment failing.
+        let _ = ledger_control.set_faults(Faults::default()).await;
+    }
+    result
+}
+
+/// Sends the load and measures it; see the module docs.
+async fn measure(
+    args: &StormArgs,
+    edge: Channel,
+    mut ledger_control: ControlClient<Channel>,
+) -> anyhow::Result<StormReport> {
     let edge_before = ControlClient::new(edge.clone())
         .get_stats(GetStatsRequest {})
         .await?
@@ -332,9 +338,6 @@ async fn storm(args: &StormArgs, edge_url: &str, ledger_url: &str) -> anyhow::Re
         .get_stats(GetStatsRequest {})
         .await?
         .into_inner();
-    if faulty {
-        ledger_control.set_faults(Faults::default()).await?;
-    }
     let ok = tally.ok.load(Ordering::Relaxed);
     let requests = ok + tally.errors.load(Ordering::Relaxed);
     let first_attempts = edge_after
@@ -408,7 +411,7 @@ impl Tally {
 }
 
 /// Running totals read once a second: (seconds since the start, ok, errors, bottom calls).
-type Marks = Arc<Mutex<Vec<(u64, u64, u64, u64)>>>;
+type Marks = Arc<Mutex<Vec<(f64, u64, u64, u64)>>>;
 
 /// Reads the running totals once a second until aborted.
 /// The bar counts requests (`by_requests`) or seconds.
@@ -421,6 +424,7 @@ async fn sample(
     by_requests: bool,
 ) {
     let mut ticker = tokio::time::interval(Duration::from_secs(1));
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     ticker.tick().await; // the first tick is immediate; the start mark is already taken
     loop {
         ticker.tick().await;
@@ -439,9 +443,18 @@ async fn sample(
 }
 
 async fn mark(tally: &Tally, ledger: &mut ControlClient<Channel>, start: Instant, marks: &Marks) {
-    let calls = bottom(ledger).await;
+    // A failed read carries the last value forward, so no interval gets a burst it did
+    // not have.
+    let calls = match bottom(ledger).await {
+        Some(calls) => calls,
+        None => marks
+            .lock()
+            .ok()
+            .and_then(|m| m.last().map(|last| last.3))
+            .unwrap_or(0),
+    };
     let entry = (
-        start.elapsed().as_secs(),
+        start.elapsed().as_secs_f64(),
         tally.ok.load(Ordering::Relaxed),
         tally.errors.load(Ordering::Relaxed),
         calls,
@@ -451,15 +464,14 @@ async fn mark(tally: &Tally, ledger: &mut ControlClient<Channel>, start: Instant
     }
 }
 
-/// Per-second samples: the differences between consecutive marks, numbered from 1 (the
-/// last may cover less than a second).
+/// Per-second samples: the differences between consecutive marks (the last interval may
+/// be shorter than a second).
 fn samples(marks: &Marks) -> Vec<Sample> {
     let marks = marks.lock().map(|m| m.clone()).unwrap_or_default();
     marks
         .windows(2)
-        .zip(1..)
-        .map(|(w, second)| Sample {
-            second,
+        .map(|w| Sample {
+            second: w[1].0,
             ok: w[1].1.saturating_sub(w[0].1),
             errors: w[1].2.saturating_sub(w[0].2),
             bottom_calls: w[1].3.saturating_sub(w[0].3),
@@ -467,11 +479,12 @@ fn samples(marks: &Marks) -> Vec<Sample> {
         .collect()
 }
 
-async fn bottom(ledger: &mut ControlClient<Channel>) -> u64 {
+async fn bottom(ledger: &mut ControlClient<Channel>) -> Option<u64> {
     ledger
         .get_stats(GetStatsRequest {})
         .await
-        .map_or(0, |s| s.into_inner().downstream_attempts)
+        .ok()
+        .map(|s| s.into_inner().downstream_attempts)
 }
 
 fn progress(args: &StormArgs) -> ProgressBar {
@@ -489,7 +502,7 @@ fn write_csv(path: &PathBuf, samples: &[Sample]) -> anyhow::Result<()> {
     let mut text = String::from("second,ok,errors,bottom_calls\n");
     for s in samples {
         text.push_str(&format!(
-            "{},{},{},{}\n",
+            "{:.2},{},{},{}\n",
             s.second, s.ok, s.errors, s.bottom_calls
         ));
     }

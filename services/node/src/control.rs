@@ -31,6 +31,10 @@ impl Control for ControlService {
 
     async fn reset_stats(&self, _: Request<ResetStatsRequest>) -> Result<Response<Stats>, Status> {
         self.node.counters.reset();
+        // A measurement that starts from zeroed counters starts from a full budget too.
+        if let Some(budget) = &self.node.budget {
+            budget.refill();
+        }
         Ok(Response::new(self.node.stats()))
     }
 

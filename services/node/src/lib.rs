@@ -29,7 +29,7 @@ pub use domain::{AccountId, AmountCents, IdempotencyKey, InvalidInput};
 pub use faults::FaultSwitch;
 pub use metadata::{RetryMode, TraceContext};
 pub use rpc::RpcScope;
-pub use server::{ServeError, serve};
+pub use server::{READY_PREFIX, ServeError, serve};
 pub use stats::Counters;
 
 /// The state one service shares between its Payments handler and its Control service.

@@ -18,6 +18,9 @@ use tonic_health::ServingStatus;
 
 use crate::{Node, control::ControlService};
 
+/// What a service prints on stderr, followed by its address, once it accepts calls.
+pub const READY_PREFIX: &str = "retrychain ready: listening on ";
+
 /// How long a stopping service waits for open connections to close.
 pub const DRAIN_GRACE: Duration = Duration::from_secs(5);
 
@@ -67,8 +70,10 @@ where
     let address = listener
         .local_addr()
         .map_or_else(|_| "unknown".to_owned(), |a| a.to_string());
-    // Tests and `retrychain up` read this line to learn a port-0 service's address.
     tracing::info!(service = %node.name, addr = %address, "listening");
+    // One plain line on stderr whatever the log format and level: `retrychain up`, the demo
+    // and the tests read it to learn the address of a service started on port 0.
+    eprintln!("{READY_PREFIX}{address}");
     let stopping = Arc::new(tokio::sync::Notify::new());
     let draining = {
         let health = health.clone();

@@ -50,6 +50,11 @@ impl RetryBudget {
         true
     }
 
+    /// Fills the bucket to capacity, as at start-up (for a fresh measurement).
+    pub fn refill(&self) {
+        *self.lock() = self.capacity;
+    }
+
     /// Tokens in the bucket now.
     pub fn tokens(&self) -> f64 {
         *self.lock()
