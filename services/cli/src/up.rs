@@ -39,7 +39,11 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         LogFormatArg::Text => "text",
         LogFormatArg::Json => "json",
     };
-    let mut chain = LocalChain::start(ChainOptions {
+    // Listen for Ctrl-C and SIGTERM from the start: a signal while the chain is starting
+    // must still stop what was started.
+    let interrupted = crate::serve::shutdown_signal();
+    tokio::pin!(interrupted);
+    let starting = LocalChain::start(ChainOptions {
         database_url: args.database_url.clone(),
         base_port: args.base_port,
         flags: vec![
@@ -49,14 +53,20 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             format.into(),
         ],
         logs: Logs::Prefixed,
-    })
-    .await?;
+    });
+    let mut chain = tokio::select! {
+        chain = starting => chain?,
+        _ = &mut interrupted => {
+            println!("interrupted while starting; stopped what had started");
+            return Ok(());
+        }
+    };
     if let Some(port) = chain.postgres_port() {
         println!("postgres | throwaway cluster on 127.0.0.1:{port} (removed on exit)");
     }
     print_hints(args.base_port);
     let result = tokio::select! {
-        _ = crate::serve::shutdown_signal() => Ok(()),
+        _ = &mut interrupted => Ok(()),
         exited = chain.first_exit() => Err(anyhow::anyhow!("{exited}; stopping the chain")),
     };
     println!("stopping the chain…");
