@@ -18,7 +18,7 @@ use resilience::{Backoff, Retry, RetryBudget, RetryPolicy};
 use retrychain_node::{
     AccountId, AmountCents, IdempotencyKey, Node, RetryMode, RpcScope, TraceContext,
     faults::lost_reply,
-    metadata::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, RETRY_MODE, TRACE_ID, TRACEPARENT},
+    metadata::{self, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, RETRY_MODE, TRACE_ID, TRACEPARENT},
 };
 use retrychain_proto::v1::{
     Account, ChargeReply, ChargeRequest, GetAccountRequest, payments_client::PaymentsClient,
@@ -158,20 +158,16 @@ impl Hop {
         scope: &RpcScope,
         key_required: bool,
     ) -> Result<Forward, Status> {
-        let metadata = request.metadata();
-        let key = match metadata.get(IDEMPOTENCY_KEY) {
-            Some(raw) => Some(IdempotencyKey::parse(raw.to_str().map_err(|_| {
-                Status::invalid_argument("idempotency-key must be visible ASCII characters")
-            })?)?),
-            None => match self.role {
-                Role::Edge { .. } if key_required => Some(IdempotencyKey::generate()),
-                Role::Relay if key_required => {
-                    return Err(Status::invalid_argument(
-                        "idempotency-key is required (the edge adds one when a client sends none)",
-                    ));
-                }
-                _ => None,
-            },
+        let incoming = request.metadata();
+        let key = match (metadata::idempotency_key(incoming)?, self.role) {
+            (Some(key), _) => Some(key),
+            (None, Role::Edge { .. }) if key_required => Some(IdempotencyKey::generate()),
+            (None, Role::Relay) if key_required => {
+                return Err(Status::invalid_argument(
+                    "idempotency-key is required (the edge adds one when a client sends none)",
+                ));
+            }
+            (None, _) => None,
         };
         if let Some(key) = &key {
             scope.record_key(key);
@@ -185,18 +181,14 @@ impl Hop {
             } => allow_retry_mode_override,
             Role::Relay => true,
         };
-        let requested = metadata.get(RETRY_MODE).filter(|_| honour_mode);
+        // An edge without the override neither reads the header nor passes it on.
+        let requested = if honour_mode {
+            metadata::retry_mode(incoming)?
+        } else {
+            None
+        };
         let (mode, pass_mode) = match requested {
-            Some(raw) => {
-                let mode = raw
-                    .to_str()
-                    .ok()
-                    .and_then(|text| text.parse::<RetryMode>().ok())
-                    .ok_or_else(|| {
-                        Status::invalid_argument("x-retry-mode must be every-layer or edge-only")
-                    })?;
-                (mode, true)
-            }
+            Some(mode) => (mode, true),
             None => (self.mode, false),
         };
         Ok(Forward::new(key.as_ref(), mode, pass_mode, &scope.trace))

@@ -7,7 +7,7 @@ use resilience::{Deadline, Retry, RetryPolicy};
 use retrychain_node::{
     AccountId, AmountCents, IdempotencyKey, Node, RetryMode, RpcScope,
     faults::lost_reply,
-    metadata::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, RETRY_MODE},
+    metadata::{self, IDEMPOTENT_REPLAYED},
     stats::Counters,
 };
 use retrychain_proto::v1::{
@@ -110,16 +110,7 @@ impl Ledger {
     }
 
     fn mode_of<T>(&self, request: &Request<T>) -> Result<RetryMode, Status> {
-        match request.metadata().get(RETRY_MODE) {
-            None => Ok(self.mode),
-            Some(raw) => raw
-                .to_str()
-                .ok()
-                .and_then(|text| text.parse().ok())
-                .ok_or_else(|| {
-                    Status::invalid_argument("x-retry-mode must be every-layer or edge-only")
-                }),
-        }
+        Ok(metadata::retry_mode(request.metadata())?.unwrap_or(self.mode))
     }
 }
 
@@ -165,16 +156,11 @@ impl Payments for Ledger {
         let scope = RpcScope::begin(&self.node, "Charge", &request);
         scope
             .run(async {
-                let key = match request.metadata().get(IDEMPOTENCY_KEY) {
-                    Some(raw) => IdempotencyKey::parse(raw.to_str().map_err(|_| {
-                        Status::invalid_argument("idempotency-key must be visible ASCII characters")
-                    })?)?,
-                    None => {
-                        return Err(Status::invalid_argument(
-                            "idempotency-key is required: a charge without one cannot be retried safely",
-                        ));
-                    }
-                };
+                let key = metadata::idempotency_key(request.metadata())?.ok_or_else(|| {
+                    Status::invalid_argument(
+                        "idempotency-key is required: a charge without one cannot be retried safely",
+                    )
+                })?;
                 scope.record_key(&key);
                 scope.echo_key(&key);
                 let mode = self.mode_of(&request)?;

@@ -3,6 +3,9 @@
 use std::{fmt, str::FromStr};
 
 use rand::RngExt;
+use tonic::{Status, metadata::MetadataMap};
+
+use crate::IdempotencyKey;
 
 /// Request and response: the idempotency key.
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
@@ -55,6 +58,32 @@ impl FromStr for RetryMode {
             other => Err(UnknownRetryMode(other.to_owned())),
         }
     }
+}
+
+/// The request's `idempotency-key`, parsed; `None` when absent, INVALID_ARGUMENT when bad.
+pub fn idempotency_key(metadata: &MetadataMap) -> Result<Option<IdempotencyKey>, Status> {
+    let Some(raw) = metadata.get(IDEMPOTENCY_KEY) else {
+        return Ok(None);
+    };
+    let text = raw.to_str().map_err(|_| {
+        Status::invalid_argument("idempotency-key must be visible ASCII characters")
+    })?;
+    Ok(Some(IdempotencyKey::parse(text)?))
+}
+
+/// The request's `x-retry-mode`, parsed; `None` when absent, INVALID_ARGUMENT when bad.
+pub fn retry_mode(metadata: &MetadataMap) -> Result<Option<RetryMode>, Status> {
+    metadata
+        .get(RETRY_MODE)
+        .map(|raw| {
+            raw.to_str()
+                .ok()
+                .and_then(|text| text.parse().ok())
+                .ok_or_else(|| {
+                    Status::invalid_argument("x-retry-mode must be every-layer or edge-only")
+                })
+        })
+        .transpose()
 }
 
 /// The part of W3C trace context every hop keeps: the trace id, and this hop's span id,
