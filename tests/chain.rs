@@ -394,9 +394,11 @@ async fn pushback_is_honoured_and_a_negative_one_stops_retries() {
 }
 
 #[tokio::test]
-async fn the_retry_mode_override_needs_the_edge_flag() {
+async fn the_retry_mode_override_needs_the_flag() {
     let mut options = Options::default();
-    options.edge.clear(); // no --allow-retry-mode-override
+    options
+        .all
+        .retain(|flag| flag != "--allow-retry-mode-override");
     let chain = Chain::spawn(options).await;
     chain
         .set_faults(

@@ -49,6 +49,16 @@ fn compose_file_is_valid_and_wires_the_chain() {
             resolved.contains(&format!("http://127.0.0.1:{port}")),
             "{service} health check"
         );
+        let admin = port + 1000;
+        assert!(
+            resolved.contains(&format!("RETRYCHAIN_ADMIN_LISTEN: 0.0.0.0:{admin}")),
+            "{service} admin listener"
+        );
+        assert!(
+            resolved.contains(&format!("127.0.0.1:{admin}:{admin}"))
+                || resolved.contains(&format!("host_ip: 127.0.0.1\n        mode: ingress\n        protocol: tcp\n        published: {admin}")),
+            "{service} admin port published on loopback only:\n{resolved}"
+        );
     }
     for downstream in [
         "http://hop2:50052",
@@ -60,10 +70,13 @@ fn compose_file_is_valid_and_wires_the_chain() {
     }
     assert!(resolved.contains("condition: service_healthy"));
     assert!(resolved.contains("RETRYCHAIN_RETRY_MODE: edge-only"));
-    assert!(
-        resolved.contains("RETRYCHAIN_ALLOW_RETRY_MODE_OVERRIDE: 'true'")
-            || resolved.contains("RETRYCHAIN_ALLOW_RETRY_MODE_OVERRIDE: \"true\"")
-    );
+    let override_on = resolved
+        .matches("RETRYCHAIN_ALLOW_RETRY_MODE_OVERRIDE: 'true'")
+        .count()
+        + resolved
+            .matches("RETRYCHAIN_ALLOW_RETRY_MODE_OVERRIDE: \"true\"")
+            .count();
+    assert_eq!(override_on, 5, "the override is a demo setting on all five");
 }
 
 #[test]

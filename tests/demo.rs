@@ -12,11 +12,12 @@ use support::*;
 async fn demo_reproduces_the_design_notes_on_the_running_chain() {
     let chain = Chain::spawn(Options::default()).await;
     let mut command = args(&["demo", "--json", "--storm-clients", "50", "--tick-ms", "5"]);
-    for (flag, addr) in ["--edge", "--hop2", "--hop3", "--hop4", "--ledger"]
+    for (i, flag) in ["--edge", "--hop2", "--hop3", "--hop4", "--ledger"]
         .iter()
-        .zip(&chain.addrs)
+        .enumerate()
     {
-        command.extend([flag.to_string(), addr.clone()]);
+        command.extend([flag.to_string(), chain.addrs[i].clone()]);
+        command.extend([format!("{flag}-admin"), chain.admins[i].clone()]);
     }
     let r = retrychain_json(command).await;
     println!("{}", serde_json::to_string_pretty(&r).unwrap());

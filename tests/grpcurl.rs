@@ -31,16 +31,32 @@ fn grpcurl(args: &[&str]) -> (bool, String) {
 #[tokio::test]
 async fn grpcurl_lists_every_service_by_reflection() {
     let chain = Chain::deployment().await;
-    for (i, addr) in chain.addrs.iter().enumerate() {
+    for (i, (addr, admin)) in chain.addrs.iter().zip(&chain.admins).enumerate() {
         let (ok, out) = grpcurl(&["-plaintext", &host_port(addr), "list"]);
         assert!(ok, "{}: {out}", NAMES[i]);
-        for service in [
-            "retrychain.v1.Payments",
-            "retrychain.v1.Control",
-            "grpc.health.v1.Health",
-        ] {
+        for service in ["retrychain.v1.Payments", "grpc.health.v1.Health"] {
             assert!(out.contains(service), "{} lacks {service}: {out}", NAMES[i]);
         }
+        assert!(
+            !out.contains("retrychain.v1.Control"),
+            "{}: {out}",
+            NAMES[i]
+        );
+
+        let (ok, out) = grpcurl(&["-plaintext", &host_port(admin), "list"]);
+        assert!(ok, "{} admin: {out}", NAMES[i]);
+        for service in ["retrychain.v1.Control", "grpc.health.v1.Health"] {
+            assert!(
+                out.contains(service),
+                "{} admin lacks {service}: {out}",
+                NAMES[i]
+            );
+        }
+        assert!(
+            !out.contains("retrychain.v1.Payments"),
+            "{} admin: {out}",
+            NAMES[i]
+        );
     }
 }
 
@@ -109,8 +125,9 @@ async fn the_readme_walkthrough_runs() {
         let mut command = line
             .replace("alice", &format!("alice-{suffix}"))
             .replace("order-1", &format!("order-1-{suffix}"));
-        for (i, addr) in chain.addrs.iter().enumerate() {
+        for (i, (addr, admin)) in chain.addrs.iter().zip(&chain.admins).enumerate() {
             command = command.replace(&format!("localhost:{}", 50051 + i), &host_port(addr));
+            command = command.replace(&format!("localhost:{}", 51051 + i), &host_port(admin));
         }
         let command = command.replacen("grpcurl", &support::grpcurl(), 1);
         let output = Command::new("sh")

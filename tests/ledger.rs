@@ -25,12 +25,11 @@ struct Ledger {
 
 async fn ledger(extra: &[&str]) -> Ledger {
     let (service, url) = spawn_ledger(extra).await;
-    let channel = connect(&service.addr).await;
     Ledger {
+        payments: PaymentsClient::new(connect(&service.addr).await),
+        control: ControlClient::new(connect(&service.admin).await),
         service,
         url,
-        payments: PaymentsClient::new(channel.clone()),
-        control: ControlClient::new(channel),
     }
 }
 
@@ -424,7 +423,15 @@ async fn a_failing_processor_commits_nothing_and_retries_only_in_every_layer_mod
 
 #[tokio::test]
 async fn a_key_past_retention_is_purged_and_charges_anew() {
-    let l = ledger(&["--key-retention", "1s"]).await;
+    let l = ledger(&[
+        "--key-retention",
+        "1s",
+        "--max-deadline-ms",
+        "1000",
+        "--default-deadline-ms",
+        "1000",
+    ])
+    .await;
     let key = new_key();
     l.payments
         .clone()
@@ -489,7 +496,7 @@ async fn set_faults_needs_fault_injection() {
         args(&["ledger", "--listen", "127.0.0.1:0"]),
         &[("DATABASE_URL", url.as_str())],
     );
-    let mut control = ControlClient::new(connect(&service.addr).await);
+    let mut control = ControlClient::new(connect(&service.admin).await);
     let status = control
         .set_faults(Faults {
             fail_rate: 1.0,

@@ -25,8 +25,12 @@ async fn storm_counts_agree_with_the_services_stats() {
     command.extend([
         "--edge".into(),
         chain.addrs[EDGE].clone(),
+        "--edge-admin".into(),
+        chain.admins[EDGE].clone(),
         "--ledger".into(),
         chain.addrs[LEDGER].clone(),
+        "--ledger-admin".into(),
+        chain.admins[LEDGER].clone(),
     ]);
     command.extend([
         "--csv".into(),

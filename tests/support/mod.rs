@@ -6,7 +6,9 @@
 //!
 //! External chains: with `RETRYCHAIN_EDGE`, `RETRYCHAIN_HOP2`, `RETRYCHAIN_HOP3`,
 //! `RETRYCHAIN_HOP4` and `RETRYCHAIN_LEDGER` set (e.g. to a `docker compose up` deployment),
-//! [`Chain::deployment`] uses those services instead of spawning, one test at a time.
+//! [`Chain::deployment`] uses those services instead of spawning, one test at a time. Their
+//! admin ports are `RETRYCHAIN_EDGE_ADMIN` … `RETRYCHAIN_LEDGER_ADMIN` when set, else each
+//! public port + 1000 (the default).
 
 #![allow(dead_code, missing_docs, clippy::unwrap_used)]
 
@@ -94,12 +96,13 @@ impl Default for Options {
         Self {
             all: args(&[
                 "--fault-injection",
+                "--allow-retry-mode-override",
                 "--backoff-base-ms",
                 "2",
                 "--backoff-cap-ms",
                 "20",
             ]),
-            edge: args(&["--allow-retry-mode-override"]),
+            edge: Vec::new(),
             ledger: args(&["--db-pool-size", "8"]),
         }
     }
@@ -112,7 +115,10 @@ pub fn args(list: &[&str]) -> Vec<String> {
 /// One running service process.
 pub struct Service {
     pub name: String,
+    /// Payments: `http://host:port`.
     pub addr: String,
+    /// Control: `http://host:port`.
+    pub admin: String,
     child: Option<Child>,
     log: Arc<Mutex<String>>,
     args: Vec<String>,
@@ -137,7 +143,7 @@ impl Service {
         }
         let mut child = command.spawn().expect("spawning retrychain");
         let log = Arc::new(Mutex::new(String::new()));
-        let (tx, rx) = mpsc::channel();
+        let (tx, rx) = mpsc::channel::<retrychain_node::ReadyAddrs>();
         for stream in [
             Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
             Box::new(child.stderr.take().unwrap()),
@@ -147,8 +153,8 @@ impl Service {
             std::thread::spawn(move || {
                 for line in BufReader::new(stream).lines() {
                     let Ok(line) = line else { break };
-                    if let Some(addr) = line.strip_prefix("retrychain ready: listening on ") {
-                        let _ = tx.send(addr.trim().to_owned());
+                    if let Some(ready) = retrychain_node::ReadyAddrs::parse(&line) {
+                        let _ = tx.send(ready);
                     }
                     let mut log = log.lock().unwrap();
                     log.push_str(&line);
@@ -156,8 +162,8 @@ impl Service {
                 }
             });
         }
-        let addr = match rx.recv_timeout(Duration::from_secs(60)) {
-            Ok(addr) => addr,
+        let ready = match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(ready) => ready,
             Err(_) => {
                 let _ = child.kill();
                 panic!("{name} did not start; its output:\n{}", log.lock().unwrap());
@@ -165,7 +171,8 @@ impl Service {
         };
         Service {
             name: name.to_owned(),
-            addr: format!("http://{addr}"),
+            addr: format!("http://{}", ready.public),
+            admin: format!("http://{}", ready.admin),
             child: Some(child),
             log,
             args,
@@ -212,8 +219,10 @@ impl Drop for Service {
 
 /// Five services, edge first, or an external deployment.
 pub struct Chain {
-    /// Their Payments/Control addresses, edge first.
+    /// Their Payments addresses, edge first.
     pub addrs: Vec<String>,
+    /// Their Control (admin) addresses, edge first.
+    pub admins: Vec<String>,
     /// The processes, when spawned here (edge first).
     pub services: Vec<Service>,
     /// The ledger's database, when spawned here.
@@ -268,6 +277,7 @@ impl Chain {
         }
         Chain {
             addrs: services.iter().map(|s| s.addr.clone()).collect(),
+            admins: services.iter().map(|s| s.admin.clone()).collect(),
             services,
             database_url: Some(database_url),
             _external: None,
@@ -290,8 +300,16 @@ impl Chain {
         let guard = Arc::clone(LOCK.get_or_init(Default::default))
             .lock_owned()
             .await;
+        let admins = EXTERNAL_VARS
+            .iter()
+            .zip(&addrs)
+            .map(|(var, addr)| {
+                std::env::var(format!("{var}_ADMIN")).unwrap_or_else(|_| admin_of(addr))
+            })
+            .collect();
         let chain = Chain {
             addrs,
+            admins,
             services: Vec::new(),
             database_url: None,
             _external: Some(guard),
@@ -309,11 +327,11 @@ impl Chain {
     }
 
     pub async fn channel(&self, i: usize) -> Channel {
-        tonic::transport::Endpoint::from_shared(self.addrs[i].clone())
-            .unwrap()
-            .connect()
-            .await
-            .unwrap_or_else(|e| panic!("connecting to {}: {e}", self.addrs[i]))
+        connect(&self.addrs[i]).await
+    }
+
+    pub async fn admin_channel(&self, i: usize) -> Channel {
+        connect(&self.admins[i]).await
     }
 
     pub async fn payments(&self, i: usize) -> PaymentsClient<Channel> {
@@ -324,8 +342,9 @@ impl Chain {
         self.payments(EDGE).await
     }
 
+    /// Control on service `i`'s admin port.
     pub async fn control(&self, i: usize) -> ControlClient<Channel> {
-        ControlClient::new(self.channel(i).await)
+        ControlClient::new(self.admin_channel(i).await)
     }
 
     pub async fn stats(&self, i: usize) -> Stats {
@@ -442,17 +461,22 @@ pub fn faults() -> Faults {
 /// A ledger alone, on its own database, with fault injection on.
 pub async fn spawn_ledger(extra: &[&str]) -> (Service, String) {
     let url = database().await;
+    (spawn_ledger_on(&url, extra), url)
+}
+
+/// A ledger alone on the database at `url`, with fault injection on.
+pub fn spawn_ledger_on(url: &str, extra: &[&str]) -> Service {
     let mut list = args(&[
         "ledger",
         "--listen",
         "127.0.0.1:0",
         "--fault-injection",
+        "--allow-retry-mode-override",
         "--db-pool-size",
         "60",
     ]);
     list.extend(args(extra));
-    let service = Service::start("ledger", list, &[("DATABASE_URL", url.as_str())]);
-    (service, url)
+    Service::start("ledger", list, &[("DATABASE_URL", url)])
 }
 
 /// Row counts of the ledger's three tables: (accounts, charges, keys).
@@ -480,17 +504,42 @@ pub async fn connect(addr: &str) -> Channel {
 }
 
 impl Service {
-    /// Starts this service again with the same flags on the same port (after a crash).
+    /// Starts this service again with the same flags on the same ports (after a crash).
     pub fn restart(&mut self, env: &[(&str, &str)]) {
-        let host_port = self.addr.trim_start_matches("http://").to_owned();
         let mut args = self.args.clone();
-        if let Some(i) = args.iter().position(|a| a == "--listen") {
-            args[i + 1] = host_port;
+        for (flag, addr) in [("--listen", &self.addr), ("--admin-listen", &self.admin)] {
+            let host_port = host_port(addr);
+            match args.iter().position(|a| a == flag) {
+                Some(i) => args[i + 1] = host_port,
+                None => args.extend([flag.to_owned(), host_port]),
+            }
         }
         self.crash();
         let fresh = Service::start(&self.name, args, env);
         self.child = fresh_child(fresh, &mut self.log);
     }
+
+    /// The process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Sends `signal` (e.g. "STOP", "CONT", "KILL") to the process.
+    pub fn signal(&self, signal: &str) {
+        let pid = self.pid().expect("the service runs");
+        let status = Command::new("kill")
+            .args([&format!("-{signal}"), &pid.to_string()])
+            .status()
+            .expect("kill");
+        assert!(status.success(), "kill -{signal} {pid}");
+    }
+}
+
+/// The default admin address of a service at `addr`: its port + 1000.
+pub fn admin_of(addr: &str) -> String {
+    let (host, port) = addr.rsplit_once(':').expect("host:port");
+    let port: u16 = port.trim_end_matches('/').parse().expect("port");
+    format!("{host}:{}", port + 1000)
 }
 
 fn fresh_child(mut fresh: Service, log: &mut Arc<Mutex<String>>) -> Option<Child> {

@@ -113,9 +113,12 @@ pub enum InFlightArg {
 /// Flags every service takes.
 #[derive(Debug, Clone, Args)]
 pub struct ServiceArgs {
-    /// Address to listen on [default: 0.0.0.0:50051 edge, 0.0.0.0:50052 relay, 0.0.0.0:50055 ledger].
+    /// Address to listen on for Payments [default: 0.0.0.0:50051 edge, 0.0.0.0:50052 relay, 0.0.0.0:50055 ledger].
     #[arg(long, env = "RETRYCHAIN_LISTEN")]
     pub listen: Option<SocketAddr>,
+    /// Address to listen on for Control (and health, reflection) [default: 127.0.0.1:<listen port + 1000>; port 0 when --listen's port is 0].
+    #[arg(long, env = "RETRYCHAIN_ADMIN_LISTEN")]
+    pub admin_listen: Option<SocketAddr>,
     /// Service name in logs and Stats [default: edge, hop2, ledger by role].
     #[arg(long, env = "RETRYCHAIN_NAME")]
     pub name: Option<String>,
@@ -144,8 +147,12 @@ pub struct ServiceArgs {
     #[arg(long, env = "RETRYCHAIN_NO_BUDGET")]
     pub no_budget: bool,
     /// Deadline applied to a request that carries no grpc-timeout, in ms.
-    #[arg(long, env = "RETRYCHAIN_DEFAULT_DEADLINE_MS", default_value_t = 10_000)]
+    #[arg(long, env = "RETRYCHAIN_DEFAULT_DEADLINE_MS", default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub default_deadline_ms: u64,
+    /// Longest deadline honoured, in ms; a longer grpc-timeout is cut to this. The ledger's
+    /// --key-retention must be at least this long.
+    #[arg(long, env = "RETRYCHAIN_MAX_DEADLINE_MS", default_value_t = 300_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_deadline_ms: u64,
     /// Taken off the remaining time for each downstream deadline, in ms; the service
     /// answers DEADLINE_EXCEEDED itself at half this margin before its own deadline.
     #[arg(long, env = "RETRYCHAIN_DEADLINE_MARGIN_MS", default_value_t = 20, value_parser = clap::value_parser!(u64).range(2..))]
@@ -156,6 +163,10 @@ pub struct ServiceArgs {
     /// Allow Control.SetFaults (a demo setting; production leaves it off).
     #[arg(long, env = "RETRYCHAIN_FAULT_INJECTION")]
     pub fault_injection: bool,
+    /// Honour (and pass on) a caller's x-retry-mode header. It can multiply load 81-fold,
+    /// so it is off by default on every service (a demo setting, like --fault-injection).
+    #[arg(long, env = "RETRYCHAIN_ALLOW_RETRY_MODE_OVERRIDE")]
+    pub allow_retry_mode_override: bool,
     /// Log format.
     #[arg(long, env = "RETRYCHAIN_LOG_FORMAT", value_enum, default_value_t = LogFormatArg::Text)]
     pub log_format: LogFormatArg,
@@ -202,9 +213,6 @@ pub struct HopArgs {
     /// The next service's URL [default: http://127.0.0.1:50052 for the edge; required for a relay].
     #[arg(long, env = "RETRYCHAIN_DOWNSTREAM")]
     pub downstream: Option<String>,
-    /// Edge: honour a client's x-retry-mode header (it can multiply load; off by default).
-    #[arg(long, env = "RETRYCHAIN_ALLOW_RETRY_MODE_OVERRIDE")]
-    pub allow_retry_mode_override: bool,
 }
 
 /// Flags of `ledger`.
@@ -223,6 +231,10 @@ pub struct LedgerArgs {
     #[arg(long, env = "RETRYCHAIN_KEY_RETENTION", default_value = "24h", value_parser = humantime::parse_duration)]
     pub key_retention: Duration,
     /// Database connections.
-    #[arg(long, env = "RETRYCHAIN_DB_POOL_SIZE", default_value_t = 32)]
+    #[arg(long, env = "RETRYCHAIN_DB_POOL_SIZE", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
     pub db_pool_size: u32,
+    /// Longest wait for a database connection (opening one included), in ms; past it a call
+    /// answers UNAVAILABLE at once instead of holding the chain until its deadline.
+    #[arg(long, env = "RETRYCHAIN_DB_ACQUIRE_TIMEOUT_MS", default_value_t = 250, value_parser = clap::value_parser!(u64).range(1..))]
+    pub db_acquire_timeout_ms: u64,
 }

@@ -22,7 +22,7 @@ use retrychain_proto::v1::{
 use serde::Serialize;
 use tonic::{Code, Request, Response, Status, metadata::MetadataValue, transport::Channel};
 
-use crate::launch::{ChainOptions, ChildService, Logs, connect, with_chain};
+use crate::launch::{ChainOptions, ChildService, Logs, ServiceAddr, connect, with_chain};
 
 /// Flags of `demo`.
 #[derive(Debug, Clone, Args)]
@@ -45,6 +45,21 @@ pub struct DemoArgs {
     /// The existing chain's ledger (counters and faults).
     #[arg(long, env = "RETRYCHAIN_LEDGER")]
     pub ledger: Option<String>,
+    /// The existing edge's admin address (Control) [default: --edge's port + 1000].
+    #[arg(long, env = "RETRYCHAIN_EDGE_ADMIN")]
+    pub edge_admin: Option<String>,
+    /// hop2's admin address [default: --hop2's port + 1000].
+    #[arg(long, env = "RETRYCHAIN_HOP2_ADMIN")]
+    pub hop2_admin: Option<String>,
+    /// hop3's admin address [default: --hop3's port + 1000].
+    #[arg(long, env = "RETRYCHAIN_HOP3_ADMIN")]
+    pub hop3_admin: Option<String>,
+    /// hop4's admin address [default: --hop4's port + 1000].
+    #[arg(long, env = "RETRYCHAIN_HOP4_ADMIN")]
+    pub hop4_admin: Option<String>,
+    /// The ledger's admin address [default: --ledger's port + 1000].
+    #[arg(long, env = "RETRYCHAIN_LEDGER_ADMIN")]
+    pub ledger_admin: Option<String>,
     /// For a chain started here: Postgres URL (unset: a throwaway cluster).
     #[arg(long, env = "DATABASE_URL")]
     pub database_url: Option<String>,
@@ -200,9 +215,11 @@ pub struct StormRun {
 /// The chain the demo talks to.
 struct Target {
     /// Edge first, ledger last.
-    urls: Vec<String>,
-    /// One channel per service.
+    addrs: Vec<ServiceAddr>,
+    /// One channel per service, to its public port (Payments).
     channels: Vec<Channel>,
+    /// One channel per service, to its admin port (Control).
+    admin: Vec<Channel>,
     /// A tag that keeps this run's accounts and keys apart from earlier runs'.
     run: String,
 }
@@ -213,10 +230,18 @@ const T: Duration = Duration::from_secs(30);
 /// Runs every scenario and returns the report.
 pub async fn run(args: &DemoArgs) -> anyhow::Result<DemoReport> {
     let external = args.edge.as_ref().map(|_| {
-        [&args.edge, &args.hop2, &args.hop3, &args.hop4, &args.ledger]
-            .iter()
-            .map(|url| (*url).clone().unwrap_or_default())
-            .collect()
+        [
+            (&args.edge, &args.edge_admin),
+            (&args.hop2, &args.hop2_admin),
+            (&args.hop3, &args.hop3_admin),
+            (&args.hop4, &args.hop4_admin),
+            (&args.ledger, &args.ledger_admin),
+        ]
+        .iter()
+        .map(|(url, admin)| {
+            ServiceAddr::external(url.as_deref().unwrap_or_default(), admin.as_deref())
+        })
+        .collect()
     });
     let options = ChainOptions {
         database_url: args.database_url.clone(),
@@ -241,7 +266,7 @@ async fn scenarios(target: &Target, args: &DemoArgs) -> anyhow::Result<DemoRepor
     let lost_reply = target.lost_reply().await?;
     let key_reuse = target.key_reuse().await?;
     let concurrent = target.concurrent().await?;
-    let hop2 = target.urls[1].clone();
+    let hop2 = target.addrs[1].url.clone();
     let quick = ["--backoff-base-ms", "1", "--backoff-cap-ms", "10"];
 
     let edge = DemoEdge::start("demo-edge", &hop2, &[]).await?;
@@ -287,8 +312,10 @@ async fn scenarios(target: &Target, args: &DemoArgs) -> anyhow::Result<DemoRepor
 struct DemoEdge {
     /// The process.
     service: ChildService,
-    /// A channel to it.
+    /// A channel to its public port.
     channel: Channel,
+    /// A channel to its admin port.
+    admin: Channel,
 }
 
 impl DemoEdge {
@@ -308,8 +335,13 @@ impl DemoEdge {
         args.push("--allow-retry-mode-override".into());
         args.extend(flags.iter().map(|s| s.to_string()));
         let service = ChildService::start(name, &args, &[], Logs::Discard).await?;
-        let channel = connect(&service.url).await?;
-        Ok(Self { service, channel })
+        let channel = connect(&service.addr.url).await?;
+        let admin = connect(&service.addr.admin_url).await?;
+        Ok(Self {
+            service,
+            channel,
+            admin,
+        })
     }
 
     fn payments(&self) -> PaymentsClient<Channel> {
@@ -317,14 +349,14 @@ impl DemoEdge {
     }
 
     async fn stats(&self) -> anyhow::Result<Stats> {
-        Ok(ControlClient::new(self.channel.clone())
+        Ok(ControlClient::new(self.admin.clone())
             .get_stats(GetStatsRequest {})
             .await?
             .into_inner())
     }
 
     async fn reset(&self) -> anyhow::Result<()> {
-        ControlClient::new(self.channel.clone())
+        ControlClient::new(self.admin.clone())
             .reset_stats(ResetStatsRequest {})
             .await?;
         Ok(())
@@ -370,15 +402,18 @@ fn code_name(code: Code) -> String {
 }
 
 impl Target {
-    async fn connect(urls: Vec<String>) -> anyhow::Result<Self> {
+    async fn connect(addrs: Vec<ServiceAddr>) -> anyhow::Result<Self> {
         let mut channels = Vec::new();
-        for url in &urls {
-            channels.push(connect(url).await?);
+        let mut admin = Vec::new();
+        for addr in &addrs {
+            channels.push(connect(&addr.url).await?);
+            admin.push(connect(&addr.admin_url).await?);
         }
         let run = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
         Ok(Self {
-            urls,
+            addrs,
             channels,
+            admin,
             run,
         })
     }
@@ -388,7 +423,7 @@ impl Target {
     }
 
     fn control(&self, i: usize) -> ControlClient<Channel> {
-        ControlClient::new(self.channels[i].clone())
+        ControlClient::new(self.admin[i].clone())
     }
 
     async fn faults(&self, i: usize, faults: Faults) -> Result<Faults, Status> {

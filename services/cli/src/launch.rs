@@ -1,5 +1,7 @@
 //! Starting retrychain services as child processes of this binary: the whole chain (for
-//! `up` and `demo`) or a single extra service on a free port (the demo's own edges).
+//! `up` and `demo`) or a single extra service on a free port (the demo's own edges); and
+//! keeping them running (`up` restarts a service that exits, as docker-compose's
+//! `restart: unless-stopped` does).
 
 use std::{process::Stdio, time::Duration};
 
@@ -10,19 +12,60 @@ use tokio::{
     sync::oneshot,
 };
 
+use retrychain_node::ReadyAddrs;
+
 use crate::health;
+
+/// Where one service answers: Payments on `url`, Control on `admin_url`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServiceAddr {
+    /// The public address, `http://host:port`.
+    pub url: String,
+    /// The admin address, `http://host:port`.
+    pub admin_url: String,
+}
+
+impl ServiceAddr {
+    /// A service someone else started at `url`, with Control at `admin` — by default the
+    /// public port + 1000, as `up` and docker-compose publish them.
+    pub fn external(url: &str, admin: Option<&str>) -> Self {
+        let url = with_scheme(url);
+        if let Some(admin) = admin {
+            return Self {
+                admin_url: with_scheme(admin),
+                url,
+            };
+        }
+        let admin_url = match url.rsplit_once(':') {
+            Some((host, port)) => match port.trim_end_matches('/').parse::<u16>() {
+                Ok(port) => format!("{host}:{}", port.saturating_add(1000)),
+                Err(_) => url.clone(),
+            },
+            None => url.clone(),
+        };
+        Self { url, admin_url }
+    }
+}
+
+fn with_scheme(url: &str) -> String {
+    if url.contains("://") {
+        url.to_owned()
+    } else {
+        format!("http://{url}")
+    }
+}
 
 /// Runs `work` against a chain — the one at `external` (edge first, ledger last) if given,
 /// else a [`LocalChain`] started with `options` and stopped afterwards — and gives up on
 /// Ctrl-C or SIGTERM, stopping the local chain and clearing the ledger's faults (`work`
 /// may have set some) rather than leaving either behind.
 pub async fn with_chain<T, F, Fut>(
-    external: Option<Vec<String>>,
+    external: Option<Vec<ServiceAddr>>,
     options: ChainOptions,
     work: F,
 ) -> anyhow::Result<T>
 where
-    F: FnOnce(Vec<String>) -> Fut,
+    F: FnOnce(Vec<ServiceAddr>) -> Fut,
     Fut: Future<Output = anyhow::Result<T>>,
 {
     let interrupted = crate::serve::shutdown_signal();
@@ -34,14 +77,14 @@ where
             _ = &mut interrupted => anyhow::bail!("interrupted while starting the chain"),
         },
     };
-    let urls = match (&local, external) {
-        (Some(chain), _) => chain.urls(),
-        (None, Some(urls)) => urls,
+    let addrs = match (&local, external) {
+        (Some(chain), _) => chain.addrs(),
+        (None, Some(addrs)) => addrs,
         (None, None) => unreachable!("a chain is either external or local"),
     };
-    let ledger = urls.get(4).cloned();
+    let ledger = addrs.get(4).map(|ledger| ledger.admin_url.clone());
     let result = tokio::select! {
-        result = work(urls) => result,
+        result = work(addrs) => result,
         _ = &mut interrupted => {
             if let Some(ledger) = ledger
                 && let Ok(channel) = connect(&ledger).await
@@ -61,11 +104,7 @@ where
 
 /// Connects to a service at `url` (`http://` is assumed when no scheme is given).
 pub async fn connect(url: &str) -> anyhow::Result<tonic::transport::Channel> {
-    let url = if url.contains("://") {
-        url.to_owned()
-    } else {
-        format!("http://{url}")
-    };
+    let url = with_scheme(url);
     tonic::transport::Endpoint::from_shared(url.clone())
         .with_context(|| format!("URL {url:?}"))?
         .tcp_nodelay(true)
@@ -88,52 +127,67 @@ pub enum Logs {
 pub struct ChildService {
     /// Its name.
     pub name: String,
-    /// Its address, `http://host:port`.
-    pub url: String,
+    /// Its addresses.
+    pub addr: ServiceAddr,
     /// The process.
     child: Child,
+    /// How it was started, to start it again the same way.
+    launch: Launch,
+}
+
+/// The command line, environment and log routing of a child, kept for restarts.
+#[derive(Debug, Clone)]
+struct Launch {
+    /// `retrychain` arguments.
+    args: Vec<String>,
+    /// Extra environment.
+    env: Vec<(String, String)>,
+    /// Where its logs go.
+    logs: Logs,
 }
 
 impl ChildService {
     /// Starts `retrychain <args>`; `--listen` must be among `args`. Waits for its ready line
-    /// on stderr, which names the address (so port 0 works).
+    /// on stderr, which names both addresses (so port 0 works).
     pub async fn start(
         name: &str,
         args: &[String],
         env: &[(&str, &str)],
         logs: Logs,
     ) -> anyhow::Result<Self> {
-        let exe = std::env::current_exe().context("locating this binary")?;
-        let mut command = Command::new(exe);
-        command
-            .args(args)
-            .env("RETRYCHAIN_LOG_FORMAT", "text")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true);
-        for (key, value) in env {
-            command.env(key, value);
-        }
-        let mut child = command
-            .spawn()
-            .with_context(|| format!("starting {name}"))?;
-        let (tx, rx) = oneshot::channel();
-        if let Some(out) = child.stdout.take() {
-            tokio::spawn(follow(name.to_owned(), out, logs, None));
-        }
-        if let Some(err) = child.stderr.take() {
-            tokio::spawn(follow(name.to_owned(), err, logs, Some(tx)));
-        }
-        let address = tokio::time::timeout(Duration::from_secs(60), rx)
-            .await
-            .map_err(|_| anyhow::anyhow!("{name} did not start listening within 60 s"))?
-            .map_err(|_| anyhow::anyhow!("{name} exited before listening"))?;
+        let launch = Launch {
+            args: args.to_vec(),
+            env: env
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+            logs,
+        };
+        let (child, addr) = spawn(name, &launch).await?;
         Ok(Self {
             name: name.to_owned(),
-            url: format!("http://{address}"),
+            addr,
             child,
+            launch,
         })
+    }
+
+    /// The public address, `http://host:port`.
+    pub fn url(&self) -> &str {
+        &self.addr.url
+    }
+
+    /// The process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.id()
+    }
+
+    /// Starts the service again, the same way, after it exited.
+    pub async fn restart(&mut self) -> anyhow::Result<()> {
+        let (child, addr) = spawn(&self.name, &self.launch).await?;
+        self.child = child;
+        self.addr = addr;
+        Ok(())
     }
 
     /// SIGTERM, then SIGKILL if it has not exited within ten seconds.
@@ -154,18 +208,62 @@ impl ChildService {
     }
 }
 
+async fn spawn(name: &str, launch: &Launch) -> anyhow::Result<(Child, ServiceAddr)> {
+    let exe = std::env::current_exe().context("locating this binary")?;
+    let mut command = Command::new(exe);
+    command
+        .args(&launch.args)
+        .env("RETRYCHAIN_LOG_FORMAT", "text")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    for (key, value) in &launch.env {
+        command.env(key, value);
+    }
+    let mut child = command
+        .spawn()
+        .with_context(|| format!("starting {name}"))?;
+    let (tx, rx) = oneshot::channel();
+    if let Some(out) = child.stdout.take() {
+        tokio::spawn(follow(name.to_owned(), out, launch.logs, None));
+    }
+    if let Some(err) = child.stderr.take() {
+        tokio::spawn(follow(name.to_owned(), err, launch.logs, Some(tx)));
+    }
+    let ready = tokio::time::timeout(Duration::from_secs(60), rx)
+        .await
+        .map_err(|_| anyhow::anyhow!("{name} did not start listening within 60 s"))?
+        .map_err(|_| anyhow::anyhow!("{name} exited before listening"))?;
+    if launch.logs == Logs::Prefixed {
+        println!(
+            "{name:>6} | started, pid {}, on {} (admin {})",
+            child.id().unwrap_or_default(),
+            ready.public,
+            ready.admin
+        );
+    }
+    Ok((
+        child,
+        ServiceAddr {
+            url: format!("http://{}", ready.public),
+            admin_url: format!("http://{}", ready.admin),
+        },
+    ))
+}
+
 async fn follow(
     name: String,
     stream: impl AsyncRead + Unpin,
     logs: Logs,
-    mut listening: Option<oneshot::Sender<String>>,
+    mut listening: Option<oneshot::Sender<ReadyAddrs>>,
 ) {
     let mut lines = BufReader::new(stream).lines();
     while let Ok(Some(line)) = lines.next_line().await {
-        if let Some(address) = line.strip_prefix(retrychain_node::READY_PREFIX)
+        if let Some(ready) = ReadyAddrs::parse(&line)
             && let Some(tx) = listening.take()
         {
-            let _ = tx.send(address.trim().to_owned());
+            let _ = tx.send(ready);
             continue;
         }
         if logs == Logs::Prefixed {
@@ -198,7 +296,7 @@ pub struct ChainOptions {
 
 impl LocalChain {
     /// Starts Postgres if needed, then the ledger, hop4, hop3, hop2 and the edge, each
-    /// after the one below reports SERVING. Fault injection is on and the edge honours
+    /// after the one below reports SERVING. Fault injection is on and every service honours
     /// `x-retry-mode`: a local chain is a playground.
     pub async fn start(options: ChainOptions) -> anyhow::Result<Self> {
         let (cluster, database_url) = match &options.database_url {
@@ -231,12 +329,10 @@ impl LocalChain {
                 "--name".into(),
                 name.to_string(),
                 "--fault-injection".into(),
+                "--allow-retry-mode-override".into(),
             ];
             if role != "ledger" {
                 args.extend(["--downstream".into(), downstream.clone()]);
-            }
-            if role == "edge" {
-                args.push("--allow-retry-mode-override".into());
             }
             args.extend(options.flags.iter().cloned());
             let env = [("DATABASE_URL", database_url.as_str())];
@@ -254,15 +350,15 @@ impl LocalChain {
                 chain.stop().await;
                 return Err(error);
             }
-            downstream = service.url.clone();
+            downstream = service.addr.url.clone();
             chain.services.insert(0, service);
         }
         Ok(chain)
     }
 
-    /// The services' URLs, edge first.
-    pub fn urls(&self) -> Vec<String> {
-        self.services.iter().map(|s| s.url.clone()).collect()
+    /// The services' addresses, edge first.
+    pub fn addrs(&self) -> Vec<ServiceAddr> {
+        self.services.iter().map(|s| s.addr.clone()).collect()
     }
 
     /// The throwaway Postgres port, if one was started.
@@ -270,12 +366,44 @@ impl LocalChain {
         self.cluster.as_ref().map(|c| c.port())
     }
 
-    /// Completes when any service exits, naming it.
-    pub async fn first_exit(&mut self) -> String {
-        let waits = self.services.iter_mut().map(|service| {
+    /// Keeps the services running: one that exits is started again after a short backoff
+    /// (250 ms, doubling to 8 s while it keeps failing; back to 250 ms once it has run for
+    /// 30 s), while the others go on serving and the Postgres cluster stays up. Runs until
+    /// the caller stops waiting for it.
+    pub async fn supervise(&mut self) {
+        const FIRST: Duration = Duration::from_millis(250);
+        const LONGEST: Duration = Duration::from_secs(8);
+        const STEADY: Duration = Duration::from_secs(30);
+        let mut waits = vec![FIRST; self.services.len()];
+        let mut started = vec![tokio::time::Instant::now(); self.services.len()];
+        loop {
+            let (i, status) = self.first_exit().await;
+            if started[i].elapsed() >= STEADY {
+                waits[i] = FIRST;
+            }
+            let name = self.services[i].name.clone();
+            println!(
+                "{:>6} | {name} exited ({status}); restarting in {:?}",
+                "up", waits[i]
+            );
+            tokio::time::sleep(waits[i]).await;
+            match self.services[i].restart().await {
+                Ok(()) => println!("{:>6} | {name} restarted", "up"),
+                Err(error) => println!("{:>6} | {name} did not restart: {error:#}", "up"),
+            }
+            started[i] = tokio::time::Instant::now();
+            waits[i] = (waits[i] * 2).min(LONGEST);
+        }
+    }
+
+    /// Completes when any service exits: its index and exit status.
+    async fn first_exit(&mut self) -> (usize, String) {
+        let waits = self.services.iter_mut().enumerate().map(|(i, service)| {
             Box::pin(async move {
-                let status = service.child.wait().await;
-                format!("{} exited ({status:?})", service.name)
+                match service.child.wait().await {
+                    Ok(status) => (i, status.to_string()),
+                    Err(error) => (i, error.to_string()),
+                }
             })
         });
         futures::future::select_all(waits).await.0
@@ -294,7 +422,7 @@ impl LocalChain {
 
 async fn wait_serving(service: &ChildService) -> anyhow::Result<()> {
     let args = health::HealthArgs {
-        addr: service.url.clone(),
+        addr: service.addr.url.clone(),
         timeout_ms: 500,
     };
     for _ in 0..120 {

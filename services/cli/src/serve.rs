@@ -5,9 +5,8 @@ use std::{net::SocketAddr, sync::Arc, time::Duration};
 use anyhow::Context;
 use resilience::RetryBudget;
 use retrychain_hop::{Hop, HopRetryConfig, Role};
-use retrychain_ledger::{InFlight, KeyStore, Ledger, run_retention};
-use retrychain_node::{Node, telemetry};
-use tokio::net::TcpListener;
+use retrychain_ledger::{InFlight, KeyStore, Ledger, StoreOptions, run_retention};
+use retrychain_node::{Listeners, Node, NodeConfig, default_admin_addr, telemetry};
 use tonic::transport::Endpoint;
 
 use crate::config::{HopArgs, InFlightArg, LedgerArgs, ServiceArgs};
@@ -26,7 +25,7 @@ pub async fn hop(args: HopArgs, edge: bool) -> anyhow::Result<()> {
         (None, true) => "http://127.0.0.1:50052".to_owned(),
         (None, false) => anyhow::bail!("a relay needs --downstream (or RETRYCHAIN_DOWNSTREAM)"),
     };
-    let listener = bind(service, default_listen).await?;
+    let listeners = bind(service, default_listen).await?;
     // Only the edge retries under a budget; elsewhere Stats reports 0 tokens.
     let budget = (edge && !service.no_budget).then(|| {
         Arc::new(RetryBudget::new(
@@ -42,13 +41,7 @@ pub async fn hop(args: HopArgs, edge: bool) -> anyhow::Result<()> {
         .tcp_nodelay(true)
         .connect_timeout(Duration::from_secs(2))
         .connect_lazy();
-    let role = if edge {
-        Role::Edge {
-            allow_retry_mode_override: args.allow_retry_mode_override,
-        }
-    } else {
-        Role::Relay
-    };
+    let role = if edge { Role::Edge } else { Role::Relay };
     let policy = service.every_layer_policy();
     let hop = Hop::new(
         Arc::clone(&node),
@@ -64,7 +57,7 @@ pub async fn hop(args: HopArgs, edge: bool) -> anyhow::Result<()> {
         channel,
     );
     tracing::info!(%downstream, mode = %hop_mode(service), "forwarding");
-    retrychain_node::serve(listener, node, hop, service.reserve(), shutdown_signal()).await?;
+    retrychain_node::serve(listeners, node, hop, service.reserve(), shutdown_signal()).await?;
     Ok(())
 }
 
@@ -72,8 +65,26 @@ pub async fn hop(args: HopArgs, edge: bool) -> anyhow::Result<()> {
 pub async fn ledger(args: LedgerArgs) -> anyhow::Result<()> {
     let service = &args.service;
     telemetry::init(service.log_format.into());
-    let listener = bind(service, "0.0.0.0:50055").await?;
-    let store = KeyStore::connect(&args.database_url, args.db_pool_size).await?;
+    // A key must outlive every retry of its request: the retries of one request all happen
+    // within its deadline, and no deadline is honoured past --max-deadline-ms.
+    let max_deadline = Duration::from_millis(service.max_deadline_ms);
+    anyhow::ensure!(
+        args.key_retention >= max_deadline,
+        "--key-retention {} is shorter than --max-deadline-ms {} ms: a retry that arrived \
+         after its key was purged would charge again; keep keys at least as long as the \
+         longest deadline (or lower --max-deadline-ms)",
+        humantime::format_duration(args.key_retention),
+        service.max_deadline_ms,
+    );
+    let listeners = bind(service, "0.0.0.0:50055").await?;
+    let store = KeyStore::connect(
+        &args.database_url,
+        StoreOptions {
+            pool_size: args.db_pool_size,
+            acquire_timeout: Duration::from_millis(args.db_acquire_timeout_ms),
+        },
+    )
+    .await?;
     let node = node(service, "ledger", None);
     let in_flight = match args.in_flight {
         InFlightArg::Wait => InFlight::Wait,
@@ -90,8 +101,14 @@ pub async fn ledger(args: LedgerArgs) -> anyhow::Result<()> {
     let every = (args.key_retention / 4).clamp(Duration::from_millis(100), Duration::from_secs(60));
     let retention = tokio::spawn(run_retention(store, args.key_retention, every));
     tracing::info!(retention = ?args.key_retention, in_flight = ?args.in_flight, "ledger ready");
-    let served =
-        retrychain_node::serve(listener, node, ledger, service.reserve(), shutdown_signal()).await;
+    let served = retrychain_node::serve(
+        listeners,
+        node,
+        ledger,
+        service.reserve(),
+        shutdown_signal(),
+    )
+    .await;
     retention.abort();
     served?;
     Ok(())
@@ -102,25 +119,36 @@ fn hop_mode(service: &ServiceArgs) -> &'static str {
 }
 
 fn node(service: &ServiceArgs, default_name: &str, budget: Option<Arc<RetryBudget>>) -> Arc<Node> {
-    Arc::new(Node::new(
-        service
+    Arc::new(Node::new(NodeConfig {
+        name: service
             .name
             .clone()
             .unwrap_or_else(|| default_name.to_owned()),
-        service.fault_injection,
-        Duration::from_millis(service.default_deadline_ms),
+        fault_injection: service.fault_injection,
+        default_deadline: Duration::from_millis(service.default_deadline_ms),
+        max_deadline: Duration::from_millis(service.max_deadline_ms),
+        allow_retry_mode_override: service.allow_retry_mode_override,
         budget,
-    ))
+    }))
 }
 
-async fn bind(service: &ServiceArgs, default: &str) -> anyhow::Result<TcpListener> {
-    let address: SocketAddr = match service.listen {
+/// Binds the public address (`--listen`, else `default`) and the admin address
+/// (`--admin-listen`, else the public port + 1000 on 127.0.0.1).
+async fn bind(service: &ServiceArgs, default: &str) -> anyhow::Result<Listeners> {
+    anyhow::ensure!(
+        service.default_deadline_ms <= service.max_deadline_ms,
+        "--default-deadline-ms {} is longer than --max-deadline-ms {}",
+        service.default_deadline_ms,
+        service.max_deadline_ms
+    );
+    let public: SocketAddr = match service.listen {
         Some(address) => address,
         None => default.parse().context("default listen address")?,
     };
-    TcpListener::bind(address)
-        .await
-        .with_context(|| format!("binding {address}"))
+    let admin = service
+        .admin_listen
+        .unwrap_or_else(|| default_admin_addr(public));
+    Ok(Listeners::bind(public, admin).await?)
 }
 
 /// Completes on Ctrl-C or SIGTERM (what `docker stop` and `retrychain up` send).

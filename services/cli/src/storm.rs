@@ -29,7 +29,7 @@ use tonic::{Code, Request, metadata::MetadataValue, transport::Channel};
 
 use crate::{
     config::{BackoffArg, ModeArg},
-    launch::{ChainOptions, Logs, connect, with_chain},
+    launch::{ChainOptions, Logs, ServiceAddr, connect, with_chain},
 };
 
 /// Flags of `storm`.
@@ -41,6 +41,12 @@ pub struct StormArgs {
     /// The existing chain's ledger, for its counters and faults.
     #[arg(long, env = "RETRYCHAIN_LEDGER")]
     pub ledger: Option<String>,
+    /// The existing edge's admin address (Control) [default: --edge's port + 1000].
+    #[arg(long, env = "RETRYCHAIN_EDGE_ADMIN")]
+    pub edge_admin: Option<String>,
+    /// The ledger's admin address [default: --ledger's port + 1000].
+    #[arg(long, env = "RETRYCHAIN_LEDGER_ADMIN")]
+    pub ledger_admin: Option<String>,
     /// Requests in flight at once (closed loop); with --rate, the most in flight.
     #[arg(long, default_value_t = 32, env = "RETRYCHAIN_STORM_CONCURRENCY")]
     pub concurrency: usize,
@@ -167,15 +173,14 @@ struct Tally {
 /// Runs a storm per `args` and returns its report.
 pub async fn run(args: &StormArgs) -> anyhow::Result<StormReport> {
     let external = args.edge.as_ref().map(|edge| {
-        let ledger = args.ledger.clone().unwrap_or_default();
-        // with_chain wants five URLs, edge first and ledger last; storm uses those two.
-        vec![
-            edge.clone(),
-            String::new(),
-            String::new(),
-            String::new(),
-            ledger,
-        ]
+        let edge = ServiceAddr::external(edge, args.edge_admin.as_deref());
+        let ledger = ServiceAddr::external(
+            args.ledger.as_deref().unwrap_or_default(),
+            args.ledger_admin.as_deref(),
+        );
+        // with_chain wants five services, edge first and ledger last; storm uses those two.
+        let unused = ServiceAddr::external("", None);
+        vec![edge, unused.clone(), unused.clone(), unused, ledger]
     });
     let options = ChainOptions {
         database_url: args.database_url.clone(),
@@ -186,8 +191,8 @@ pub async fn run(args: &StormArgs) -> anyhow::Result<StormReport> {
         ],
         logs: Logs::Discard,
     };
-    let report = with_chain(external, options, |urls| async move {
-        storm(args, &urls[0], &urls[4]).await
+    let report = with_chain(external, options, |addrs| async move {
+        storm(args, &addrs[0], &addrs[4]).await
     })
     .await?;
     if let Some(path) = &args.csv {
@@ -199,10 +204,14 @@ pub async fn run(args: &StormArgs) -> anyhow::Result<StormReport> {
     Ok(report)
 }
 
-async fn storm(args: &StormArgs, edge_url: &str, ledger_url: &str) -> anyhow::Result<StormReport> {
-    let edge = connect(edge_url).await?;
-    let ledger = connect(ledger_url).await?;
-    let mut ledger_control = ControlClient::new(ledger.clone());
+async fn storm(
+    args: &StormArgs,
+    edge: &ServiceAddr,
+    ledger: &ServiceAddr,
+) -> anyhow::Result<StormReport> {
+    let edge_control = ControlClient::new(connect(&edge.admin_url).await?);
+    let edge = connect(&edge.url).await?;
+    let mut ledger_control = ControlClient::new(connect(&ledger.admin_url).await?);
     let faulty = args.fail_rate > 0.0 || args.delay_ms > 0 || args.drop_reply_rate > 0.0;
     if faulty {
         ledger_control
@@ -216,7 +225,7 @@ async fn storm(args: &StormArgs, edge_url: &str, ledger_url: &str) -> anyhow::Re
             .await
             .context("setting the ledger's faults (it needs --fault-injection)")?;
     }
-    let result = measure(args, edge, ledger_control.clone()).await;
+    let result = measure(args, edge, edge_control, ledger_control.clone()).await;
     if faulty {
         // On every path: a storm must not leave a deployment failing.
         let _ = ledger_control.set_faults(Faults::default()).await;
@@ -228,9 +237,10 @@ async fn storm(args: &StormArgs, edge_url: &str, ledger_url: &str) -> anyhow::Re
 async fn measure(
     args: &StormArgs,
     edge: Channel,
+    mut edge_control: ControlClient<Channel>,
     mut ledger_control: ControlClient<Channel>,
 ) -> anyhow::Result<StormReport> {
-    let edge_before = ControlClient::new(edge.clone())
+    let edge_before = edge_control
         .get_stats(GetStatsRequest {})
         .await?
         .into_inner();
@@ -330,7 +340,7 @@ async fn measure(
     let samples = samples(&marks);
     bar.finish_and_clear();
 
-    let edge_after = ControlClient::new(edge.clone())
+    let edge_after = edge_control
         .get_stats(GetStatsRequest {})
         .await?
         .into_inner();

@@ -2,8 +2,9 @@
 //!
 //! Starts a throwaway Postgres unless `DATABASE_URL` is set, then the five services as child
 //! processes of this binary, bottom-up, each waiting for the one below to report SERVING.
-//! Their logs are interleaved on stdout, each line prefixed by its service. Ctrl-C (or
-//! SIGTERM) stops them all and removes the throwaway cluster.
+//! Their logs are interleaved on stdout, each line prefixed by its service. A service that
+//! exits (a crash, a kill) is started again on the same ports while the others go on
+//! serving. Ctrl-C (or SIGTERM) stops them all and removes the throwaway cluster.
 
 use clap::Args;
 use retrychain_node::RetryMode;
@@ -30,7 +31,7 @@ pub struct UpArgs {
     pub log_format: LogFormatArg,
 }
 
-/// Runs the chain until Ctrl-C or SIGTERM, or until a service exits.
+/// Runs the chain until Ctrl-C or SIGTERM, restarting services that exit.
 pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     if args.database_url.is_none() {
         println!("starting a throwaway Postgres (set DATABASE_URL to use your own)…");
@@ -65,21 +66,22 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         println!("postgres | throwaway cluster on 127.0.0.1:{port} (removed on exit)");
     }
     print_hints(args.base_port);
-    let result = tokio::select! {
-        _ = &mut interrupted => Ok(()),
-        exited = chain.first_exit() => Err(anyhow::anyhow!("{exited}; stopping the chain")),
-    };
+    tokio::select! {
+        _ = &mut interrupted => {}
+        _ = chain.supervise() => {}
+    }
     println!("stopping the chain…");
     chain.stop().await;
-    result
+    Ok(())
 }
 
 fn print_hints(base: u16) {
     let edge = format!("localhost:{base}");
-    let ledger = format!("localhost:{}", base + 4);
+    let ledger = format!("localhost:{}", base + 1004);
     println!(
         r#"
 retrychain is up: edge :{base} -> hop2 :{} -> hop3 :{} -> hop4 :{} -> ledger :{}
+Control (admin ports, this machine only): edge :{} … ledger :{}
 Try:
   grpcurl -plaintext {edge} list
   grpcurl -plaintext -max-time 5 -H 'idempotency-key: order-1' -d '{{"account_id":"alice","amount_cents":500}}' {edge} retrychain.v1.Payments/Charge
@@ -93,5 +95,7 @@ Ctrl-C stops everything.
         base + 2,
         base + 3,
         base + 4,
+        base + 1000,
+        base + 1004,
     );
 }

@@ -5,16 +5,22 @@
 //! | | edge | relay (hop2, hop3, hop4) |
 //! |---|---|---|
 //! | no `idempotency-key` | generates a UUID, returns it | INVALID_ARGUMENT |
-//! | `x-retry-mode` | honoured and passed on only with `--allow-retry-mode-override` | honoured and passed on |
+//! | `x-retry-mode` | honoured and passed on only with `--allow-retry-mode-override` | the same |
 //! | `edge-only` mode | retries, under the retry budget | tries once |
 //! | `every-layer` mode | retries, no budget | retries, no budget |
+//! | the caller is retrying (`grpc-previous-rpc-attempts` ≥ 1) | tries once | as its mode says |
+//! | gave up after retrying, or a retry was refused | answers with `grpc-retry-pushback-ms: -1` | passes on what came from below |
+//!
+//! The last two rows make "retry at one layer" hold when the client retries too: a gRFC A6
+//! client (grpc-go, grpc-java, gRPC core) obeys a negative pushback by not retrying, and one
+//! that retries anyway gets a single attempt per retry instead of another round.
 //!
 //! Every call gets a strictly shorter deadline than the one received (the retry executor
 //! computes it per attempt), the same idempotency key, and the same trace id.
 
 use std::sync::Arc;
 
-use resilience::{Backoff, Retry, RetryBudget, RetryPolicy};
+use resilience::{Backoff, Retry, RetryBudget, RetryError, RetryPolicy};
 use retrychain_node::{
     AccountId, AmountCents, IdempotencyKey, Node, RetryMode, RpcScope, TraceContext,
     faults::lost_reply,
@@ -34,11 +40,7 @@ use tonic::{
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Role {
     /// The service clients call.
-    Edge {
-        /// Whether a client's `x-retry-mode` is honoured. Off by default: every-layer
-        /// retries multiply load, so a client must not be able to switch them on.
-        allow_retry_mode_override: bool,
-    },
+    Edge,
     /// hop2, hop3 or hop4.
     Relay,
 }
@@ -75,6 +77,8 @@ pub struct Hop {
     every_layer: Arc<Retry>,
     /// The executor for `edge-only`: budgeted retries at the edge, one attempt elsewhere.
     edge_only: Arc<Retry>,
+    /// One attempt: the edge's answer to a caller that retries on its own.
+    single: Arc<Retry>,
 }
 
 /// What a hop passes on with each downstream call, encoded once per request and cloned
@@ -132,14 +136,13 @@ impl Hop {
             margin: retry.margin,
             min_attempt: retry.min_attempt,
         };
+        let single = RetryPolicy::single_attempt(retry.backoff, retry.margin, retry.min_attempt);
         let edge_only = match role {
-            Role::Edge { .. } => RetryPolicy {
+            Role::Edge => RetryPolicy {
                 budget: retry.budget.clone(),
                 ..every_layer.clone()
             },
-            Role::Relay => {
-                RetryPolicy::single_attempt(retry.backoff, retry.margin, retry.min_attempt)
-            }
+            Role::Relay => single.clone(),
         };
         Self {
             role,
@@ -147,6 +150,7 @@ impl Hop {
             downstream: PaymentsClient::new(downstream),
             every_layer: Arc::new(Retry::new(every_layer).with_label(&node.name)),
             edge_only: Arc::new(Retry::new(edge_only).with_label(&node.name)),
+            single: Arc::new(Retry::new(single).with_label(&node.name)),
             node,
         }
     }
@@ -161,7 +165,7 @@ impl Hop {
         let incoming = request.metadata();
         let key = match (metadata::idempotency_key(incoming)?, self.role) {
             (Some(key), _) => Some(key),
-            (None, Role::Edge { .. }) if key_required => Some(IdempotencyKey::generate()),
+            (None, Role::Edge) if key_required => Some(IdempotencyKey::generate()),
             (None, Role::Relay) if key_required => {
                 return Err(Status::invalid_argument(
                     "idempotency-key is required (the edge adds one when a client sends none)",
@@ -171,34 +175,34 @@ impl Hop {
         };
         if let Some(key) = &key {
             scope.record_key(key);
-            if let Role::Edge { .. } = self.role {
+            if self.role == Role::Edge {
                 scope.echo_key(key);
             }
         }
-        let honour_mode = match self.role {
-            Role::Edge {
-                allow_retry_mode_override,
-            } => allow_retry_mode_override,
-            Role::Relay => true,
-        };
-        // An edge without the override neither reads the header nor passes it on.
-        let requested = if honour_mode {
-            metadata::retry_mode(incoming)?
-        } else {
-            None
-        };
-        let (mode, pass_mode) = match requested {
+        // A service without the override neither reads the header nor passes it on.
+        let (mode, pass_mode) = match self.node.requested_retry_mode(incoming)? {
             Some(mode) => (mode, true),
             None => (self.mode, false),
         };
         Ok(Forward::new(key.as_ref(), mode, pass_mode, &scope.trace))
     }
 
-    fn executor(&self, mode: RetryMode) -> &Retry {
+    fn executor(&self, mode: RetryMode, scope: &RpcScope) -> &Retry {
+        if self.role == Role::Edge && scope.caller_previous_attempts > 0 {
+            return &self.single;
+        }
         match mode {
             RetryMode::EveryLayer => &self.every_layer,
             RetryMode::EdgeOnly => &self.edge_only,
         }
+    }
+
+    /// Whether this hop's failure answer tells its caller not to retry: at the edge, when
+    /// the edge was the retrying layer for this call (it retried, or a retry was refused)
+    /// or the caller is already retrying.
+    fn refuse_caller_retries(&self, scope: &RpcScope, error: &RetryError) -> bool {
+        self.role == Role::Edge
+            && (error.retries_were_spent() || scope.caller_previous_attempts > 0)
     }
 
     /// One downstream attempt, with this hop's injected faults around it.
@@ -235,8 +239,8 @@ impl Hop {
         Fut: Future<Output = Result<Response<Rep>, Status>>,
     {
         let result = self
-            .executor(forward.mode)
-            .run(scope.deadline, &self.node.counters, |attempt| {
+            .executor(forward.mode, scope)
+            .run_detailed(scope.deadline, &self.node.counters, |attempt| {
                 let request = forward.request(message.clone(), &attempt);
                 self.attempt(call(self.downstream.clone(), request))
             })
@@ -248,12 +252,18 @@ impl Hop {
                 copy_relayed(&downstream_metadata, response.metadata_mut());
                 Ok(response)
             }
-            Err(status) => {
+            Err(error) => {
+                let refuse = self.refuse_caller_retries(scope, &error);
+                let status = error.status;
                 let mut metadata = MetadataMap::new();
                 copy_relayed(status.metadata(), &mut metadata);
-                // A pushback is for whoever retries next, whichever layer that is.
                 let pushback = resilience::classify::PUSHBACK_HEADER;
-                if let Some(value) = status.metadata().get(pushback) {
+                if refuse {
+                    // The edge was the one retrying layer; a client on top must not be
+                    // another (gRFC A6: a negative pushback means "do not retry").
+                    metadata.insert(pushback, MetadataValue::from(-1));
+                } else if let Some(value) = status.metadata().get(pushback) {
+                    // A pushback is for whoever retries next, whichever layer that is.
                     metadata.insert(pushback, value.clone());
                 }
                 Err(Status::with_metadata(

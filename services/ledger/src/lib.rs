@@ -4,13 +4,15 @@
 //!
 //! - [`store`]: [`KeyStore`] — the key, the effect and the saved reply in one Postgres
 //!   transaction; replays, parameter checks, in-flight behaviour, retention purges.
+//! - [`key_locks`]: same-key requests queue in memory, not on a database connection.
 //! - [`processor`]: the simulated payment processor whose calls are the bottom calls.
 //! - [`service`]: [`Ledger`], the `Payments` service, and the mapping of store errors to
 //!   statuses.
 
+pub mod key_locks;
 pub mod processor;
 pub mod service;
 pub mod store;
 
 pub use service::{Ledger, run_retention};
-pub use store::{ChargeOutcome, InFlight, KeyStore, SavedReply, StoreError};
+pub use store::{ChargeOutcome, InFlight, KeyStore, SavedReply, StoreError, StoreOptions};

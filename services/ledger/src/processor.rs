@@ -7,8 +7,36 @@ use std::sync::{
 };
 
 use resilience::Attempt;
-use retrychain_node::{IdempotencyKey, Node, faults::failure};
+use retrychain_node::{AccountId, IdempotencyKey, Node, faults::failure};
 use tonic::{Code, Status};
+
+/// The idempotency key the processor receives: the client's key scoped to its account.
+///
+/// Our keys are scoped per account (two customers may both send `order-1`), but a real
+/// processor keys idempotency per merchant: sent bare, the second customer's `order-1`
+/// would get the first one's result. The account goes in front, length-prefixed so that no
+/// two (account, key) pairs give the same text: `5:alice:order-1`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcessorKey(String);
+
+impl ProcessorKey {
+    /// The processor key of `key` on `account`.
+    pub fn new(account: &AccountId, key: &IdempotencyKey) -> Self {
+        let account = account.as_str();
+        Self(format!("{}:{account}:{key}", account.len()))
+    }
+
+    /// The key as sent.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for ProcessorKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
 
 /// A processor that succeeds unless the faults say otherwise.
 #[derive(Debug)]
@@ -42,7 +70,7 @@ impl Processor {
     /// attempt's timeout. The key goes with the call, as it would to a real processor: if
     /// the ledger's transaction rolls back after the processor succeeded, the retry's
     /// processor call carries the same key and a real processor would not charge again.
-    pub async fn charge(&self, attempt: Attempt, key: &IdempotencyKey) -> Result<(), Status> {
+    pub async fn charge(&self, attempt: Attempt, key: &ProcessorKey) -> Result<(), Status> {
         let name = &self.node.name;
         if let Some(status) = self.node.faults.injected_failure(name) {
             return Err(status);
@@ -71,5 +99,32 @@ impl Processor {
             tokio::time::sleep(delay).await;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn processor_keys_are_scoped_to_the_account_and_unambiguous() {
+        let key = IdempotencyKey::parse("order-1").expect("key");
+        let alice = AccountId::parse("alice").expect("account");
+        let bob = AccountId::parse("bob").expect("account");
+        assert_eq!(ProcessorKey::new(&alice, &key).as_str(), "5:alice:order-1");
+        assert_ne!(
+            ProcessorKey::new(&alice, &key),
+            ProcessorKey::new(&bob, &key)
+        );
+        // "a:b" + "c" and "a" + "b:c" must differ.
+        let left = ProcessorKey::new(
+            &AccountId::parse("a:b").expect("account"),
+            &IdempotencyKey::parse("c").expect("key"),
+        );
+        let right = ProcessorKey::new(
+            &AccountId::parse("a").expect("account"),
+            &IdempotencyKey::parse("b:c").expect("key"),
+        );
+        assert_ne!(left, right);
     }
 }

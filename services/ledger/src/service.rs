@@ -17,7 +17,7 @@ use tonic::{Request, Response, Status, metadata::MetadataValue};
 use tracing::Instrument;
 
 use crate::{
-    processor::Processor,
+    processor::{Processor, ProcessorKey},
     store::{ChargeOutcome, InFlight, KeyStore, SavedReply, StoreError},
 };
 
@@ -87,11 +87,12 @@ impl Ledger {
             RetryMode::EveryLayer => &self.every_layer,
             RetryMode::EdgeOnly => &self.single,
         };
+        let processor_key = ProcessorKey::new(&account, &key);
         let outcome = self
             .store
             .charge(&account, &key, amount, answer_by, self.in_flight, || {
                 executor.run(answer_by, &self.node.counters, |attempt| {
-                    self.processor.charge(attempt, &key)
+                    self.processor.charge(attempt, &processor_key)
                 })
             })
             .await?;
@@ -110,7 +111,10 @@ impl Ledger {
     }
 
     fn mode_of<T>(&self, request: &Request<T>) -> Result<RetryMode, Status> {
-        Ok(metadata::retry_mode(request.metadata())?.unwrap_or(self.mode))
+        Ok(self
+            .node
+            .requested_retry_mode(request.metadata())?
+            .unwrap_or(self.mode))
     }
 }
 
@@ -134,14 +138,14 @@ impl From<StoreError> for Status {
             StoreError::BalanceOverflow => Status::out_of_range(message),
             StoreError::Processor(status) => status,
             StoreError::Purged => Status::aborted(message),
+            StoreError::Unavailable(_) => {
+                tracing::warn!(%message, "database unavailable");
+                Status::unavailable(message)
+            }
+            StoreError::Conflict(_) => Status::aborted(message),
             StoreError::Database(error) => {
                 tracing::error!(%error, "database failure");
-                match error {
-                    sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed => {
-                        Status::unavailable(format!("database unavailable: {error}"))
-                    }
-                    _ => Status::internal("database error; the charge was not committed"),
-                }
+                Status::internal("database error; the charge was not committed")
             }
         }
     }
@@ -204,7 +208,7 @@ impl Payments for Ledger {
             .run(async {
                 let account = AccountId::parse(&request.get_ref().account_id)?;
                 // A plain read: if the scope's deadline guard drops it, nothing is half-done.
-                let found = self.store.account(&account).await?;
+                let found = self.store.account(&account, scope.answer_by).await?;
                 let (balance_cents, charges) = found.ok_or_else(|| {
                     Status::not_found(format!("account {account} has never been charged"))
                 })?;

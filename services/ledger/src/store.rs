@@ -3,7 +3,9 @@
 //! # One transaction per charge
 //!
 //! ```text
-//! BEGIN; SET LOCAL lock_timeout = <time left>      -- one round trip
+//! (same key already running in this process? wait for it in memory: key_locks)
+//! BEGIN; SET LOCAL lock_timeout, statement_timeout = <time left>,
+//!        idle_in_transaction_session_timeout = <time left + slack>   -- one round trip
 //! INSERT INTO idempotency_keys … ON CONFLICT DO NOTHING    -- claim the key
 //!   claimed:   processor call(s), then one statement that updates the balance,
 //!              inserts the charge and saves the reply on the key row; COMMIT
@@ -17,19 +19,61 @@
 //! Because the key, the effect and the reply commit together, a crash at any point leaves
 //! either all of them or none: a retry after a lost reply replays, a retry after a crash
 //! charges afresh.
+//!
+//! # When the database or this process misbehaves
+//!
+//! - **Postgres down or restarting**: waiting for a connection (opening one included) is
+//!   bounded by `acquire_timeout`, well under any caller's deadline, and answers
+//!   UNAVAILABLE, which the edge retries under its budget. A pooled connection that a
+//!   restart broke fails its first statement (UNAVAILABLE); after such a failure every
+//!   idle connection is pinged before use for a while ([`SUSPICION`]), so a restart costs
+//!   about one failed attempt rather than one per pooled connection.
+//! - **A statement cut short** (our deadline, a lost connection, a commit whose answer
+//!   never came): the connection's state is unknown — sqlx can return a connection to the
+//!   pool still inside a transaction if BEGIN was cancelled — so it is closed, never reused.
+//!   Whether a cut-off COMMIT took effect is unknown too; the caller's retry with the same
+//!   key finds out (replay, or a fresh charge).
+//! - **This process frozen** (SIGSTOP, a stalled VM) while it holds a key: Postgres ends
+//!   the session once it has sat idle in its transaction longer than the request could
+//!   have lived, which rolls it back and frees the key for another ledger instance; TCP
+//!   keepalives do the same for a host that vanished. When the frozen process wakes, its
+//!   connection is gone and it commits nothing.
 
-use std::{str::FromStr, time::Duration};
+use std::{
+    str::FromStr,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
 
 use resilience::Deadline;
 use retrychain_node::{AccountId, AmountCents, IdempotencyKey};
 use sqlx::{
-    AssertSqlSafe, PgPool, Row,
+    AssertSqlSafe, Connection, PgConnection, PgPool, Postgres, Row,
+    pool::PoolConnection,
     postgres::{PgConnectOptions, PgPoolOptions},
 };
 use uuid::Uuid;
 
+use crate::key_locks::KeyLocks;
+
 /// Migrations, applied at start-up.
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+
+/// How long after a lost connection idle connections are pinged before use.
+pub const SUSPICION: Duration = Duration::from_secs(10);
+
+/// How long past the request's deadline a charge's statements may run before the
+/// connection is given up as unresponsive. The server-side timeouts fire first; this is for
+/// a database host that stopped answering altogether.
+pub const UNRESPONSIVE_AFTER: Duration = Duration::from_secs(2);
+
+/// Added to the request's remaining time for `idle_in_transaction_session_timeout`: the
+/// transaction is idle while the processor works, which ends before the deadline; past
+/// deadline plus this, only a frozen client is still "working".
+const IDLE_SLACK_MS: u128 = 500;
 
 /// A committed charge's reply, as saved on its key.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -58,7 +102,7 @@ pub enum ChargeOutcome {
 pub enum InFlight {
     /// Wait for the first to finish, then replay its reply (or charge, if it rolled back).
     Wait,
-    /// Refuse at once with ABORTED, Stripe-style.
+    /// Refuse at once with ABORTED, Stripe-style (a completed key still replays).
     Reject,
 }
 
@@ -78,7 +122,8 @@ pub enum StoreError {
     /// `--in-flight reject`: a request with this key is still running.
     #[error("a request with this idempotency key is still in flight; retry after it finishes")]
     InFlight,
-    /// The deadline ran out waiting for a connection or for a same-key request to finish.
+    /// The deadline ran out waiting for a connection, a lock, a statement, or a same-key
+    /// request to finish.
     #[error("the deadline ran out while {0}")]
     DeadlineWhileWaiting(&'static str),
     /// The balance would leave the range of a 64-bit integer.
@@ -90,46 +135,188 @@ pub enum StoreError {
     /// A key row vanished between conflict and read (purged by retention meanwhile).
     #[error("the idempotency key was purged while this request read it; retry")]
     Purged,
-    /// Anything else the database said.
+    /// Postgres could not be reached, refused connections, shut down, or the connection
+    /// was lost. Transient: a retry with the same key is safe and will find out whether a
+    /// commit that was in flight took effect.
+    #[error("database unavailable ({0}); retry with the same idempotency key")]
+    Unavailable(String),
+    /// A serialization failure or deadlock: rolled back, safe to retry.
+    #[error("database conflict ({0}); rolled back, retry")]
+    Conflict(String),
+    /// Anything else the database said: a bug or a broken schema, not worth retrying.
     #[error("database: {0}")]
-    Database(#[from] sqlx::Error),
+    Database(sqlx::Error),
+}
+
+impl StoreError {
+    /// Whether the connection that produced this error may be in an unknown state
+    /// (mid-transaction, mid-protocol) and must be closed rather than reused.
+    fn leaves_connection_in_doubt(&self) -> bool {
+        matches!(self, StoreError::Unavailable(_) | StoreError::Database(_))
+    }
+}
+
+/// The one classification of database failures; `service.rs` maps the result to a status.
+impl From<sqlx::Error> for StoreError {
+    fn from(error: sqlx::Error) -> Self {
+        use sqlx::Error as E;
+        let text = error.to_string();
+        match &error {
+            E::Io(_) | E::Tls(_) | E::Protocol(_) | E::PoolTimedOut | E::PoolClosed => {
+                StoreError::Unavailable(text)
+            }
+            E::Database(db) => match db.code().as_deref().unwrap_or_default() {
+                // lock_not_available: our lock_timeout, which is the request's deadline.
+                "55P03" => StoreError::DeadlineWhileWaiting(
+                    "waiting for a request with the same key to finish",
+                ),
+                // query_canceled by our statement_timeout (also the request's deadline);
+                // any other cancel (an operator's pg_cancel_backend) is transient.
+                "57014" if db.message().contains("statement timeout") => {
+                    StoreError::DeadlineWhileWaiting("a database statement ran")
+                }
+                "57014" => StoreError::Unavailable(text),
+                // numeric_value_out_of_range: only the balance can overflow.
+                "22003" => StoreError::BalanceOverflow,
+                "40001" | "40P01" => StoreError::Conflict(text),
+                // connection_exception (08…), admin/crash shutdown, cannot connect now,
+                // database dropped, insufficient resources (53…, e.g. too many
+                // connections), idle-in-transaction / idle-session timeouts.
+                code if code.starts_with("08")
+                    || code.starts_with("53")
+                    || code.starts_with("57P")
+                    || code == "25P03" =>
+                {
+                    StoreError::Unavailable(text)
+                }
+                _ => StoreError::Database(error),
+            },
+            _ => StoreError::Database(error),
+        }
+    }
+}
+
+/// How the ledger talks to Postgres.
+#[derive(Debug, Clone, Copy)]
+pub struct StoreOptions {
+    /// Connections in the pool.
+    pub pool_size: u32,
+    /// Longest wait for a connection, opening one included; past it, UNAVAILABLE.
+    pub acquire_timeout: Duration,
+}
+
+/// After a connection was lost, idle connections are suspect (a restart broke them all)
+/// until this window closes; see the module docs.
+#[derive(Debug)]
+struct Suspicion {
+    /// The clock's origin.
+    since: std::time::Instant,
+    /// Until when (ms after `since`) idle connections are pinged before use.
+    until_ms: AtomicU64,
+}
+
+impl Suspicion {
+    fn new() -> Self {
+        Self {
+            since: std::time::Instant::now(),
+            until_ms: AtomicU64::new(0),
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.since.elapsed().as_millis() as u64
+    }
+
+    fn raise(&self) {
+        let until = self.now_ms() + SUSPICION.as_millis() as u64;
+        self.until_ms.fetch_max(until, Ordering::Relaxed);
+    }
+
+    fn active(&self) -> bool {
+        self.now_ms() < self.until_ms.load(Ordering::Relaxed)
+    }
 }
 
 /// Postgres access for the ledger.
 #[derive(Debug, Clone)]
 pub struct KeyStore {
-    /// Connections. `test_before_acquire` is off: a broken connection fails its statement
-    /// anyway, and the ping would cost a round trip before every charge (sqlx still pings
-    /// each connection when it is released, off the request path).
+    /// Connections. `test_before_acquire` is off: a ping before every charge would cost a
+    /// round trip; instead, idle connections are pinged only while `suspicion` is raised.
     pool: PgPool,
+    /// Raised by a lost connection; see [`Suspicion`].
+    suspicion: Arc<Suspicion>,
+    /// Same-key requests of this process queue here, holding no connection.
+    keys: Arc<KeyLocks>,
 }
 
 impl KeyStore {
-    /// Connects with a pool of `pool_size` and applies the migrations.
-    pub async fn connect(database_url: &str, pool_size: u32) -> anyhow::Result<Self> {
+    /// Connects and applies the migrations, waiting up to a minute for a database that is
+    /// still starting (as under docker-compose, or after a crash of both).
+    pub async fn connect(database_url: &str, options: StoreOptions) -> anyhow::Result<Self> {
         use anyhow::Context;
-        let options = PgConnectOptions::from_str(database_url)
+        let connect = PgConnectOptions::from_str(database_url)
             .context("parsing the database URL")?
-            // Custom plans: a generic plan cached while the key table was empty (say after a
-            // retention purge) can pick a sequential scan and keep it.
-            .options([("plan_cache_mode", "force_custom_plan")]);
+            .options([
+                // Custom plans: a generic plan cached while the key table was empty (say
+                // after a retention purge) can pick a sequential scan and keep it.
+                ("plan_cache_mode", "force_custom_plan"),
+                // The server notices a client host that vanished (no FIN, no RST) within
+                // about 25 s and ends its session, releasing its locks.
+                ("tcp_keepalives_idle", "10"),
+                ("tcp_keepalives_interval", "5"),
+                ("tcp_keepalives_count", "3"),
+                // A backstop for sessions outside a charge (each charge sets its own).
+                ("idle_in_transaction_session_timeout", "60s"),
+            ]);
+        let suspicion = Arc::new(Suspicion::new());
         let pool = PgPoolOptions::new()
-            .max_connections(pool_size)
+            .max_connections(options.pool_size)
+            .acquire_timeout(options.acquire_timeout)
             .test_before_acquire(false)
-            .acquire_timeout(Duration::from_secs(30))
-            .connect_with(options)
-            .await
-            .context("connecting to Postgres")?;
-        MIGRATOR
-            .run(&pool)
-            .await
-            .context("applying the ledger's migrations")?;
-        Ok(Self { pool })
+            .before_acquire({
+                let suspicion = Arc::clone(&suspicion);
+                move |conn, _meta| {
+                    let suspect = suspicion.active();
+                    Box::pin(async move {
+                        // A failed ping discards this connection and opens a fresh one.
+                        if suspect {
+                            conn.ping().await?;
+                        }
+                        Ok(true)
+                    })
+                }
+            })
+            .connect_lazy_with(connect);
+        let started = std::time::Instant::now();
+        loop {
+            let error = match MIGRATOR.run(&pool).await {
+                Ok(()) => break,
+                Err(sqlx::migrate::MigrateError::Execute(error)) => StoreError::from(error),
+                Err(error) => return Err(error).context("applying the ledger's migrations"),
+            };
+            if !matches!(error, StoreError::Unavailable(_))
+                || started.elapsed() > Duration::from_secs(60)
+            {
+                return Err(error).context("applying the ledger's migrations");
+            }
+            tracing::warn!(%error, "database not reachable yet; retrying in 1 s");
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        Ok(Self {
+            pool,
+            suspicion,
+            keys: Arc::new(KeyLocks::default()),
+        })
     }
 
     /// The pool, for tests and tools that inspect the tables.
     pub fn pool(&self) -> &PgPool {
         &self.pool
+    }
+
+    /// Same-key requests running or waiting in this process.
+    pub fn keys_in_flight(&self) -> usize {
+        self.keys.len()
     }
 
     /// Charges `amount` to `account` once per `key`; see the module docs. `process` is the
@@ -148,125 +335,60 @@ impl KeyStore {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<(), tonic::Status>>,
     {
-        // Waits for locks end at the deadline: at least 1 ms (0 would mean "no limit"), at
-        // most what Postgres accepts (a 1000-hour grpc-timeout would otherwise fail BEGIN).
-        let lock_ms = deadline.remaining().as_millis().clamp(1, i32::MAX as u128);
-        let begin = format!("BEGIN; SET LOCAL lock_timeout = {lock_ms}");
-        let mut tx = tokio::time::timeout_at(
-            deadline.instant(),
-            self.pool.begin_with(AssertSqlSafe(begin)),
-        )
-        .await
-        .map_err(|_| StoreError::DeadlineWhileWaiting("waiting for a database connection"))??;
-
-        if in_flight == InFlight::Reject {
-            // A transaction-scoped advisory lock on (account, key) tells "someone is running
-            // this key" without waiting. Two keys whose hashes collide can only cause a
-            // spurious ABORTED, which the caller retries.
-            let free: bool =
-                sqlx::query_scalar("SELECT pg_try_advisory_xact_lock(hashtext($1), hashtext($2))")
-                    .bind(account.as_str())
-                    .bind(key.as_str())
-                    .fetch_one(&mut *tx)
-                    .await?;
-            if !free {
-                return Err(StoreError::InFlight);
-            }
-        }
-
-        let claimed = sqlx::query(
-            "INSERT INTO idempotency_keys (account_id, idempotency_key, request_amount_cents) \
-             VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
-        )
-        .bind(account.as_str())
-        .bind(key.as_str())
-        .bind(amount.get())
-        .execute(&mut *tx)
-        .await
-        .map_err(waited_too_long)?
-        .rows_affected()
-            == 1;
-
-        if !claimed {
-            let row = sqlx::query(
-                "SELECT request_amount_cents, charge_id, balance_cents FROM idempotency_keys \
-                 WHERE account_id = $1 AND idempotency_key = $2",
+        let _turn = match in_flight {
+            InFlight::Wait => tokio::time::timeout_at(
+                deadline.instant(),
+                self.keys.lock(account.as_str(), key.as_str()),
             )
-            .bind(account.as_str())
-            .bind(key.as_str())
-            .fetch_optional(&mut *tx)
-            .await?
-            .ok_or(StoreError::Purged)?;
-            let saved: i64 = row.try_get("request_amount_cents")?;
-            if saved != amount.get() {
-                return Err(StoreError::KeyReused {
-                    saved,
-                    requested: amount.get(),
-                });
-            }
-            let (Some(charge_id), Some(balance_cents)) = (
-                row.try_get::<Option<Uuid>, _>("charge_id")?,
-                row.try_get::<Option<i64>, _>("balance_cents")?,
-            ) else {
-                return Err(StoreError::Database(sqlx::Error::Protocol(
-                    "a committed idempotency key has no saved reply".into(),
-                )));
-            };
-            return Ok(ChargeOutcome::Replayed(SavedReply {
-                charge_id,
-                account_id: account.as_str().to_owned(),
-                amount_cents: saved,
-                balance_cents,
-            }));
-        }
-
-        process().await.map_err(StoreError::Processor)?;
-
-        let charge_id = Uuid::new_v4();
-        let balance_cents: i64 = sqlx::query_scalar(
-            "WITH account AS ( \
-                 INSERT INTO accounts (account_id, balance_cents, charges) VALUES ($1, $2, 1) \
-                 ON CONFLICT (account_id) DO UPDATE \
-                 SET balance_cents = accounts.balance_cents + EXCLUDED.balance_cents, \
-                     charges = accounts.charges + 1, updated_at = now() \
-                 RETURNING balance_cents), \
-             charge AS ( \
-                 INSERT INTO charges (charge_id, account_id, amount_cents, balance_cents, idempotency_key) \
-                 SELECT $3, $1, $2, balance_cents, $4 FROM account \
-                 RETURNING charge_id, balance_cents) \
-             UPDATE idempotency_keys SET charge_id = charge.charge_id, balance_cents = charge.balance_cents \
-             FROM charge WHERE idempotency_keys.account_id = $1 AND idempotency_keys.idempotency_key = $4 \
-             RETURNING charge.balance_cents",
+            .await
+            .map_err(|_| {
+                StoreError::DeadlineWhileWaiting(
+                    "waiting for a request with the same key to finish",
+                )
+            })?,
+            InFlight::Reject => match self.keys.try_lock(account.as_str(), key.as_str()) {
+                Some(turn) => turn,
+                // Running here now — unless it already finished and this is a repeat.
+                None => {
+                    let mut conn = self.acquire(deadline).await?;
+                    let result = within(
+                        deadline,
+                        replay_or_in_flight(&mut conn, account, key, amount),
+                    )
+                    .await;
+                    return self.settle(conn, result);
+                }
+            },
+        };
+        let mut conn = self.acquire(deadline).await?;
+        let result = within(
+            deadline,
+            charge_in_transaction(
+                &mut conn, account, key, amount, deadline, in_flight, process,
+            ),
         )
-        .bind(account.as_str())
-        .bind(amount.get())
-        .bind(charge_id)
-        .bind(key.as_str())
-        .fetch_one(&mut *tx)
-        .await
-        .map_err(|e| match &e {
-            sqlx::Error::Database(db) if db.code().as_deref() == Some("22003") => {
-                StoreError::BalanceOverflow
-            }
-            _ => waited_too_long(e),
-        })?;
-        tx.commit().await?;
-        Ok(ChargeOutcome::Executed(SavedReply {
-            charge_id,
-            account_id: account.as_str().to_owned(),
-            amount_cents: amount.get(),
-            balance_cents,
-        }))
+        .await;
+        self.settle(conn, result)
     }
 
     /// An account's balance and number of charges; `None` if it was never charged.
-    pub async fn account(&self, account: &AccountId) -> Result<Option<(i64, i64)>, StoreError> {
-        let row = sqlx::query("SELECT balance_cents, charges FROM accounts WHERE account_id = $1")
-            .bind(account.as_str())
-            .fetch_optional(&self.pool)
-            .await?;
-        row.map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
-            .transpose()
+    pub async fn account(
+        &self,
+        account: &AccountId,
+        deadline: Deadline,
+    ) -> Result<Option<(i64, i64)>, StoreError> {
+        let mut conn = self.acquire(deadline).await?;
+        let read = async {
+            let row =
+                sqlx::query("SELECT balance_cents, charges FROM accounts WHERE account_id = $1")
+                    .bind(account.as_str())
+                    .fetch_optional(&mut *conn)
+                    .await?;
+            row.map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
+                .transpose()
+        };
+        let result = within(deadline, read).await;
+        self.settle(conn, result)
     }
 
     /// Deletes keys older than `retention`, `batch` rows per statement so no single
@@ -295,14 +417,250 @@ impl KeyStore {
             }
         }
     }
+
+    /// A pooled connection within the deadline and the pool's acquire timeout.
+    async fn acquire(&self, deadline: Deadline) -> Result<PoolConnection<Postgres>, StoreError> {
+        match tokio::time::timeout_at(deadline.instant(), self.pool.acquire()).await {
+            Err(_) => Err(StoreError::DeadlineWhileWaiting(
+                "waiting for a database connection",
+            )),
+            Ok(Err(sqlx::Error::PoolTimedOut)) => {
+                self.suspicion.raise();
+                Err(StoreError::Unavailable(
+                    "no connection to Postgres could be had within the acquire timeout".into(),
+                ))
+            }
+            Ok(Err(error)) => Err(self.noted(error.into())),
+            Ok(Ok(conn)) => Ok(conn),
+        }
+    }
+
+    /// Ends the use of `conn` with `result`: a connection whose state is in doubt is closed
+    /// instead of going back to the pool, and a lost connection raises suspicion.
+    fn settle<T>(
+        &self,
+        mut conn: PoolConnection<Postgres>,
+        result: Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        if let Err(error) = &result
+            && error.leaves_connection_in_doubt()
+        {
+            conn.close_on_drop();
+        }
+        result.map_err(|error| self.noted(error))
+    }
+
+    /// Raises suspicion for errors that mean the connection was lost.
+    fn noted(&self, error: StoreError) -> StoreError {
+        if let StoreError::Unavailable(_) = &error {
+            self.suspicion.raise();
+        }
+        error
+    }
 }
 
-/// A lock wait cut short by `lock_timeout` (our deadline) is a deadline, not a failure.
-fn waited_too_long(error: sqlx::Error) -> StoreError {
-    match &error {
-        sqlx::Error::Database(db) if db.code().as_deref() == Some("55P03") => {
-            StoreError::DeadlineWhileWaiting("waiting for a request with the same key to finish")
+/// Runs one use of a connection, giving up on it [`UNRESPONSIVE_AFTER`] past the deadline
+/// (the server-side timeouts end statements at the deadline; only a host that stopped
+/// answering gets this far).
+async fn within<T>(
+    deadline: Deadline,
+    work: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    tokio::time::timeout_at(deadline.instant() + UNRESPONSIVE_AFTER, work)
+        .await
+        .unwrap_or_else(|_| {
+            Err(StoreError::Unavailable(format!(
+                "Postgres did not answer within {UNRESPONSIVE_AFTER:?} past the deadline"
+            )))
+        })
+}
+
+/// The transaction of one charge; see the module docs.
+async fn charge_in_transaction<F, Fut>(
+    conn: &mut PgConnection,
+    account: &AccountId,
+    key: &IdempotencyKey,
+    amount: AmountCents,
+    deadline: Deadline,
+    in_flight: InFlight,
+    process: F,
+) -> Result<ChargeOutcome, StoreError>
+where
+    F: FnOnce() -> Fut,
+    Fut: Future<Output = Result<(), tonic::Status>>,
+{
+    // Every wait and statement ends at the deadline: at least 1 ms (0 would mean "no
+    // limit"), at most what Postgres accepts (a 1000-hour grpc-timeout would otherwise fail
+    // BEGIN). The session ends if it idles in this transaction well past the deadline: only
+    // a frozen ledger does that, and its key must not stay locked.
+    let left_ms = deadline.remaining().as_millis().clamp(1, i32::MAX as u128);
+    let idle_ms = (left_ms + IDLE_SLACK_MS).min(i32::MAX as u128);
+    let begin = format!(
+        "BEGIN; SET LOCAL lock_timeout = {left_ms}; SET LOCAL statement_timeout = {left_ms}; \
+         SET LOCAL idle_in_transaction_session_timeout = {idle_ms}"
+    );
+    let mut tx = conn.begin_with(AssertSqlSafe(begin)).await?;
+
+    if in_flight == InFlight::Reject {
+        // A transaction-scoped advisory lock on (account, key) tells "another ledger
+        // instance is running this key" without waiting. Two keys whose hashes collide can
+        // only cause a spurious ABORTED, which the caller retries.
+        let free: bool =
+            sqlx::query_scalar("SELECT pg_try_advisory_xact_lock(hashtext($1), hashtext($2))")
+                .bind(account.as_str())
+                .bind(key.as_str())
+                .fetch_one(&mut *tx)
+                .await?;
+        if !free {
+            return match saved(&mut tx, account, key).await? {
+                Some(row) => row.replay(account, amount),
+                None => Err(StoreError::InFlight),
+            };
         }
-        _ => StoreError::Database(error),
+    }
+
+    let claimed = sqlx::query(
+        "INSERT INTO idempotency_keys (account_id, idempotency_key, request_amount_cents) \
+         VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
+    )
+    .bind(account.as_str())
+    .bind(key.as_str())
+    .bind(amount.get())
+    .execute(&mut *tx)
+    .await?
+    .rows_affected()
+        == 1;
+
+    if !claimed {
+        return saved(&mut tx, account, key)
+            .await?
+            .ok_or(StoreError::Purged)?
+            .replay(account, amount);
+    }
+
+    process().await.map_err(StoreError::Processor)?;
+
+    let charge_id = Uuid::new_v4();
+    let balance_cents: i64 = sqlx::query_scalar(
+        "WITH account AS ( \
+             INSERT INTO accounts (account_id, balance_cents, charges) VALUES ($1, $2, 1) \
+             ON CONFLICT (account_id) DO UPDATE \
+             SET balance_cents = accounts.balance_cents + EXCLUDED.balance_cents, \
+                 charges = accounts.charges + 1, updated_at = now() \
+             RETURNING balance_cents), \
+         charge AS ( \
+             INSERT INTO charges (charge_id, account_id, amount_cents, balance_cents, idempotency_key) \
+             SELECT $3, $1, $2, balance_cents, $4 FROM account \
+             RETURNING charge_id, balance_cents) \
+         UPDATE idempotency_keys SET charge_id = charge.charge_id, balance_cents = charge.balance_cents \
+         FROM charge WHERE idempotency_keys.account_id = $1 AND idempotency_keys.idempotency_key = $4 \
+         RETURNING charge.balance_cents",
+    )
+    .bind(account.as_str())
+    .bind(amount.get())
+    .bind(charge_id)
+    .bind(key.as_str())
+    .fetch_one(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(ChargeOutcome::Executed(SavedReply {
+        charge_id,
+        account_id: account.as_str().to_owned(),
+        amount_cents: amount.get(),
+        balance_cents,
+    }))
+}
+
+/// `--in-flight reject`, when this key is already running in this process: its saved
+/// reply if it has in fact finished (a plain read, no lock), else ABORTED.
+async fn replay_or_in_flight(
+    conn: &mut PgConnection,
+    account: &AccountId,
+    key: &IdempotencyKey,
+    amount: AmountCents,
+) -> Result<ChargeOutcome, StoreError> {
+    match saved(conn, account, key).await? {
+        Some(row) if row.reply.is_some() => row.replay(account, amount),
+        _ => Err(StoreError::InFlight),
+    }
+}
+
+/// A key's row as committed.
+struct KeyRow {
+    /// The amount the key was first used with.
+    amount_cents: i64,
+    /// (charge id, balance after) once the charge committed.
+    reply: Option<(Uuid, i64)>,
+}
+
+impl KeyRow {
+    /// The saved reply for a repeat of this key with `amount`.
+    fn replay(self, account: &AccountId, amount: AmountCents) -> Result<ChargeOutcome, StoreError> {
+        if self.amount_cents != amount.get() {
+            return Err(StoreError::KeyReused {
+                saved: self.amount_cents,
+                requested: amount.get(),
+            });
+        }
+        let Some((charge_id, balance_cents)) = self.reply else {
+            // Key rows are inserted and completed in one transaction, so a committed row
+            // without its reply means the schema or the code is broken.
+            return Err(StoreError::Database(sqlx::Error::Protocol(
+                "a committed idempotency key has no saved reply".into(),
+            )));
+        };
+        Ok(ChargeOutcome::Replayed(SavedReply {
+            charge_id,
+            account_id: account.as_str().to_owned(),
+            amount_cents: self.amount_cents,
+            balance_cents,
+        }))
+    }
+}
+
+/// The committed row of (account, key), if any.
+async fn saved(
+    conn: &mut PgConnection,
+    account: &AccountId,
+    key: &IdempotencyKey,
+) -> Result<Option<KeyRow>, StoreError> {
+    let row = sqlx::query(
+        "SELECT request_amount_cents, charge_id, balance_cents FROM idempotency_keys \
+         WHERE account_id = $1 AND idempotency_key = $2",
+    )
+    .bind(account.as_str())
+    .bind(key.as_str())
+    .fetch_optional(conn)
+    .await?;
+    let Some(row) = row else { return Ok(None) };
+    let reply = match (
+        row.try_get::<Option<Uuid>, _>("charge_id")?,
+        row.try_get::<Option<i64>, _>("balance_cents")?,
+    ) {
+        (Some(charge_id), Some(balance)) => Some((charge_id, balance)),
+        _ => None,
+    };
+    Ok(Some(KeyRow {
+        amount_cents: row.try_get("request_amount_cents")?,
+        reply,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn database_failures_are_classified_for_retries() {
+        let io = sqlx::Error::Io(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        assert!(matches!(StoreError::from(io), StoreError::Unavailable(_)));
+        assert!(matches!(
+            StoreError::from(sqlx::Error::PoolTimedOut),
+            StoreError::Unavailable(_)
+        ));
+        assert!(matches!(
+            StoreError::from(sqlx::Error::RowNotFound),
+            StoreError::Database(_)
+        ));
     }
 }

@@ -30,11 +30,10 @@ impl Control for ControlService {
     }
 
     async fn reset_stats(&self, _: Request<ResetStatsRequest>) -> Result<Response<Stats>, Status> {
+        // Counters only. The retry budget is protection, not a statistic: if resetting the
+        // counters refilled it, anyone who can call Control could switch the budget off
+        // during an outage by calling ResetStats in a loop.
         self.node.counters.reset();
-        // A measurement that starts from zeroed counters starts from a full budget too.
-        if let Some(budget) = &self.node.budget {
-            budget.refill();
-        }
         Ok(Response::new(self.node.stats()))
     }
 

@@ -11,7 +11,7 @@ pub enum InvalidInput {
     /// The idempotency key is missing or malformed.
     #[error("idempotency-key {0}")]
     Key(&'static str),
-    /// The account id is empty or too long.
+    /// The account id is empty, too long, or holds a control character.
     #[error("account_id {0}")]
     Account(&'static str),
     /// The amount is outside 1..=1_000_000_000_000 cents.
@@ -78,13 +78,23 @@ impl AccountId {
     /// Longest id accepted, in characters.
     pub const MAX_CHARS: usize = 64;
 
-    /// 1 to 64 characters.
+    /// 1 to 64 characters (Unicode scalar values, not bytes), none of them a control
+    /// character (Unicode category Cc: U+0000..=U+001F and U+007F..=U+009F).
+    ///
+    /// An account id is shown in logs, statements and support tools, so it must be printable
+    /// text; and Postgres refuses NUL in `TEXT` outright, which would otherwise surface as a
+    /// database error instead of a clear INVALID_ARGUMENT.
     pub fn parse(raw: &str) -> Result<Self, InvalidInput> {
         if raw.is_empty() {
             return Err(InvalidInput::Account("must not be empty"));
         }
         if raw.chars().count() > Self::MAX_CHARS {
             return Err(InvalidInput::Account("must be at most 64 characters"));
+        }
+        if raw.chars().any(char::is_control) {
+            return Err(InvalidInput::Account(
+                "must not contain control characters (NUL, tab, newline, BEL, DEL, …)",
+            ));
         }
         Ok(Self(raw.to_owned()))
     }
@@ -150,6 +160,21 @@ mod tests {
         );
         assert!(AccountId::parse("").is_err());
         assert!(AccountId::parse(&"a".repeat(65)).is_err());
+        assert!(AccountId::parse(&"é".repeat(65)).is_err());
+        for bad in [
+            "a\u{0}b",
+            "bell\u{7}",
+            "tab\t",
+            "line\n",
+            "del\u{7f}",
+            "c1\u{85}",
+        ] {
+            assert!(AccountId::parse(bad).is_err(), "{bad:?}");
+        }
+        assert!(
+            AccountId::parse("Zoë Smith-Ångström 名前").is_ok(),
+            "printable Unicode"
+        );
     }
 
     #[test]

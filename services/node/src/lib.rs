@@ -8,7 +8,8 @@
 //! - [`faults`]: [`FaultSwitch`], the fault knobs on a service's downstream call.
 //! - [`control`]: the `Control` gRPC service over a [`Node`].
 //! - [`rpc`]: [`RpcScope`], the first and last thing every Payments handler does.
-//! - [`server`]: [`serve`], the one server stack all five services run.
+//! - [`server`]: [`serve`], the one server stack all five services run, on a public and
+//!   an admin port.
 //! - [`telemetry`]: log set-up.
 
 use std::{sync::Arc, time::Duration};
@@ -29,7 +30,7 @@ pub use domain::{AccountId, AmountCents, IdempotencyKey, InvalidInput};
 pub use faults::FaultSwitch;
 pub use metadata::{RetryMode, TraceContext};
 pub use rpc::RpcScope;
-pub use server::{READY_PREFIX, ServeError, serve};
+pub use server::{Listeners, READY_PREFIX, ReadyAddrs, ServeError, default_admin_addr, serve};
 pub use stats::Counters;
 
 /// The state one service shares between its Payments handler and its Control service.
@@ -45,25 +46,59 @@ pub struct Node {
     pub fault_injection: bool,
     /// The deadline applied to requests that carry none.
     pub default_deadline: Duration,
+    /// The longest deadline honoured; a longer incoming `grpc-timeout` is cut to this.
+    pub max_deadline: Duration,
+    /// Whether an incoming `x-retry-mode` is honoured (and passed on). Off by default on
+    /// every service: every-layer retries multiply load, so no caller may switch them on
+    /// unless the operator allowed it — at the edge and at every service behind it, since a
+    /// caller who reaches hop2 directly must not bypass the edge's gate.
+    pub allow_retry_mode_override: bool,
     /// This service's retry budget, when its retries are budgeted.
+    pub budget: Option<Arc<RetryBudget>>,
+}
+
+/// How a [`Node`] is set up; the rest of its state starts empty.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// See [`Node::name`].
+    pub name: String,
+    /// See [`Node::fault_injection`].
+    pub fault_injection: bool,
+    /// See [`Node::default_deadline`].
+    pub default_deadline: Duration,
+    /// See [`Node::max_deadline`].
+    pub max_deadline: Duration,
+    /// See [`Node::allow_retry_mode_override`].
+    pub allow_retry_mode_override: bool,
+    /// See [`Node::budget`].
     pub budget: Option<Arc<RetryBudget>>,
 }
 
 impl Node {
     /// A node with zeroed counters and no faults.
-    pub fn new(
-        name: impl Into<String>,
-        fault_injection: bool,
-        default_deadline: Duration,
-        budget: Option<Arc<RetryBudget>>,
-    ) -> Self {
+    pub fn new(config: NodeConfig) -> Self {
         Self {
-            name: name.into(),
+            name: config.name,
             counters: Counters::default(),
             faults: FaultSwitch::default(),
-            fault_injection,
-            default_deadline,
-            budget,
+            fault_injection: config.fault_injection,
+            default_deadline: config.default_deadline,
+            max_deadline: config.max_deadline,
+            allow_retry_mode_override: config.allow_retry_mode_override,
+            budget: config.budget,
+        }
+    }
+
+    /// The request's `x-retry-mode` if this node honours it: `None` when absent or not
+    /// allowed (then the header is also not passed on); INVALID_ARGUMENT when malformed.
+    pub fn requested_retry_mode(
+        &self,
+        metadata: &tonic::metadata::MetadataMap,
+    ) -> Result<Option<RetryMode>, tonic::Status> {
+        if self.allow_retry_mode_override {
+            metadata::retry_mode(metadata)
+        } else {
+            Ok(None)
         }
     }
 

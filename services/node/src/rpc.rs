@@ -34,6 +34,8 @@ pub struct RpcScope {
     pub timeout: Duration,
     /// This request's trace.
     pub trace: TraceContext,
+    /// The caller's `grpc-previous-rpc-attempts`: above 0 when the caller is retrying.
+    pub caller_previous_attempts: u32,
     /// The span every log line of this call belongs to; the handler records `key` in it
     /// once it has parsed (or, at the edge, made) the idempotency key.
     pub span: Span,
@@ -68,9 +70,10 @@ impl RpcScope {
         let metadata = request.metadata();
         let text = |key: &str| metadata.get(key).and_then(|v| v.to_str().ok());
         let trace = TraceContext::continue_or_start(text(TRACEPARENT));
-        let attempt = text(resilience::retry::PREVIOUS_ATTEMPTS_HEADER)
-            .and_then(|v| v.parse::<u32>().ok())
-            .map_or(1, |previous| previous.saturating_add(1));
+        let caller_previous_attempts = text(resilience::retry::PREVIOUS_ATTEMPTS_HEADER)
+            .and_then(|v| v.trim().parse::<u32>().ok())
+            .unwrap_or(0);
+        let attempt = caller_previous_attempts.saturating_add(1);
         let span = tracing::info_span!(
             "rpc",
             service = %node.name,
@@ -85,6 +88,7 @@ impl RpcScope {
             answer_by: incoming.answer_by,
             timeout: incoming.timeout,
             trace,
+            caller_previous_attempts,
             span,
             echo_key: OnceLock::new(),
             started: Instant::now(),

@@ -1,7 +1,11 @@
-//! The server stack every node runs: Payments and Control on one port, with health and
-//! reflection, behind the deadline layer.
+//! The server stack every node runs: Payments on the public port, Control on the admin
+//! port, both with health and reflection.
+//!
+//! Two listeners because Control steers the service (faults, counters) and must not be
+//! reachable by whoever can reach Payments: the admin port binds to 127.0.0.1 by default,
+//! and Control called on the public port is UNIMPLEMENTED like any unknown service.
 
-use std::{sync::Arc, time::Duration};
+use std::{net::SocketAddr, sync::Arc, time::Duration};
 
 use resilience::DeadlineLayer;
 use retrychain_proto::{
@@ -11,18 +15,100 @@ use retrychain_proto::{
         payments_server::{Payments, PaymentsServer},
     },
 };
-use tokio::net::TcpListener;
+use tokio::{net::TcpListener, sync::watch};
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::transport::Server;
-use tonic_health::ServingStatus;
+use tonic_health::{
+    ServingStatus,
+    pb::health_server::{Health, HealthServer},
+};
 
 use crate::{Node, control::ControlService};
 
-/// What a service prints on stderr, followed by its address, once it accepts calls.
+const PAYMENTS: &str = <PaymentsServer<()> as tonic::server::NamedService>::NAME;
+const CONTROL: &str = <ControlServer<ControlService> as tonic::server::NamedService>::NAME;
+
+/// What a service prints on stderr once it accepts calls, followed by [`ReadyAddrs`]'s
+/// `Display` form: `retrychain ready: listening on 127.0.0.1:50051 admin 127.0.0.1:51051`.
 pub const READY_PREFIX: &str = "retrychain ready: listening on ";
 
 /// How long a stopping service waits for open connections to close.
 pub const DRAIN_GRACE: Duration = Duration::from_secs(5);
+
+/// The two addresses a running service listens on, as its ready line names them; a service
+/// started on port 0 is found this way.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReadyAddrs {
+    /// Payments, health and reflection.
+    pub public: String,
+    /// Control, health and reflection.
+    pub admin: String,
+}
+
+impl ReadyAddrs {
+    /// The addresses named by a ready line, or `None` if `line` is not one.
+    pub fn parse(line: &str) -> Option<Self> {
+        let rest = line.trim().strip_prefix(READY_PREFIX)?;
+        let (public, admin) = rest.split_once(" admin ")?;
+        Some(Self {
+            public: public.trim().to_owned(),
+            admin: admin.trim().to_owned(),
+        })
+    }
+}
+
+impl std::fmt::Display for ReadyAddrs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{READY_PREFIX}{} admin {}", self.public, self.admin)
+    }
+}
+
+/// The admin address used when `--admin-listen` is not given: the public address's host on
+/// the loopback interface, port + 1000 (edge 50051 → 51051), or port 0 (any free port) when
+/// the public port is 0 or too high to shift.
+pub fn default_admin_addr(public: SocketAddr) -> SocketAddr {
+    let port = match public.port() {
+        0 => 0,
+        port => port.checked_add(1000).unwrap_or(0),
+    };
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
+
+/// The two sockets a node serves on.
+#[derive(Debug)]
+pub struct Listeners {
+    /// Payments, health, reflection.
+    pub public: TcpListener,
+    /// Control, health, reflection.
+    pub admin: TcpListener,
+}
+
+impl Listeners {
+    /// Binds both addresses; the error names the one that failed.
+    pub async fn bind(public: SocketAddr, admin: SocketAddr) -> std::io::Result<Self> {
+        let bind = |address: SocketAddr, what: &'static str| async move {
+            TcpListener::bind(address).await.map_err(|error| {
+                std::io::Error::new(error.kind(), format!("binding {what} {address}: {error}"))
+            })
+        };
+        Ok(Self {
+            public: bind(public, "the public address").await?,
+            admin: bind(admin, "the admin address").await?,
+        })
+    }
+
+    /// The bound addresses, as the ready line prints them.
+    pub fn addrs(&self) -> ReadyAddrs {
+        let show = |l: &TcpListener| {
+            l.local_addr()
+                .map_or_else(|_| "unknown".to_owned(), |a| a.to_string())
+        };
+        ReadyAddrs {
+            public: show(&self.public),
+            admin: show(&self.admin),
+        }
+    }
+}
 
 /// Why a node stopped serving with an error.
 #[derive(Debug, thiserror::Error)]
@@ -35,17 +121,20 @@ pub enum ServeError {
     Transport(#[from] tonic::transport::Error),
 }
 
-/// Serves `payments` and the node's Control service on `listener` until `shutdown`
-/// completes, then drains in-flight calls.
+/// Serves `payments` on the public listener and the node's Control service on the admin
+/// listener until `shutdown` completes, then drains in-flight calls on both.
 ///
-/// The stack, outermost first:
-/// 1. `DeadlineLayer`: every request gets its deadline (or `node.default_deadline`); a
-///    malformed `grpc-timeout` is INVALID_ARGUMENT; a spent one is DEADLINE_EXCEEDED,
-///    answered `reserve` before tonic itself would answer CANCELLED.
+/// The public stack, outermost first:
+/// 1. `DeadlineLayer`: every request gets its deadline (or `node.default_deadline`), capped
+///    at `node.max_deadline`; a malformed `grpc-timeout` is INVALID_ARGUMENT; the handler
+///    answers DEADLINE_EXCEEDED `reserve` before the deadline, before tonic itself would
+///    answer CANCELLED.
 /// 2. The services: health (for `retrychain health` and container checks), reflection v1
-///    and v1alpha (grpcurl 1.8.6 speaks only v1alpha), Payments, Control.
+///    and v1alpha (grpcurl 1.8.6 speaks only v1alpha), Payments.
+///
+/// The admin stack: health, reflection, Control.
 pub async fn serve<P, F>(
-    listener: TcpListener,
+    listeners: Listeners,
     node: Arc<Node>,
     payments: P,
     reserve: Duration,
@@ -58,53 +147,144 @@ where
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<PaymentsServer<P>>().await;
     health.set_serving::<ControlServer<ControlService>>().await;
-    let reflection_v1 = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()?;
-    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1alpha()?;
 
-    let address = listener
-        .local_addr()
-        .map_or_else(|_| "unknown".to_owned(), |a| a.to_string());
-    tracing::info!(service = %node.name, addr = %address, "listening");
-    // One plain line on stderr whatever the log format and level: `retrychain up`, the demo
-    // and the tests read it to learn the address of a service started on port 0.
-    eprintln!("{READY_PREFIX}{address}");
-    let stopping = Arc::new(tokio::sync::Notify::new());
+    let addrs = listeners.addrs();
+    tracing::info!(service = %node.name, addr = %addrs.public, admin = %addrs.admin, "listening");
+    // One plain line on stderr whatever the log format and level: `retrychain up`, the
+    // experiments and the tests read it to learn the addresses of a service started on port 0.
+    eprintln!("{addrs}");
+
+    // One shutdown signal, two servers: each waits on its own receiver.
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+    };
     let draining = {
         let health = health.clone();
-        let stopping = Arc::clone(&stopping);
         async move {
             shutdown.await;
             tracing::info!("shutting down: draining in-flight calls");
             health
                 .set_service_status("", ServingStatus::NotServing)
                 .await;
-            stopping.notify_one();
+            let _ = stop_tx.send(true);
         }
     };
     // Draining waits for clients to close their connections; a client that never does must
     // not keep the process alive past the grace period.
-    let grace = async {
-        stopping.notified().await;
-        tokio::time::sleep(DRAIN_GRACE).await;
+    let grace = {
+        let rx = stop_rx.clone();
+        async move {
+            stopped(rx).await;
+            tokio::time::sleep(DRAIN_GRACE).await;
+        }
     };
-    let server = Server::builder()
-        .layer(DeadlineLayer::new(node.default_deadline, reserve))
-        .add_service(health_service)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha)
+
+    let public = Server::builder()
+        .layer(DeadlineLayer::new(node.default_deadline, reserve).with_max(node.max_deadline))
+        .add_service(health_service.clone())
+        .add_service(reflection_v1(&[PAYMENTS])?)
+        .add_service(reflection_v1alpha(&[PAYMENTS])?)
         .add_service(PaymentsServer::new(payments))
-        .add_service(ControlServer::new(ControlService::new(Arc::clone(&node))))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), draining);
+        .serve_with_incoming_shutdown(
+            TcpListenerStream::new(listeners.public),
+            stopped(stop_rx.clone()),
+        );
+    let admin = admin_server(
+        listeners.admin,
+        Arc::clone(&node),
+        health_service,
+        stopped(stop_rx),
+    )?;
+    let both = async {
+        let (public, admin, ()) = tokio::join!(public, admin, draining);
+        public.and(admin)
+    };
     tokio::select! {
-        served = server => served?,
+        served = both => served?,
         _ = grace => tracing::warn!(?DRAIN_GRACE, "connections still open after the grace period; stopping anyway"),
     }
     tracing::info!(service = %node.name, "stopped");
     Ok(())
+}
+
+/// The admin server: Control beside the same health service and reflection.
+fn admin_server<H, F>(
+    listener: TcpListener,
+    node: Arc<Node>,
+    health: HealthServer<H>,
+    shutdown: F,
+) -> Result<impl Future<Output = Result<(), tonic::transport::Error>>, ServeError>
+where
+    H: Health,
+    F: Future<Output = ()> + Send,
+{
+    Ok(Server::builder()
+        .add_service(health)
+        .add_service(reflection_v1(&[CONTROL])?)
+        .add_service(reflection_v1alpha(&[CONTROL])?)
+        .add_service(ControlServer::new(ControlService::new(node)))
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown))
+}
+
+/// Reflection that lists `services` (and health) only: one descriptor set holds both
+/// Payments and Control, and each listener must advertise just what it serves.
+fn reflection(services: &[&str]) -> tonic_reflection::server::Builder<'static> {
+    let mut builder = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .with_service_name(HEALTH);
+    for service in services {
+        builder = builder.with_service_name(*service);
+    }
+    builder
+}
+
+fn reflection_v1(
+    services: &[&str],
+) -> Result<
+    tonic_reflection::server::v1::ServerReflectionServer<
+        impl tonic_reflection::server::v1::ServerReflection,
+    >,
+    ServeError,
+> {
+    Ok(reflection(services).build_v1()?)
+}
+
+fn reflection_v1alpha(
+    services: &[&str],
+) -> Result<
+    tonic_reflection::server::v1alpha::ServerReflectionServer<
+        impl tonic_reflection::server::v1alpha::ServerReflection,
+    >,
+    ServeError,
+> {
+    Ok(reflection(services).build_v1alpha()?)
+}
+
+const HEALTH: &str = "grpc.health.v1.Health";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ready_lines_round_trip() {
+        let addrs = ReadyAddrs {
+            public: "127.0.0.1:50051".into(),
+            admin: "127.0.0.1:51051".into(),
+        };
+        assert_eq!(ReadyAddrs::parse(&addrs.to_string()), Some(addrs));
+        assert_eq!(ReadyAddrs::parse("INFO listening"), None);
+    }
+
+    #[test]
+    fn the_admin_port_is_the_public_port_plus_1000_on_loopback() {
+        let admin = default_admin_addr("0.0.0.0:50051".parse().expect("addr"));
+        assert_eq!(admin, "127.0.0.1:51051".parse().expect("addr"));
+        let any = default_admin_addr("127.0.0.1:0".parse().expect("addr"));
+        assert_eq!(any.port(), 0);
+        let high = default_admin_addr("127.0.0.1:65000".parse().expect("addr"));
+        assert_eq!(high.port(), 0);
+    }
 }

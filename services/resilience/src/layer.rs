@@ -32,7 +32,7 @@ pub struct IncomingDeadline {
     pub deadline: Deadline,
     /// The `grpc-timeout` the caller sent; `None` when the default was applied.
     pub received: Option<Duration>,
-    /// The timeout in force: `received`, or the default.
+    /// The timeout in force: `received`, or the default, capped at the layer's maximum.
     pub timeout: Duration,
     /// When the handler must have its answer ready: the deadline less the layer's reserve.
     /// A handler that answers DEADLINE_EXCEEDED itself at this point can still stamp its own
@@ -47,6 +47,10 @@ pub struct DeadlineLayer {
     default_timeout: Duration,
     /// How long before the deadline the handler must answer.
     reserve: Duration,
+    /// The longest deadline honoured; a longer `grpc-timeout` is cut to this. A server
+    /// that promises something for "as long as a request may run" (the ledger keeps keys
+    /// longer than that) needs the bound to be its own, not the caller's.
+    max_timeout: Option<Duration>,
 }
 
 impl DeadlineLayer {
@@ -56,7 +60,15 @@ impl DeadlineLayer {
         Self {
             default_timeout,
             reserve,
+            max_timeout: None,
         }
+    }
+
+    /// Caps every incoming deadline at `max` (as Envoy's `max_grpc_timeout` does): the
+    /// request runs as if the caller had sent `max`.
+    pub fn with_max(mut self, max: Duration) -> Self {
+        self.max_timeout = Some(max);
+        self
     }
 }
 
@@ -136,7 +148,10 @@ where
                 };
             }
         };
-        let timeout = received.unwrap_or(self.config.default_timeout);
+        let mut timeout = received.unwrap_or(self.config.default_timeout);
+        if let Some(max) = self.config.max_timeout {
+            timeout = timeout.min(max);
+        }
         let deadline = Deadline::after(timeout);
         request.extensions_mut().insert(IncomingDeadline {
             deadline,

@@ -24,4 +24,4 @@ pub use budget::RetryBudget;
 pub use classify::{Pushback, is_retryable, pushback, set_pushback};
 pub use deadline::{Deadline, NoRoom, format_grpc_timeout, parse_grpc_timeout};
 pub use layer::{DeadlineLayer, IncomingDeadline};
-pub use retry::{Attempt, Retry, RetryObserver, RetryPolicy, StopReason};
+pub use retry::{Attempt, Retry, RetryError, RetryObserver, RetryPolicy, StopReason};

@@ -144,6 +144,37 @@ impl StopReason {
     }
 }
 
+/// A call that failed for good: the status to return, and how retrying ended.
+#[derive(Debug)]
+pub struct RetryError {
+    /// The last failure, its message naming the attempts and the stop reason when retries
+    /// were allowed.
+    pub status: Status,
+    /// Attempts made (0 when the deadline left no room for the first).
+    pub attempts: u32,
+    /// Why no further attempt was made.
+    pub reason: StopReason,
+}
+
+impl RetryError {
+    /// Whether this caller retried, or would have but was refused (budget, deadline,
+    /// pushback): then it was the retrying layer for this call, and a layer above that
+    /// retried too would multiply load.
+    pub fn retries_were_spent(&self) -> bool {
+        match self.reason {
+            StopReason::NotRetryable => false,
+            StopReason::MaxAttempts => self.attempts > 1,
+            StopReason::BudgetExhausted | StopReason::NoRoom | StopReason::PushbackRefused => true,
+        }
+    }
+}
+
+impl From<RetryError> for Status {
+    fn from(error: RetryError) -> Self {
+        error.status
+    }
+}
+
 /// Runs calls under a [`RetryPolicy`]. One per downstream, shared by all requests.
 #[derive(Debug)]
 pub struct Retry {
@@ -194,8 +225,26 @@ impl Retry {
         &self,
         deadline: Deadline,
         observer: &dyn RetryObserver,
-        mut call: F,
+        call: F,
     ) -> Result<T, Status>
+    where
+        F: FnMut(Attempt) -> Fut,
+        Fut: Future<Output = Result<T, Status>>,
+    {
+        self.run_detailed(deadline, observer, call)
+            .await
+            .map_err(|error| error.status)
+    }
+
+    /// [`Retry::run`], telling on failure how many attempts were made and why retrying
+    /// stopped: a caller that is itself the one retrying layer uses that to tell *its*
+    /// caller not to retry on top (a negative `grpc-retry-pushback-ms`).
+    pub async fn run_detailed<T, F, Fut>(
+        &self,
+        deadline: Deadline,
+        observer: &dyn RetryObserver,
+        mut call: F,
+    ) -> Result<T, RetryError>
     where
         F: FnMut(Attempt) -> Fut,
         Fut: Future<Output = Result<T, Status>>,
@@ -245,7 +294,11 @@ impl Retry {
                 return Err(if number > 1 {
                     self.stopped(status, number, StopReason::NotRetryable)
                 } else {
-                    status
+                    RetryError {
+                        status,
+                        attempts: number,
+                        reason: StopReason::NotRetryable,
+                    }
                 });
             }
             if number >= policy.max_attempts {
@@ -295,10 +348,14 @@ impl Retry {
     /// The status to return when retrying stops: the last failure, its message extended by
     /// how many attempts were made and why they stopped (left as it was when the policy
     /// never allowed a retry, so a single-attempt relay passes failures through unchanged).
-    fn stopped(&self, status: Status, attempts: u32, reason: StopReason) -> Status {
+    fn stopped(&self, status: Status, attempts: u32, reason: StopReason) -> RetryError {
         if self.policy.max_attempts <= 1 && reason != StopReason::NoRoom {
             // Nothing was retried: the caller's own outcome line says all there is.
-            return status;
+            return RetryError {
+                status,
+                attempts,
+                reason,
+            };
         }
         tracing::info!(attempts, ?reason, code = ?status.code(), "giving up");
         let plural = if attempts == 1 { "" } else { "s" };
@@ -312,7 +369,11 @@ impl Retry {
             status.message(),
             reason.describe(&self.policy)
         );
-        Status::with_metadata(status.code(), message, status.metadata().clone())
+        RetryError {
+            status: Status::with_metadata(status.code(), message, status.metadata().clone()),
+            attempts,
+            reason,
+        }
     }
 
     fn lock_rng(&self) -> std::sync::MutexGuard<'_, SmallRng> {
