@@ -9,7 +9,7 @@
 //! | `edge-only` mode | retries, under the retry budget | tries once |
 //! | `every-layer` mode | retries, no budget | retries, no budget |
 //! | the caller is retrying (`grpc-previous-rpc-attempts` ≥ 1) | tries once | as its mode says |
-//! | gave up after retrying, or a retry was refused | answers with `grpc-retry-pushback-ms: -1` | passes on what came from below |
+//! | gave up after retrying, or a retry was refused | answers with `grpc-retry-pushback-ms: -1` | passes on the pushback from below |
 //!
 //! The last two rows make "retry at one layer" hold when the client retries too: a gRFC A6
 //! client (grpc-go, grpc-java, gRPC core) obeys a negative pushback by not retrying, and one
@@ -198,11 +198,10 @@ impl Hop {
     }
 
     /// Whether this hop's failure answer tells its caller not to retry: at the edge, when
-    /// the edge was the retrying layer for this call (it retried, or a retry was refused)
-    /// or the caller is already retrying.
-    fn refuse_caller_retries(&self, scope: &RpcScope, error: &RetryError) -> bool {
-        self.role == Role::Edge
-            && (error.retries_were_spent() || scope.caller_previous_attempts > 0)
+    /// the edge was the retrying layer for this call (it retried, or a retry was refused).
+    /// An edge configured never to retry (`--max-attempts 1`) leaves retrying to its caller.
+    fn refuse_caller_retries(&self, error: &RetryError) -> bool {
+        self.role == Role::Edge && error.retries_were_spent()
     }
 
     /// One downstream attempt, with this hop's injected faults around it.
@@ -253,7 +252,7 @@ impl Hop {
                 Ok(response)
             }
             Err(error) => {
-                let refuse = self.refuse_caller_retries(scope, &error);
+                let refuse = self.refuse_caller_retries(&error);
                 let status = error.status;
                 let mut metadata = MetadataMap::new();
                 copy_relayed(status.metadata(), &mut metadata);

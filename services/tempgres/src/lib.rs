@@ -1,5 +1,14 @@
-//! A throwaway PostgreSQL cluster, started from the `initdb` and `postgres` binaries on PATH,
-//! for the end-to-end tests and for `retrychain up` when no `DATABASE_URL` is given.
+//! A throwaway PostgreSQL cluster, started from the server binaries (`initdb`, `postgres`,
+//! `pg_ctl`), for the end-to-end tests and for `retrychain up` when no `DATABASE_URL` is
+//! given.
+//!
+//! The binaries are looked for where installations put them ([`find_bindir`]): on PATH,
+//! then in `pg_config --bindir`, then in the newest `/usr/lib/postgresql/<major>/bin`
+//! (Debian's `postgresql` package puts them there, not on PATH).
+//!
+//! The tests also break the server on purpose: [`TempCluster::restart_server`],
+//! [`TempCluster::stop_server`] and [`TempCluster::start_server`] keep the data directory
+//! and port, as an operator's `pg_ctl` would.
 //!
 //! Postgres refuses to run as root, and CI runs as root; so when this process is root the
 //! cluster's files are handed to an unprivileged user (`postgres` if it exists, else
@@ -24,10 +33,13 @@ use std::{
 /// Why the cluster could not be started.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// A binary was missing or could not be run.
+    /// No directory holds the server binaries.
     #[error(
-        "could not run {program}: {source} (the PostgreSQL server binaries initdb and postgres must be on PATH; on Debian: apt-get install postgresql)"
+        "the PostgreSQL server binaries (initdb, postgres, pg_ctl) were not found: looked on PATH, in `pg_config --bindir` and in /usr/lib/postgresql/*/bin. Install the server package (Debian: apt-get install postgresql), or set DATABASE_URL to a server of your own, or run the chain with docker-compose up"
     )]
+    NotFound,
+    /// A binary could not be run.
+    #[error("could not run {program}: {source}")]
     Spawn {
         /// The binary.
         program: String,
@@ -45,9 +57,77 @@ pub enum Error {
         /// The server's log.
         log: String,
     },
+    /// `pg_ctl` failed to stop or start the server.
+    #[error("pg_ctl {action} failed: {output}")]
+    PgCtl {
+        /// stop, start or restart.
+        action: &'static str,
+        /// What it printed.
+        output: String,
+    },
     /// Preparing the directory failed.
     #[error("preparing the cluster directory: {0}")]
     Io(#[from] std::io::Error),
+}
+
+/// The programs a cluster needs, all from one installation.
+const PROGRAMS: [&str; 3] = ["initdb", "postgres", "pg_ctl"];
+
+/// Where the server binaries are: the first directory holding all of [`PROGRAMS`] among
+/// PATH's entries, `pg_config --bindir`, and the newest `/usr/lib/postgresql/*/bin`.
+pub fn find_bindir() -> Result<PathBuf, Error> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let pg_config = find_in_path(&path, "pg_config").and_then(|pg_config| {
+        let output = Command::new(pg_config).arg("--bindir").output().ok()?;
+        output
+            .status
+            .success()
+            .then(|| PathBuf::from(String::from_utf8_lossy(&output.stdout).trim()))
+    });
+    find_bindir_in(&path, pg_config, Path::new("/usr/lib/postgresql"))
+}
+
+/// [`find_bindir`] over given places, so it can be tested without touching the machine.
+pub fn find_bindir_in(
+    path: &std::ffi::OsStr,
+    pg_config_bindir: Option<PathBuf>,
+    versions_root: &Path,
+) -> Result<PathBuf, Error> {
+    let complete = |dir: &Path| PROGRAMS.iter().all(|p| is_executable(&dir.join(p)));
+    if let Some(dir) = std::env::split_paths(path).find(|dir| complete(dir)) {
+        return Ok(dir);
+    }
+    if let Some(dir) = pg_config_bindir.filter(|dir| complete(dir)) {
+        return Ok(dir);
+    }
+    let mut versions: Vec<(Vec<u32>, PathBuf)> = fs::read_dir(versions_root)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let version = name
+                .split('.')
+                .map(str::parse::<u32>)
+                .collect::<Result<Vec<_>, _>>()
+                .ok()?;
+            let bin = entry.path().join("bin");
+            complete(&bin).then_some((version, bin))
+        })
+        .collect();
+    versions.sort();
+    versions.pop().map(|(_, dir)| dir).ok_or(Error::NotFound)
+}
+
+fn find_in_path(path: &std::ffi::OsStr, program: &str) -> Option<PathBuf> {
+    std::env::split_paths(path)
+        .map(|dir| dir.join(program))
+        .find(|candidate| is_executable(candidate))
+}
+
+fn is_executable(path: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
 }
 
 /// Settings for a throwaway cluster.
@@ -79,8 +159,14 @@ pub struct TempCluster {
     dir: PathBuf,
     /// Where the server listens on 127.0.0.1.
     port: u16,
-    /// The guardian shell: parent of the server, which it stops before removing `dir`.
+    /// The guardian shell: stops the server before removing `dir`.
     guardian: Child,
+    /// Where `initdb`, `postgres` and `pg_ctl` are.
+    bindir: PathBuf,
+    /// The unprivileged user the server runs as, when we are root.
+    run_as: Option<(u32, u32)>,
+    /// The server's options (socket, port, settings), for `pg_ctl start`.
+    server_options: Vec<String>,
     /// Our end of the guardian's pipe; closing it starts the clean-up.
     guardian_pipe: Option<ChildStdin>,
 }
@@ -95,6 +181,7 @@ impl TempCluster {
 
     /// Starts a cluster: initdb into a new temporary directory, then the server.
     pub fn start_with(options: &Options) -> Result<Self, Error> {
+        let bindir = find_bindir()?;
         let run_as = unprivileged_user()?;
         let dir = tempfile::Builder::new()
             .prefix("retrychain-pg-")
@@ -110,7 +197,7 @@ impl TempCluster {
             }
         }
 
-        let mut initdb = command("initdb", run_as, &dir);
+        let mut initdb = command(&bindir.join("initdb"), run_as, &dir);
         initdb
             .arg("-D")
             .arg(&data)
@@ -136,27 +223,28 @@ impl TempCluster {
         if let Some((uid, gid)) = run_as {
             std::os::unix::fs::chown(&log_path, Some(uid), Some(gid))?;
         }
-        let mut guardian = command("sh", run_as, &dir);
+        let server_options: Vec<String> = vec![
+            "-k".into(),
+            socket.display().to_string(),
+            "-p".into(),
+            port.to_string(),
+            "-c".into(),
+            "listen_addresses=127.0.0.1".into(),
+            "-c".into(),
+            format!("max_connections={}", options.max_connections),
+            "-c".into(),
+            format!("fsync={}", if options.fsync { "on" } else { "off" }),
+        ];
+        let mut guardian = command(Path::new("sh"), run_as, &dir);
         guardian
             .arg("-c")
             .arg(GUARDIAN)
             .arg("guardian")
             .arg(&dir)
-            .arg("postgres")
+            .arg(bindir.join("postgres"))
             .arg("-D")
             .arg(&data)
-            .arg("-k")
-            .arg(&socket)
-            .args(["-p", &port.to_string()])
-            .args(["-c", "listen_addresses=127.0.0.1"])
-            .args([
-                "-c",
-                &format!("max_connections={}", options.max_connections),
-            ])
-            .args([
-                "-c",
-                &format!("fsync={}", if options.fsync { "on" } else { "off" }),
-            ])
+            .args(&server_options)
             .stdin(Stdio::piped())
             .stdout(log.try_clone()?)
             .stderr(log);
@@ -169,6 +257,9 @@ impl TempCluster {
             dir,
             port,
             guardian,
+            bindir,
+            run_as,
+            server_options,
             guardian_pipe,
         };
         cluster.wait_ready(Duration::from_secs(60))?;
@@ -194,6 +285,55 @@ impl TempCluster {
     /// Stops the server and removes its files, waiting until both are done.
     pub fn stop(mut self) {
         self.shutdown();
+    }
+
+    /// `pg_ctl restart -m fast`: every session is ended (clients see `57P01
+    /// admin_shutdown` or a closed connection), then the server comes back on the same
+    /// port with the same data.
+    pub fn restart_server(&self) -> Result<(), Error> {
+        let log = self.dir.join("postgres.log");
+        self.pg_ctl("restart", &["-m", "fast", "-l", &log.display().to_string()])
+    }
+
+    /// `pg_ctl stop -m fast`: the server is down (connections refused) until
+    /// [`TempCluster::start_server`].
+    pub fn stop_server(&self) -> Result<(), Error> {
+        self.pg_ctl("stop", &["-m", "fast"])
+    }
+
+    /// Starts a server stopped by [`TempCluster::stop_server`], waiting until it accepts
+    /// connections.
+    pub fn start_server(&self) -> Result<(), Error> {
+        let log = self.dir.join("postgres.log");
+        let options = self.server_options.join(" ");
+        self.pg_ctl("start", &["-l", &log.display().to_string(), "-o", &options])
+    }
+
+    fn pg_ctl(&self, action: &'static str, extra: &[&str]) -> Result<(), Error> {
+        // Its output goes to a file, not a pipe: a server it starts would inherit a pipe
+        // and hold it open for as long as it runs.
+        let out_path = self.dir.join("pg_ctl.out");
+        let out = fs::File::create(&out_path)?;
+        let status = command(&self.bindir.join("pg_ctl"), self.run_as, &self.dir)
+            .args([action, "-w", "-t", "60", "-D"])
+            .arg(self.dir.join("data"))
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .status()
+            .map_err(|source| Error::Spawn {
+                program: "pg_ctl".into(),
+                source,
+            })?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(Error::PgCtl {
+                action,
+                output: read_to_string(&out_path),
+            })
+        }
     }
 
     fn shutdown(&mut self) {
@@ -229,21 +369,27 @@ impl Drop for TempCluster {
 }
 
 /// Starts the server (the arguments after the directory) as its child, waits for its own
-/// stdin to close, then fast-shuts the server down (SIGINT), waits for it, and removes the
-/// directory. Ignores Ctrl-C so that a terminal's SIGINT to the whole process group does not
-/// skip the clean-up (the server handles that SIGINT itself).
+/// stdin to close, then fast-shuts down whichever server runs on the data directory now
+/// (SIGINT to the pid in `postmaster.pid`: after a `pg_ctl restart` it is no longer our
+/// child), waits for it, and removes the directory. Ignores Ctrl-C so that a terminal's
+/// SIGINT to the whole process group does not skip the clean-up (the server handles that
+/// SIGINT itself).
 const GUARDIAN: &str = r#"
 trap '' INT
 dir="$1"; shift
 "$@" &
-pid=$!
 cat >/dev/null
-kill -INT "$pid" 2>/dev/null
-wait "$pid"
+pid=$(head -n 1 "$dir/data/postmaster.pid" 2>/dev/null)
+if [ -n "$pid" ]; then
+  kill -INT "$pid" 2>/dev/null
+  kill -CONT "$pid" 2>/dev/null
+  while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
+fi
+wait
 rm -rf "$dir"
 "#;
 
-fn command(program: &str, run_as: Option<(u32, u32)>, dir: &Path) -> Command {
+fn command(program: &Path, run_as: Option<(u32, u32)>, dir: &Path) -> Command {
     let mut command = Command::new(program);
     command.current_dir(dir);
     if let Some((uid, gid)) = run_as {
@@ -290,6 +436,65 @@ fn read_to_string(path: &Path) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn finds_the_binaries_on_path_then_pg_config_then_the_newest_version() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let make = |dir: &Path| {
+            fs::create_dir_all(dir).expect("mkdir");
+            for program in PROGRAMS {
+                let file = dir.join(program);
+                fs::write(&file, "#!/bin/sh\n").expect("write");
+                use std::os::unix::fs::PermissionsExt;
+                fs::set_permissions(&file, fs::Permissions::from_mode(0o755)).expect("chmod");
+            }
+        };
+        let versions = root.path().join("lib");
+        make(&versions.join("9.6/bin"));
+        make(&versions.join("15/bin"));
+        make(&versions.join("13/bin"));
+        fs::create_dir_all(versions.join("16/bin")).expect("an incomplete installation");
+        let empty = std::ffi::OsString::from("/nonexistent:/also/not");
+
+        assert_eq!(
+            find_bindir_in(&empty, None, &versions).expect("found"),
+            versions.join("15/bin"),
+            "the newest complete version"
+        );
+        let configured = root.path().join("configured");
+        make(&configured);
+        assert_eq!(
+            find_bindir_in(&empty, Some(configured.clone()), &versions).expect("found"),
+            configured
+        );
+        let on_path = root.path().join("on-path");
+        make(&on_path);
+        let path = std::env::join_paths(["/nonexistent".into(), on_path.clone()]).expect("path");
+        assert_eq!(
+            find_bindir_in(&path, Some(configured), &versions).expect("found"),
+            on_path
+        );
+        let error = find_bindir_in(&empty, None, &root.path().join("none")).expect_err("none");
+        let message = error.to_string();
+        assert!(message.contains("not found"), "{message}");
+        assert!(message.contains("apt-get install postgresql"), "{message}");
+        assert!(message.contains("DATABASE_URL"), "{message}");
+    }
+
+    #[test]
+    fn the_server_restarts_stops_and_starts_on_its_port() {
+        let cluster = TempCluster::start().expect("start postgres");
+        let connects = || std::net::TcpStream::connect(("127.0.0.1", cluster.port())).is_ok();
+        cluster.restart_server().expect("restart");
+        assert!(connects());
+        cluster.stop_server().expect("stop");
+        assert!(!connects(), "down");
+        cluster.start_server().expect("start");
+        assert!(connects(), "up again");
+        let dir = cluster.dir().to_owned();
+        cluster.stop();
+        assert!(!dir.exists(), "the guardian stopped the restarted server and cleaned up");
+    }
 
     #[test]
     fn starts_serves_and_cleans_up() {
