@@ -240,9 +240,13 @@ const EXTERNAL_VARS: [&str; 5] = [
 ];
 
 impl Chain {
-    /// A chain with `options`, spawned here, bottom-up.
+    /// A chain with `options`, spawned here, bottom-up, on a fresh database.
     pub async fn spawn(options: Options) -> Chain {
-        let database_url = database().await;
+        Chain::spawn_on(options, database().await)
+    }
+
+    /// A chain with `options` whose ledger uses the database at `database_url`.
+    pub fn spawn_on(options: Options, database_url: String) -> Chain {
         let mut services: Vec<Service> = Vec::new();
         let mut downstream = String::new();
         for (i, name) in NAMES.iter().enumerate().rev() {
@@ -472,9 +476,10 @@ pub fn spawn_ledger_on(url: &str, extra: &[&str]) -> Service {
         "127.0.0.1:0",
         "--fault-injection",
         "--allow-retry-mode-override",
-        "--db-pool-size",
-        "60",
     ]);
+    if !extra.contains(&"--db-pool-size") {
+        list.extend(args(&["--db-pool-size", "60"]));
+    }
     list.extend(args(extra));
     Service::start("ledger", list, &[("DATABASE_URL", url)])
 }

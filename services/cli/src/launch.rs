@@ -236,11 +236,14 @@ async fn spawn(name: &str, launch: &Launch) -> anyhow::Result<(Child, ServiceAdd
         .map_err(|_| anyhow::anyhow!("{name} did not start listening within 60 s"))?
         .map_err(|_| anyhow::anyhow!("{name} exited before listening"))?;
     if launch.logs == Logs::Prefixed {
-        println!(
-            "{name:>6} | started, pid {}, on {} (admin {})",
-            child.id().unwrap_or_default(),
-            ready.public,
-            ready.admin
+        say(
+            name,
+            &format!(
+                "started, pid {}, on {} (admin {})",
+                child.id().unwrap_or_default(),
+                ready.public,
+                ready.admin
+            ),
         );
     }
     Ok((
@@ -267,9 +270,16 @@ async fn follow(
             continue;
         }
         if logs == Logs::Prefixed {
-            println!("{name:>6} | {line}");
+            say(&name, &line);
         }
     }
+}
+
+/// One line on stdout, prefixed by who says it. A closed stdout (`up | head`) is not
+/// worth a panic in a log-forwarding task: the line is dropped.
+fn say(who: &str, line: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stdout().lock(), "{who:>6} | {line}");
 }
 
 /// The five services of a chain, with a throwaway Postgres when no database URL is given.
@@ -382,14 +392,14 @@ impl LocalChain {
                 waits[i] = FIRST;
             }
             let name = self.services[i].name.clone();
-            println!(
-                "{:>6} | {name} exited ({status}); restarting in {:?}",
-                "up", waits[i]
+            say(
+                "up",
+                &format!("{name} exited ({status}); restarting in {:?}", waits[i]),
             );
             tokio::time::sleep(waits[i]).await;
             match self.services[i].restart().await {
-                Ok(()) => println!("{:>6} | {name} restarted", "up"),
-                Err(error) => println!("{:>6} | {name} did not restart: {error:#}", "up"),
+                Ok(()) => say("up", &format!("{name} restarted")),
+                Err(error) => say("up", &format!("{name} did not restart: {error:#}")),
             }
             started[i] = tokio::time::Instant::now();
             waits[i] = (waits[i] * 2).min(LONGEST);

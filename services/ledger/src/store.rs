@@ -353,7 +353,7 @@ impl KeyStore {
                     let mut conn = self.acquire(deadline).await?;
                     let result = within(
                         deadline,
-                        replay_or_in_flight(&mut conn, account, key, amount),
+                        replay_or_in_flight(conn.get(), account, key, amount),
                     )
                     .await;
                     return self.settle(conn, result);
@@ -364,7 +364,13 @@ impl KeyStore {
         let result = within(
             deadline,
             charge_in_transaction(
-                &mut conn, account, key, amount, deadline, in_flight, process,
+                conn.get(),
+                account,
+                key,
+                amount,
+                deadline,
+                in_flight,
+                process,
             ),
         )
         .await;
@@ -382,7 +388,7 @@ impl KeyStore {
             let row =
                 sqlx::query("SELECT balance_cents, charges FROM accounts WHERE account_id = $1")
                     .bind(account.as_str())
-                    .fetch_optional(&mut *conn)
+                    .fetch_optional(conn.get())
                     .await?;
             row.map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
                 .transpose()
@@ -419,7 +425,7 @@ impl KeyStore {
     }
 
     /// A pooled connection within the deadline and the pool's acquire timeout.
-    async fn acquire(&self, deadline: Deadline) -> Result<PoolConnection<Postgres>, StoreError> {
+    async fn acquire(&self, deadline: Deadline) -> Result<Checkout, StoreError> {
         match tokio::time::timeout_at(deadline.instant(), self.pool.acquire()).await {
             Err(_) => Err(StoreError::DeadlineWhileWaiting(
                 "waiting for a database connection",
@@ -431,7 +437,10 @@ impl KeyStore {
                 ))
             }
             Ok(Err(error)) => Err(self.noted(error.into())),
-            Ok(Ok(conn)) => Ok(conn),
+            Ok(Ok(conn)) => Ok(Checkout {
+                conn,
+                settled: false,
+            }),
         }
     }
 
@@ -439,14 +448,10 @@ impl KeyStore {
     /// instead of going back to the pool, and a lost connection raises suspicion.
     fn settle<T>(
         &self,
-        mut conn: PoolConnection<Postgres>,
+        mut conn: Checkout,
         result: Result<T, StoreError>,
     ) -> Result<T, StoreError> {
-        if let Err(error) = &result
-            && error.leaves_connection_in_doubt()
-        {
-            conn.close_on_drop();
-        }
+        conn.settled = !matches!(&result, Err(error) if error.leaves_connection_in_doubt());
         result.map_err(|error| self.noted(error))
     }
 
@@ -456,6 +461,31 @@ impl KeyStore {
             self.suspicion.raise();
         }
         error
+    }
+}
+
+/// A connection taken from the pool for one use. Unless the use ended in a known state
+/// ([`KeyStore::settle`]), dropping it closes the connection instead of returning it:
+/// that covers the cases no error reports — the caller's future dropped mid-statement (a
+/// cancelled BEGIN leaves the session inside a transaction that sqlx does not know about).
+struct Checkout {
+    /// The connection.
+    conn: PoolConnection<Postgres>,
+    /// Whether the connection's state is known to be clean.
+    settled: bool,
+}
+
+impl Checkout {
+    fn get(&mut self) -> &mut PgConnection {
+        &mut self.conn
+    }
+}
+
+impl Drop for Checkout {
+    fn drop(&mut self) {
+        if !self.settled {
+            self.conn.close_on_drop();
+        }
     }
 }
 

@@ -32,6 +32,11 @@ const CONTROL: &str = <ControlServer<ControlService> as tonic::server::NamedServ
 /// `Display` form: `retrychain ready: listening on 127.0.0.1:50051 admin 127.0.0.1:51051`.
 pub const READY_PREFIX: &str = "retrychain ready: listening on ";
 
+/// The largest Payments request accepted, encoded: a Charge is well under 1 KiB, so a
+/// megabyte-sized one is an attack or a bug, refused (OUT_OF_RANGE, by tonic) before it is
+/// decoded. tonic's default would be 4 MiB.
+pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
+
 /// How long a stopping service waits for open connections to close.
 pub const DRAIN_GRACE: Duration = Duration::from_secs(5);
 
@@ -185,7 +190,7 @@ where
         .add_service(health_service.clone())
         .add_service(reflection_v1(&[PAYMENTS])?)
         .add_service(reflection_v1alpha(&[PAYMENTS])?)
-        .add_service(PaymentsServer::new(payments))
+        .add_service(PaymentsServer::new(payments).max_decoding_message_size(MAX_REQUEST_BYTES))
         .serve_with_incoming_shutdown(
             TcpListenerStream::new(listeners.public),
             stopped(stop_rx.clone()),

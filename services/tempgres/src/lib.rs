@@ -493,7 +493,10 @@ mod tests {
         assert!(connects(), "up again");
         let dir = cluster.dir().to_owned();
         cluster.stop();
-        assert!(!dir.exists(), "the guardian stopped the restarted server and cleaned up");
+        assert!(
+            !dir.exists(),
+            "the guardian stopped the restarted server and cleaned up"
+        );
     }
 
     #[test]

@@ -1,0 +1,1219 @@
+//! Real faults, not injected ones: Postgres restarted and stopped, the ledger killed and
+//! frozen, replies lost at every hop, transactions cut off, duplicates in bursts, hostile
+//! callers. Real processes, real Postgres, real signals.
+//!
+//! Most tests follow one shape: load the chain with charges under fresh keys, break
+//! something mid-stream, mend it, then re-send **every** key and check the invariant —
+//! every key has exactly one charge, each account's balance is the sum of its distinct
+//! keys' amounts, no client ever saw INTERNAL or UNKNOWN, and no session is left idle in a
+//! transaction.
+
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+mod support;
+
+use std::{
+    collections::HashMap,
+    io::{BufRead, BufReader},
+    process::{Command, Stdio},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use futures::StreamExt;
+use retrychain_proto::v1::{
+    ChargeRequest, Faults, GetStatsRequest, ResetStatsRequest, control_client::ControlClient,
+    payments_client::PaymentsClient,
+};
+use support::*;
+use tonic::{Code, transport::Channel};
+
+/// The deadline of each charge in the load.
+const LOAD_DEADLINE: Duration = Duration::from_secs(5);
+
+/// One charge the load sent: its key, and what the client saw.
+#[derive(Debug, Clone)]
+struct Sent {
+    account: String,
+    key: String,
+    amount: i64,
+    code: Code,
+    /// When the call was made and how long it took.
+    started: Instant,
+    took: Duration,
+}
+
+/// Charges under fresh keys from a few closed-loop workers until stopped.
+struct Load {
+    stop: Arc<AtomicBool>,
+    workers: Vec<tokio::task::JoinHandle<Vec<Sent>>>,
+}
+
+impl Load {
+    fn start(edge: &str, workers: usize) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let accounts: Vec<String> = (0..4).map(|_| new_account()).collect();
+        let workers = (0..workers)
+            .map(|w| {
+                let stop = Arc::clone(&stop);
+                let edge = edge.to_owned();
+                let accounts = accounts.clone();
+                tokio::spawn(async move {
+                    let channel = tonic::transport::Endpoint::from_shared(edge)
+                        .unwrap()
+                        .connect_lazy();
+                    let mut client = PaymentsClient::new(channel);
+                    let mut sent = Vec::new();
+                    let mut i = 0;
+                    while !stop.load(Ordering::Relaxed) {
+                        let account = accounts[(w + i) % accounts.len()].clone();
+                        let key = new_key();
+                        let amount = 100 + (i as i64 % 900);
+                        let started = Instant::now();
+                        let code = match client
+                            .charge(charge(&account, amount, Some(&key), LOAD_DEADLINE, &[]))
+                            .await
+                        {
+                            Ok(_) => Code::Ok,
+                            Err(status) => status.code(),
+                        };
+                        sent.push(Sent {
+                            account,
+                            key,
+                            amount,
+                            code,
+                            started,
+                            took: started.elapsed(),
+                        });
+                        i += 1;
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                    sent
+                })
+            })
+            .collect();
+        Load { stop, workers }
+    }
+
+    async fn finish(self) -> Vec<Sent> {
+        self.stop.store(true, Ordering::Relaxed);
+        let mut all = Vec::new();
+        for worker in self.workers {
+            all.extend(worker.await.unwrap());
+        }
+        all
+    }
+}
+
+/// Sends `count` charges under fresh keys, `concurrency` at a time, each once.
+async fn send_keys(edge: &str, count: usize, concurrency: usize) -> Vec<Sent> {
+    let client = PaymentsClient::new(connect(edge).await);
+    let accounts: Vec<String> = (0..4).map(|_| new_account()).collect();
+    futures::stream::iter(0..count)
+        .map(|i| {
+            let mut client = client.clone();
+            let account = accounts[i % accounts.len()].clone();
+            async move {
+                let key = new_key();
+                let amount = 100 + i as i64;
+                let started = Instant::now();
+                let code = match client
+                    .charge(charge(&account, amount, Some(&key), LOAD_DEADLINE, &[]))
+                    .await
+                {
+                    Ok(_) => Code::Ok,
+                    Err(status) => status.code(),
+                };
+                Sent {
+                    account,
+                    key,
+                    amount,
+                    code,
+                    started,
+                    took: started.elapsed(),
+                }
+            }
+        })
+        .buffer_unordered(concurrency)
+        .collect()
+        .await
+}
+
+/// Re-sends every key once the fault is over, then checks the invariant in the database.
+async fn resend_and_check(edge: &str, database_url: &str, sent: &[Sent]) {
+    assert!(!sent.is_empty(), "the load sent nothing");
+    let client = PaymentsClient::new(connect(edge).await);
+    let resent: Vec<(Sent, Result<(), tonic::Status>)> = futures::stream::iter(sent.to_vec())
+        .map(|s| {
+            let mut client = client.clone();
+            async move {
+                let result = client
+                    .charge(charge(
+                        &s.account,
+                        s.amount,
+                        Some(&s.key),
+                        Duration::from_secs(20),
+                        &[],
+                    ))
+                    .await
+                    .map(|_| ());
+                (s, result)
+            }
+        })
+        .buffer_unordered(16)
+        .collect()
+        .await;
+    for (s, result) in &resent {
+        assert!(result.is_ok(), "re-sending {}: {result:?}", s.key);
+    }
+    let seen: Vec<Code> = sent.iter().map(|s| s.code).collect();
+    assert!(
+        !seen.contains(&Code::Internal) && !seen.contains(&Code::Unknown),
+        "a client saw INTERNAL or UNKNOWN: {:?}",
+        codes(sent)
+    );
+    assert_exactly_once(database_url, sent).await;
+}
+
+/// Every key of `sent` has exactly one charge, nothing else was charged, every balance is
+/// the sum of its distinct keys' amounts, and no session is idle in a transaction.
+async fn assert_exactly_once(database_url: &str, sent: &[Sent]) {
+    let pool = sqlx::PgPool::connect(database_url).await.unwrap();
+    let charges: Vec<(String, String, i64)> =
+        sqlx::query_as("SELECT account_id, idempotency_key, count(*) FROM charges GROUP BY 1, 2")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    let by_key: HashMap<(String, String), i64> =
+        charges.into_iter().map(|(a, k, n)| ((a, k), n)).collect();
+    let mut expected_balance: HashMap<String, i64> = HashMap::new();
+    for s in sent {
+        let n = by_key
+            .get(&(s.account.clone(), s.key.clone()))
+            .copied()
+            .unwrap_or(0);
+        assert_eq!(n, 1, "key {} on {} has {n} charges", s.key, s.account);
+        *expected_balance.entry(s.account.clone()).or_default() += s.amount;
+    }
+    assert_eq!(by_key.len(), sent.len(), "charges under keys nobody sent");
+    let balances: Vec<(String, i64, i64)> =
+        sqlx::query_as("SELECT account_id, balance_cents, charges FROM accounts")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    for (account, balance, _) in &balances {
+        if let Some(expected) = expected_balance.get(account) {
+            assert_eq!(balance, expected, "balance of {account}");
+        }
+    }
+    assert_no_session_idle_in_transaction(&pool).await;
+    pool.close().await;
+}
+
+/// No session of this database sits idle inside a transaction (connections being closed
+/// may take a moment to go).
+async fn assert_no_session_idle_in_transaction(pool: &sqlx::PgPool) {
+    let query = "SELECT count(*) FROM pg_stat_activity \
+                 WHERE datname = current_database() AND state LIKE 'idle in transaction%'";
+    let start = Instant::now();
+    loop {
+        let idle: i64 = sqlx::query_scalar(query).fetch_one(pool).await.unwrap();
+        if idle == 0 {
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{idle} session(s) idle in transaction"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn codes(sent: &[Sent]) -> HashMap<String, usize> {
+    let mut codes = HashMap::new();
+    for s in sent {
+        *codes.entry(format!("{:?}", s.code)).or_default() += 1;
+    }
+    codes
+}
+
+fn p99(mut times: Vec<Duration>) -> Duration {
+    if times.is_empty() {
+        return Duration::ZERO;
+    }
+    times.sort();
+    times[(times.len() * 99 / 100).min(times.len() - 1)]
+}
+
+/// A throwaway cluster of this test's own (the fault is applied to the whole server), a
+/// database on it, and a chain over that database.
+async fn own_postgres_chain() -> (tempgres::TempCluster, String, Chain) {
+    let cluster = tokio::task::spawn_blocking(tempgres::TempCluster::start)
+        .await
+        .unwrap()
+        .expect("a throwaway Postgres");
+    let url = cluster.url("postgres");
+    let chain = Chain::spawn_on(Options::default(), url.clone());
+    (cluster, url, chain)
+}
+
+#[tokio::test]
+async fn postgres_restarted_mid_stream_loses_nothing_and_charges_once() {
+    let (cluster, url, chain) = own_postgres_chain().await;
+    let load = Load::start(&chain.addrs[EDGE], 4);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    let cluster = tokio::task::spawn_blocking(move || {
+        cluster.restart_server().expect("pg_ctl restart -m fast");
+        cluster
+    })
+    .await
+    .unwrap();
+    let restarted = Instant::now();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let sent = load.finish().await;
+
+    let after: Vec<&Sent> = sent.iter().filter(|s| s.started > restarted).collect();
+    assert!(
+        after.iter().any(|s| s.code == Code::Ok),
+        "charges succeed after the restart: {:?}",
+        codes(&sent)
+    );
+    println!(
+        "restart: {} charges, {:?}; after the restart {} of {} succeeded",
+        sent.len(),
+        codes(&sent),
+        after.iter().filter(|s| s.code == Code::Ok).count(),
+        after.len()
+    );
+    resend_and_check(&chain.addrs[EDGE], &url, &sent).await;
+    drop(chain);
+    drop(cluster);
+}
+
+#[tokio::test]
+async fn postgres_stopped_for_3_s_is_a_fast_unavailable_within_the_budget() {
+    let (cluster, url, chain) = own_postgres_chain().await;
+    let load = Load::start(&chain.addrs[EDGE], 4);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+
+    let before = chain.all_stats().await;
+    let cluster = Arc::new(cluster);
+    let stopping = Arc::clone(&cluster);
+    tokio::task::spawn_blocking(move || stopping.stop_server().expect("pg_ctl stop"))
+        .await
+        .unwrap();
+    let down = Instant::now();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let after_outage = chain.all_stats().await;
+    let starting = Arc::clone(&cluster);
+    tokio::task::spawn_blocking(move || starting.start_server().expect("pg_ctl start"))
+        .await
+        .unwrap();
+    let up = Instant::now();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let sent = load.finish().await;
+
+    // During the outage: failures are UNAVAILABLE, and fast.
+    let failed: Vec<&Sent> = sent
+        .iter()
+        .filter(|s| s.started >= down && s.started < up && s.code != Code::Ok)
+        .collect();
+    assert!(!failed.is_empty(), "the outage failed some charges");
+    for s in &failed {
+        assert_eq!(s.code, Code::Unavailable, "{s:?}");
+    }
+    let p99_failed = p99(failed.iter().map(|s| s.took).collect());
+    assert!(
+        p99_failed < LOAD_DEADLINE / 2,
+        "failures answered in {p99_failed:?}, not at the {LOAD_DEADLINE:?} deadline"
+    );
+    // The budget keeps the ledger's load near one call per request.
+    let requests = after_outage[EDGE].requests_received - before[EDGE].requests_received;
+    let reaching_ledger = after_outage[LEDGER].requests_received - before[LEDGER].requests_received;
+    let amplification = reaching_ledger as f64 / requests as f64;
+    assert!(
+        reaching_ledger as f64 <= requests as f64 * 1.1 + 11.0,
+        "{reaching_ledger} ledger calls for {requests} requests"
+    );
+    // Service resumes soon after Postgres is back.
+    let resumed = sent
+        .iter()
+        .filter(|s| s.started >= up && s.code == Code::Ok)
+        .map(|s| s.started + s.took - up)
+        .min()
+        .expect("charges succeed once Postgres is back");
+    assert!(
+        resumed < Duration::from_secs(2),
+        "resumed after {resumed:?}"
+    );
+    println!(
+        "postgres down 3 s: {} failed calls, p99 {p99_failed:?}; {requests} requests, \
+         {reaching_ledger} ledger calls ({amplification:.2}x); first success {resumed:?} after start",
+        failed.len()
+    );
+    resend_and_check(&chain.addrs[EDGE], &url, &sent).await;
+}
+
+#[tokio::test]
+async fn the_ledger_killed_mid_stream_and_restarted_charges_each_key_once() {
+    let mut chain = Chain::spawn(Options::default()).await;
+    let url = chain.database_url.clone().unwrap();
+    let load = Load::start(&chain.addrs[EDGE], 4);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+
+    chain.services[LEDGER].crash(); // SIGKILL, mid-transaction for some charges
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    chain.services[LEDGER].restart(&[("DATABASE_URL", url.as_str())]);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let sent = load.finish().await;
+
+    println!("ledger killed: {} charges, {:?}", sent.len(), codes(&sent));
+    resend_and_check(&chain.addrs[EDGE], &url, &sent).await;
+}
+
+/// `retrychain up` run as a user runs it, with a PATH that lacks the Postgres binaries
+/// (Debian keeps them in /usr/lib/postgresql/<major>/bin): it finds them, and when its
+/// ledger is SIGKILLed its supervisor starts it again while the rest keep serving.
+#[tokio::test]
+async fn up_finds_postgres_off_path_and_restarts_a_killed_ledger() {
+    let base = free_base_port();
+    let path: Vec<std::path::PathBuf> =
+        std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+            .filter(|dir| !dir.join("initdb").exists())
+            .collect();
+    let up = Command::new(env!("CARGO_BIN_EXE_retrychain"))
+        .args(["up", "--base-port", &base.to_string()])
+        .env("PATH", std::env::join_paths(path).unwrap())
+        .env_remove("DATABASE_URL")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut up = KillOnDrop(up);
+    let (lines_tx, lines) = std::sync::mpsc::channel::<String>();
+    let stdout = up.0.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            println!("up: {line}");
+            if lines_tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let wait_for = |what: &mut dyn FnMut(&str) -> bool| -> String {
+        let start = Instant::now();
+        loop {
+            let line = lines
+                .recv_timeout(Duration::from_secs(90).saturating_sub(start.elapsed()))
+                .unwrap_or_else(|_| panic!("retrychain up never printed the expected line"));
+            if what(&line) {
+                return line;
+            }
+        }
+    };
+    let mut pg_port = None;
+    let mut ledger_pid = None;
+    wait_for(&mut |l| {
+        if let Some(rest) = l.split("throwaway cluster on 127.0.0.1:").nth(1) {
+            pg_port = rest
+                .split_whitespace()
+                .next()
+                .and_then(|p| p.parse::<u16>().ok());
+        }
+        if l.starts_with("ledger | started, pid") {
+            ledger_pid = Some(pid_of(l));
+        }
+        l.starts_with("retrychain is up")
+    });
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{}/postgres",
+        pg_port.expect("up names its Postgres")
+    );
+    let ledger_pid = ledger_pid.expect("up names the ledger's pid");
+    let edge = format!("http://127.0.0.1:{base}");
+
+    let load = Load::start(&edge, 4);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert!(
+        Command::new("kill")
+            .args(["-KILL", &ledger_pid.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let restarted = wait_for(&mut |l| l.starts_with("ledger | started, pid"));
+    assert_ne!(pid_of(&restarted), ledger_pid, "a new process");
+    wait_for(&mut |l| l.contains("ledger restarted"));
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let sent = load.finish().await;
+    println!(
+        "ledger killed under up: {} charges, {:?}",
+        sent.len(),
+        codes(&sent)
+    );
+    resend_and_check(&edge, &url, &sent).await;
+
+    let _ = Command::new("kill")
+        .args(["-TERM", &up.0.id().to_string()])
+        .status();
+    let status = up.0.wait().unwrap();
+    assert!(status.success(), "up stops cleanly on SIGTERM: {status}");
+}
+
+/// A child process that does not outlive a failed test.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &self.0.id().to_string()])
+                .status();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+fn pid_of(line: &str) -> u32 {
+    line.split("pid ")
+        .nth(1)
+        .and_then(|rest| rest.split(',').next())
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// Five consecutive free ports whose admin ports (+1000) are free too.
+fn free_base_port() -> u16 {
+    'next: for base in (42000..60000u16).step_by(10) {
+        let mut held = Vec::new();
+        for port in (base..base + 5).chain(base + 1000..base + 1005) {
+            match std::net::TcpListener::bind(("127.0.0.1", port)) {
+                Ok(listener) => held.push(listener),
+                Err(_) => continue 'next,
+            }
+        }
+        return base;
+    }
+    panic!("no free ports")
+}
+
+#[tokio::test]
+async fn a_frozen_ledger_releases_its_key_to_another_instance_and_commits_nothing() {
+    let url = database().await;
+    let frozen = spawn_ledger_on(&url, &[]);
+    let other = spawn_ledger_on(&url, &[]);
+    let frozen_control = ControlClient::new(connect(&frozen.admin).await);
+    frozen_control
+        .clone()
+        .set_faults(Faults {
+            delay_ms: 30_000, // the processor never answers in time
+            ..faults()
+        })
+        .await
+        .unwrap();
+    let account = new_account();
+    let key = new_key();
+
+    // The first instance claims the key, calls the processor, and freezes.
+    let mut first = PaymentsClient::new(connect(&frozen.addr).await);
+    let request = charge(&account, 700, Some(&key), Duration::from_secs(3), &[]);
+    let first_call = tokio::spawn(async move { first.charge(request).await });
+    let start = Instant::now();
+    while bottom_calls(&frozen_control).await == 0 {
+        assert!(start.elapsed() < Duration::from_secs(10), "never claimed");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    frozen.signal("STOP");
+
+    // The second instance gets the key once Postgres ends the frozen session.
+    let taken_over = Instant::now();
+    let reply = PaymentsClient::new(connect(&other.addr).await)
+        .charge(charge(
+            &account,
+            700,
+            Some(&key),
+            Duration::from_secs(20),
+            &[],
+        ))
+        .await
+        .expect("the other ledger charges");
+    let waited = taken_over.elapsed();
+    assert_eq!(
+        header(&reply, "idempotent-replayed"),
+        None,
+        "a fresh charge"
+    );
+    println!("the key was free for the other ledger after {waited:?}");
+
+    // Woken up, the first instance finds its session gone and commits nothing.
+    frozen.signal("CONT");
+    let first = first_call.await.unwrap();
+    assert!(first.is_err(), "{first:?}");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let stats = frozen_control
+        .clone()
+        .get_stats(GetStatsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(stats.executions, 0, "the frozen ledger committed nothing");
+    assert_eq!(row_counts(&url).await, (1, 1, 1), "one charge, one key");
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    assert_no_session_idle_in_transaction(&pool).await;
+}
+
+async fn bottom_calls(control: &ControlClient<Channel>) -> u64 {
+    control
+        .clone()
+        .get_stats(GetStatsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .downstream_attempts
+}
+
+#[tokio::test]
+async fn replies_lost_at_every_hop_still_charge_each_of_1000_keys_once() {
+    let chain = Chain::spawn(Options::default()).await;
+    for i in 0..5 {
+        chain
+            .set_faults(
+                i,
+                Faults {
+                    drop_reply_rate: 0.2,
+                    ..faults()
+                },
+            )
+            .await;
+    }
+    let sent = send_keys(&chain.addrs[EDGE], 1000, 16).await;
+    for i in 0..5 {
+        chain.set_faults(i, faults()).await;
+    }
+    let lost = sent.iter().filter(|s| s.code != Code::Ok).count();
+    println!(
+        "replies lost at 20% per hop: {lost} of 1000 calls failed; {:?}",
+        codes(&sent)
+    );
+    assert!(lost > 0, "the faults were in force");
+    resend_and_check(
+        &chain.addrs[EDGE],
+        chain.database_url.as_ref().unwrap(),
+        &sent,
+    )
+    .await;
+}
+
+/// Charges cut off at every point — waiting for a connection, in BEGIN, in the claim, in
+/// the processor, in the update, in COMMIT — by dropping the store's future, as a caller
+/// that gives up does. No connection goes back to the pool inside a transaction, and the
+/// pool (two connections, so any leak would be met at once) keeps serving.
+#[tokio::test]
+async fn charges_cut_off_at_any_point_leak_no_transaction() {
+    use retrychain_ledger::{InFlight, KeyStore, StoreOptions};
+    use retrychain_node::{AccountId, AmountCents, IdempotencyKey};
+
+    let url = database().await;
+    let store = KeyStore::connect(
+        &url,
+        StoreOptions {
+            pool_size: 2,
+            acquire_timeout: Duration::from_millis(500),
+        },
+    )
+    .await
+    .unwrap();
+    let account = AccountId::parse(&new_account()).unwrap();
+    let deadline = || resilience::Deadline::after(Duration::from_secs(5));
+    let mut cut = 0;
+    for i in 0..300u64 {
+        let key = IdempotencyKey::parse(&new_key()).unwrap();
+        let amount = AmountCents::parse(100).unwrap();
+        // Cut points from 0 to ~6 ms, spread over the transaction's steps.
+        let after = Duration::from_micros((i * 211) % 6000);
+        let charged = tokio::time::timeout(
+            after,
+            store.charge(
+                &account,
+                &key,
+                amount,
+                deadline(),
+                InFlight::Wait,
+                || async {
+                    tokio::task::yield_now().await;
+                    Ok(())
+                },
+            ),
+        )
+        .await;
+        if charged.is_err() {
+            cut += 1;
+        }
+    }
+    assert!(cut > 50, "most charges were cut off ({cut})");
+
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    assert_no_session_idle_in_transaction(&pool).await;
+    // The pool still serves, and every charge is whole: a charge row always has its key
+    // row pointing at it, and the balance is the sum of the charges.
+    for _ in 0..20 {
+        let key = IdempotencyKey::parse(&new_key()).unwrap();
+        store
+            .charge(
+                &account,
+                &key,
+                AmountCents::parse(1).unwrap(),
+                deadline(),
+                InFlight::Wait,
+                || async { Ok(()) },
+            )
+            .await
+            .expect("the pool serves after the cut-offs");
+    }
+    let orphans: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM charges c LEFT JOIN idempotency_keys k \
+         ON k.account_id = c.account_id AND k.idempotency_key = c.idempotency_key \
+         WHERE k.charge_id IS DISTINCT FROM c.charge_id",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(orphans, 0, "every charge has its key and saved reply");
+    let unfinished: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM idempotency_keys WHERE charge_id IS NULL")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(unfinished, 0, "no key committed without its charge");
+    let (sum, balance): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT coalesce(sum(amount_cents), 0)::BIGINT FROM charges), \
+                (SELECT coalesce(sum(balance_cents), 0)::BIGINT FROM accounts)",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(sum, balance);
+    println!("{cut} of 300 charges cut off; no leaked transaction");
+}
+
+/// The same through the wire: deadlines from 1 ms to 60 ms against a ledger whose
+/// processor takes 10 ms, so the server-side timeouts fire at every step.
+#[tokio::test]
+async fn deadlines_cut_at_every_step_leave_the_ledgers_pool_clean() {
+    let (ledger, url) = spawn_ledger(&["--db-pool-size", "2"]).await;
+    ControlClient::new(connect(&ledger.admin).await)
+        .set_faults(Faults {
+            delay_ms: 10,
+            ..faults()
+        })
+        .await
+        .unwrap();
+    let mut client = PaymentsClient::new(connect(&ledger.addr).await);
+    let account = new_account();
+    for ms in 1..=60 {
+        let result = client
+            .charge(charge(
+                &account,
+                100,
+                Some(&new_key()),
+                Duration::from_millis(ms),
+                &[],
+            ))
+            .await;
+        if let Err(status) = result {
+            assert!(
+                matches!(status.code(), Code::DeadlineExceeded | Code::Cancelled),
+                "{ms} ms: {status:?}"
+            );
+        }
+    }
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    assert_no_session_idle_in_transaction(&pool).await;
+    for _ in 0..10 {
+        client
+            .charge(charge(
+                &account,
+                100,
+                Some(&new_key()),
+                Duration::from_secs(5),
+                &[],
+            ))
+            .await
+            .expect("the pool serves");
+    }
+    let (_, charges, keys) = row_counts(&url).await;
+    assert_eq!(charges, keys, "no key without its charge");
+}
+
+#[tokio::test]
+async fn in_flight_reject_replays_50_concurrent_repeats_of_a_completed_key() {
+    let (ledger, url) = spawn_ledger(&["--in-flight", "reject"]).await;
+    let client = PaymentsClient::new(connect(&ledger.addr).await);
+    let account = new_account();
+    let key = new_key();
+    let first = client
+        .clone()
+        .charge(charge(
+            &account,
+            500,
+            Some(&key),
+            Duration::from_secs(5),
+            &[],
+        ))
+        .await
+        .expect("first charge")
+        .into_inner();
+
+    let repeats: Vec<_> = futures::stream::iter(0..50)
+        .map(|_| {
+            let mut client = client.clone();
+            let (account, key) = (account.clone(), key.clone());
+            async move {
+                client
+                    .charge(charge(
+                        &account,
+                        500,
+                        Some(&key),
+                        Duration::from_secs(5),
+                        &[],
+                    ))
+                    .await
+            }
+        })
+        .buffer_unordered(50)
+        .collect()
+        .await;
+    for repeat in &repeats {
+        let reply = repeat.as_ref().expect("a replay, not ABORTED");
+        assert_eq!(
+            header(reply, "idempotent-replayed").as_deref(),
+            Some("true")
+        );
+        assert_eq!(reply.get_ref().charge_id, first.charge_id);
+    }
+    assert_eq!(row_counts(&url).await, (1, 1, 1));
+}
+
+#[tokio::test]
+async fn waiting_duplicates_do_not_starve_other_accounts() {
+    let (ledger, url) = spawn_ledger(&["--db-pool-size", "4"]).await;
+    let control = ControlClient::new(connect(&ledger.admin).await);
+    control
+        .clone()
+        .set_faults(Faults {
+            delay_ms: 2000,
+            ..faults()
+        })
+        .await
+        .unwrap();
+    let client = PaymentsClient::new(connect(&ledger.addr).await);
+    let (account, key) = (new_account(), new_key());
+    let duplicates: Vec<_> = (0..20)
+        .map(|_| {
+            let mut client = client.clone();
+            let (account, key) = (account.clone(), key.clone());
+            tokio::spawn(async move {
+                client
+                    .charge(charge(
+                        &account,
+                        500,
+                        Some(&key),
+                        Duration::from_secs(15),
+                        &[],
+                    ))
+                    .await
+            })
+        })
+        .collect();
+    let start = Instant::now();
+    while bottom_calls(&control).await == 0 {
+        assert!(start.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await; // all 20 are waiting now
+    control.clone().set_faults(faults()).await.unwrap();
+
+    // Another account's charge gets a connection while 19 duplicates wait.
+    client
+        .clone()
+        .charge(charge(
+            &new_account(),
+            100,
+            Some(&new_key()),
+            Duration::from_millis(1500),
+            &[],
+        ))
+        .await
+        .expect("another account is served while duplicates wait");
+
+    let mut executed = 0;
+    for duplicate in duplicates {
+        let reply = duplicate
+            .await
+            .unwrap()
+            .expect("each duplicate gets the reply");
+        if header(&reply, "idempotent-replayed").is_none() {
+            executed += 1;
+        }
+    }
+    assert_eq!(executed, 1, "one execution, 19 replays");
+    assert_eq!(row_counts(&url).await.1, 2);
+}
+
+/// A codec that sends raw bytes, to put something that is not a protobuf on the wire.
+#[derive(Debug, Clone, Default)]
+struct RawCodec;
+
+impl tonic::codec::Codec for RawCodec {
+    type Encode = Vec<u8>;
+    type Decode = Vec<u8>;
+    type Encoder = RawCodec;
+    type Decoder = RawCodec;
+    fn encoder(&mut self) -> Self::Encoder {
+        RawCodec
+    }
+    fn decoder(&mut self) -> Self::Decoder {
+        RawCodec
+    }
+}
+
+impl tonic::codec::Encoder for RawCodec {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn encode(
+        &mut self,
+        item: Vec<u8>,
+        dst: &mut tonic::codec::EncodeBuf<'_>,
+    ) -> Result<(), tonic::Status> {
+        use bytes::BufMut;
+        dst.put_slice(&item);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Decoder for RawCodec {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn decode(
+        &mut self,
+        src: &mut tonic::codec::DecodeBuf<'_>,
+    ) -> Result<Option<Vec<u8>>, tonic::Status> {
+        use bytes::Buf;
+        Ok(Some(src.copy_to_bytes(src.remaining()).to_vec()))
+    }
+}
+
+async fn raw_charge(addr: &str, body: Vec<u8>) -> tonic::Status {
+    let mut grpc = tonic::client::Grpc::new(connect(addr).await);
+    grpc.ready().await.unwrap();
+    let mut request = tonic::Request::new(body);
+    request.metadata_mut().insert(
+        "idempotency-key",
+        tonic::metadata::MetadataValue::try_from(new_key()).unwrap(),
+    );
+    grpc.unary::<Vec<u8>, Vec<u8>, _>(
+        request,
+        http::uri::PathAndQuery::from_static("/retrychain.v1.Payments/Charge"),
+        RawCodec,
+    )
+    .await
+    .expect_err("refused")
+}
+
+/// What a hostile or careless caller can send, at the edge and straight at the ledger:
+/// each gets its documented code and nothing is written.
+#[tokio::test]
+async fn hostile_input_gets_its_documented_code_and_writes_nothing() {
+    let chain = Chain::spawn(Options::default()).await;
+    let url = chain.database_url.clone().unwrap();
+    let big_header = "x".repeat(8 * 1024);
+    let huge_account = "a".repeat(100 * 1024);
+    let cases: Vec<HostileCase> = vec![
+        (
+            "NUL in the account id",
+            request("a\u{0}b", 500),
+            vec![],
+            Code::InvalidArgument,
+        ),
+        (
+            "BEL in the account id",
+            request("bell\u{7}", 500),
+            vec![],
+            Code::InvalidArgument,
+        ),
+        (
+            "newline in the account id",
+            request("a\nb", 500),
+            vec![],
+            Code::InvalidArgument,
+        ),
+        (
+            "DEL in the account id",
+            request("del\u{7f}", 500),
+            vec![],
+            Code::InvalidArgument,
+        ),
+        (
+            "65 multi-byte characters",
+            request(&"é".repeat(65), 500),
+            vec![],
+            Code::InvalidArgument,
+        ),
+        (
+            "zero amount",
+            request("ok", 0),
+            vec![],
+            Code::InvalidArgument,
+        ),
+        (
+            "negative amount",
+            request("ok", -5),
+            vec![],
+            Code::InvalidArgument,
+        ),
+        (
+            "an 8 KiB idempotency key",
+            request("ok", 500),
+            vec![("idempotency-key", big_header.clone())],
+            Code::InvalidArgument,
+        ),
+        (
+            "a key with a space",
+            request("ok", 500),
+            vec![("idempotency-key", "has space".into())],
+            Code::InvalidArgument,
+        ),
+        (
+            "a malformed grpc-timeout",
+            request("ok", 500),
+            vec![("grpc-timeout", "soon".into())],
+            Code::InvalidArgument,
+        ),
+        (
+            "a malformed x-retry-mode",
+            request("ok", 500),
+            vec![("x-retry-mode", "sometimes".into())],
+            Code::InvalidArgument,
+        ),
+        (
+            "a message over 64 KiB",
+            request(&huge_account, 500),
+            vec![],
+            Code::OutOfRange,
+        ),
+    ];
+    for (target, addr) in [
+        ("edge", &chain.addrs[EDGE]),
+        ("ledger", &chain.addrs[LEDGER]),
+    ] {
+        let mut client = PaymentsClient::new(connect(addr).await);
+        for (what, message, metadata, code) in &cases {
+            let mut request = tonic::Request::new(message.clone());
+            request.set_timeout(Duration::from_secs(5));
+            let has_key = metadata.iter().any(|(k, _)| *k == "idempotency-key");
+            if !has_key {
+                request.metadata_mut().insert(
+                    "idempotency-key",
+                    tonic::metadata::MetadataValue::try_from(new_key()).unwrap(),
+                );
+            }
+            for (k, v) in metadata {
+                request.metadata_mut().insert(
+                    *k,
+                    tonic::metadata::MetadataValue::try_from(v.as_str()).unwrap(),
+                );
+            }
+            let status = client.charge(request).await.expect_err(what);
+            assert_eq!(status.code(), *code, "{target}, {what}: {status:?}");
+        }
+        // Bytes that are not a protobuf: gRPC's code for an unparsable request is INTERNAL
+        // (grpc/doc/statuscodes.md), answered by tonic before any handler runs.
+        let status = raw_charge(addr, vec![0xff, 0xff, 0xff, 0xff]).await;
+        assert_eq!(status.code(), Code::Internal, "{target}: {status:?}");
+    }
+    assert_eq!(row_counts(&url).await, (0, 0, 0), "nothing written");
+
+    // An 8 KiB header nobody reads is carried and ignored; 64 multi-byte characters are fine.
+    let mut request = charge(
+        &"é".repeat(64),
+        500,
+        Some(&new_key()),
+        Duration::from_secs(5),
+        &[],
+    );
+    request.metadata_mut().insert(
+        "x-padding",
+        tonic::metadata::MetadataValue::try_from(big_header.as_str()).unwrap(),
+    );
+    chain.edge().await.charge(request).await.expect("accepted");
+    assert_eq!(row_counts(&url).await, (1, 1, 1));
+
+    // Control exists only on the admin port.
+    let status = ControlClient::new(chain.channel(EDGE).await)
+        .get_stats(GetStatsRequest {})
+        .await
+        .expect_err("no Control on the public port");
+    assert_eq!(status.code(), Code::Unimplemented);
+}
+
+/// What is sent, the message and extra metadata, and the code it must get.
+type HostileCase = (&'static str, ChargeRequest, Vec<(&'static str, String)>, Code);
+
+fn request(account: &str, amount: i64) -> ChargeRequest {
+    ChargeRequest {
+        account_id: account.to_owned(),
+        amount_cents: amount,
+    }
+}
+
+/// A caller that reaches hop2 directly cannot switch on every-layer retries, and resetting
+/// the edge's counters does not refill its retry budget.
+#[tokio::test]
+async fn retry_load_cannot_be_raised_from_outside() {
+    let mut options = Options::default();
+    options
+        .all
+        .retain(|flag| flag != "--allow-retry-mode-override");
+    let chain = Chain::spawn(options).await;
+    chain
+        .set_faults(
+            LEDGER,
+            Faults {
+                fail_rate: 1.0,
+                ..faults()
+            },
+        )
+        .await;
+
+    // x-retry-mode straight at a relay: ignored, so one bottom call, not 27.
+    PaymentsClient::new(chain.channel(1).await)
+        .charge(charge(
+            &new_account(),
+            500,
+            Some(&new_key()),
+            Duration::from_secs(10),
+            &[("x-retry-mode", "every-layer")],
+        ))
+        .await
+        .expect_err("the processor fails");
+    assert_eq!(chain.stats(LEDGER).await.downstream_attempts, 1);
+
+    // Drain some of the edge's budget, then ResetStats: the tokens stay where they were.
+    for _ in 0..4 {
+        let _ = chain
+            .edge()
+            .await
+            .charge(charge(
+                &new_account(),
+                500,
+                None,
+                Duration::from_secs(10),
+                &[],
+            ))
+            .await;
+    }
+    let drained = chain.stats(EDGE).await.budget_tokens;
+    assert!(drained < 10.0, "retries spent tokens: {drained}");
+    let reset = chain
+        .control(EDGE)
+        .await
+        .reset_stats(ResetStatsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(reset.requests_received, 0, "counters zeroed");
+    assert!(
+        (reset.budget_tokens - drained).abs() < 1e-9,
+        "the budget was not refilled: {drained} -> {}",
+        reset.budget_tokens
+    );
+}
+
+/// One layer of retries even when the client retries too: the edge's give-up answer
+/// carries `grpc-retry-pushback-ms: -1`, and a request marked as a client's retry gets a
+/// single attempt.
+#[tokio::test]
+async fn the_edge_stops_clients_retrying_on_top() {
+    let chain = Chain::spawn(Options::default()).await;
+    chain
+        .set_faults(
+            LEDGER,
+            Faults {
+                fail_rate: 1.0,
+                ..faults()
+            },
+        )
+        .await;
+    let status = chain
+        .edge()
+        .await
+        .charge(charge(
+            &new_account(),
+            500,
+            None,
+            Duration::from_secs(10),
+            &[],
+        ))
+        .await
+        .expect_err("fails");
+    assert_eq!(status.code(), Code::Unavailable);
+    assert_eq!(
+        status_header(&status, "grpc-retry-pushback-ms").as_deref(),
+        Some("-1"),
+        "the edge retried; the client must not"
+    );
+    assert_eq!(chain.stats(LEDGER).await.downstream_attempts, 3);
+
+    chain.reset_stats().await;
+    let status = chain
+        .edge()
+        .await
+        .charge(charge(
+            &new_account(),
+            500,
+            None,
+            Duration::from_secs(10),
+            &[("grpc-previous-rpc-attempts", "1")],
+        ))
+        .await
+        .expect_err("fails");
+    assert_eq!(status.code(), Code::Unavailable);
+    assert_eq!(
+        chain.stats(LEDGER).await.downstream_attempts,
+        1,
+        "a client's retry gets one attempt"
+    );
+
+    // A failure the edge does not retry keeps no pushback of its own.
+    chain
+        .set_faults(
+            LEDGER,
+            Faults {
+                fail_rate: 1.0,
+                fail_code: "FAILED_PRECONDITION".into(),
+                ..faults()
+            },
+        )
+        .await;
+    let status = chain
+        .edge()
+        .await
+        .charge(charge(
+            &new_account(),
+            500,
+            None,
+            Duration::from_secs(10),
+            &[],
+        ))
+        .await
+        .expect_err("fails");
+    assert_eq!(status.code(), Code::FailedPrecondition);
+    assert_eq!(status_header(&status, "grpc-retry-pushback-ms"), None);
+}
