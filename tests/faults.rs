@@ -1064,7 +1064,12 @@ async fn hostile_input_gets_its_documented_code_and_writes_nothing() {
 }
 
 /// What is sent, the message and extra metadata, and the code it must get.
-type HostileCase = (&'static str, ChargeRequest, Vec<(&'static str, String)>, Code);
+type HostileCase = (
+    &'static str,
+    ChargeRequest,
+    Vec<(&'static str, String)>,
+    Code,
+);
 
 fn request(account: &str, amount: i64) -> ChargeRequest {
     ChargeRequest {

@@ -512,3 +512,18 @@ async fn set_faults_needs_fault_injection() {
         .into_inner();
     assert_eq!(stats.service, "ledger");
 }
+
+#[test]
+fn a_key_retention_shorter_than_the_longest_deadline_is_refused_at_start() {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_retrychain"))
+        .args(["ledger", "--listen", "127.0.0.1:0", "--key-retention", "0s"])
+        .env("DATABASE_URL", "postgres://nobody@127.0.0.1:1/none")
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--key-retention 0s is shorter than --max-deadline-ms 300000"),
+        "{stderr}"
+    );
+}
