@@ -59,7 +59,7 @@ pub struct StormArgs {
     /// Stop after this many requests instead of after --duration.
     #[arg(long, env = "RETRYCHAIN_STORM_REQUESTS")]
     pub requests: Option<u64>,
-    /// Send `x-retry-mode` (honoured by an edge with --allow-retry-mode-override).
+    /// Send `x-retry-mode` (honoured by services started with --allow-retry-mode-override).
     #[arg(long, value_enum, env = "RETRYCHAIN_STORM_RETRY_MODE")]
     pub retry_mode: Option<ModeArg>,
     /// Ledger fault during the run: probability that a processor call fails.

@@ -145,6 +145,8 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
                 "relay",
                 "--listen",
                 &format!("127.0.0.1:{relay_port}"),
+                "--admin-listen",
+                "127.0.0.1:0",
                 "--downstream",
                 &sink_url,
             ])
