@@ -55,6 +55,7 @@ impl Ledger {
             every_layer.margin,
             every_layer.min_attempt,
         );
+        let _ = node.database.set(Arc::new(store.clone()));
         Self {
             processor: Arc::new(Processor::new(Arc::clone(&node))),
             store,

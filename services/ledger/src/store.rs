@@ -247,6 +247,52 @@ pub struct KeyStore {
     suspicion: Arc<Suspicion>,
     /// Same-key requests of this process queue here, holding no connection.
     keys: Arc<KeyLocks>,
+    /// Gauges and counts for `/metrics`.
+    gauges: Arc<StoreGauges>,
+}
+
+/// What the store counts for `/metrics`.
+#[derive(Debug, Default)]
+struct StoreGauges {
+    /// Requests waiting for a connection now.
+    acquiring: AtomicU64,
+    /// Requests that waited for another request with their key, since start.
+    key_waits: AtomicU64,
+}
+
+/// One request counted in a gauge while it waits, however the wait ends (cancellation
+/// included).
+struct Waiting<'a>(&'a AtomicU64);
+
+impl<'a> Waiting<'a> {
+    fn enter(gauge: &'a AtomicU64) -> Self {
+        gauge.fetch_add(1, Ordering::Relaxed);
+        Self(gauge)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl retrychain_node::metrics::DatabaseGauges for KeyStore {
+    fn connections_in_use(&self) -> u64 {
+        u64::from(self.pool.size()).saturating_sub(self.pool.num_idle() as u64)
+    }
+
+    fn connections_idle(&self) -> u64 {
+        self.pool.num_idle() as u64
+    }
+
+    fn acquires_waiting(&self) -> u64 {
+        self.gauges.acquiring.load(Ordering::Relaxed)
+    }
+
+    fn key_waits_total(&self) -> u64 {
+        self.gauges.key_waits.load(Ordering::Relaxed)
+    }
 }
 
 impl KeyStore {
@@ -306,6 +352,7 @@ impl KeyStore {
             pool,
             suspicion,
             keys: Arc::new(KeyLocks::default()),
+            gauges: Arc::default(),
         })
     }
 
@@ -426,7 +473,10 @@ impl KeyStore {
 
     /// A pooled connection within the deadline and the pool's acquire timeout.
     async fn acquire(&self, deadline: Deadline) -> Result<Checkout, StoreError> {
-        match tokio::time::timeout_at(deadline.instant(), self.pool.acquire()).await {
+        let waiting = Waiting::enter(&self.gauges.acquiring);
+        let acquired = tokio::time::timeout_at(deadline.instant(), self.pool.acquire()).await;
+        drop(waiting);
+        match acquired {
             Err(_) => Err(StoreError::DeadlineWhileWaiting(
                 "waiting for a database connection",
             )),

@@ -5,6 +5,8 @@
 //! - [`domain`]: `IdempotencyKey`, `AccountId`, `AmountCents` — parsed, never re-checked.
 //! - [`metadata`]: the contract's metadata keys, [`RetryMode`], W3C [`TraceContext`].
 //! - [`stats`]: [`Counters`], which are also the retry executor's observer.
+//! - [`metrics`]: the same counters (and a few gauges) as Prometheus metrics on the admin
+//!   port's `/metrics`.
 //! - [`faults`]: [`FaultSwitch`], the fault knobs on a service's downstream call.
 //! - [`control`]: the `Control` gRPC service over a [`Node`].
 //! - [`rpc`]: [`RpcScope`], the first and last thing every Payments handler does.
@@ -21,6 +23,7 @@ pub mod control;
 pub mod domain;
 pub mod faults;
 pub mod metadata;
+pub mod metrics;
 pub mod rpc;
 pub mod server;
 pub mod stats;
@@ -55,6 +58,8 @@ pub struct Node {
     pub allow_retry_mode_override: bool,
     /// This service's retry budget, when its retries are budgeted.
     pub budget: Option<Arc<RetryBudget>>,
+    /// The ledger's database gauges for `/metrics`, once it has connected.
+    pub database: std::sync::OnceLock<Arc<dyn metrics::DatabaseGauges>>,
 }
 
 /// How a [`Node`] is set up; the rest of its state starts empty.
@@ -86,6 +91,7 @@ impl Node {
             max_deadline: config.max_deadline,
             allow_retry_mode_override: config.allow_retry_mode_override,
             budget: config.budget,
+            database: std::sync::OnceLock::new(),
         }
     }
 

@@ -43,11 +43,19 @@ pub struct RpcScope {
     echo_key: OnceLock<MetadataValue<Ascii>>,
     /// When the call arrived.
     started: Instant,
+    /// The service's counters, for the call's outcome and latency.
+    node: std::sync::Arc<Node>,
+    /// `Charge` or `GetAccount`.
+    method: &'static str,
 }
 
 impl RpcScope {
     /// Starts the scope of a call to `method` on `node`.
-    pub fn begin<T>(node: &Node, method: &'static str, request: &Request<T>) -> Self {
+    pub fn begin<T>(
+        node: &std::sync::Arc<Node>,
+        method: &'static str,
+        request: &Request<T>,
+    ) -> Self {
         Counters::bump(&node.counters.requests_received);
         let incoming = request
             .extensions()
@@ -92,6 +100,8 @@ impl RpcScope {
             span,
             echo_key: OnceLock::new(),
             started: Instant::now(),
+            node: std::sync::Arc::clone(node),
+            method,
         }
     }
 
@@ -124,7 +134,12 @@ impl RpcScope {
                     self.timeout
                 ))),
             };
-            let elapsed_ms = self.started.elapsed().as_secs_f64() * 1e3;
+            let elapsed = self.started.elapsed().as_secs_f64();
+            let elapsed_ms = elapsed * 1e3;
+            let code = result
+                .as_ref()
+                .map_or_else(|s| s.code(), |_| tonic::Code::Ok);
+            self.node.counters.call_finished(self.method, code, elapsed);
             match result {
                 Ok(mut response) => {
                     tracing::info!(code = "OK", elapsed_ms, "rpc done");

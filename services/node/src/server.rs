@@ -137,7 +137,7 @@ pub enum ServeError {
 /// 2. The services: health (for `retrychain health` and container checks), reflection v1
 ///    and v1alpha (grpcurl 1.8.6 speaks only v1alpha), Payments.
 ///
-/// The admin stack: health, reflection, Control.
+/// The admin stack: `GET /metrics` (Prometheus, HTTP/1.1), health, reflection, Control.
 pub async fn serve<P, F>(
     listeners: Listeners,
     node: Arc<Node>,
@@ -225,6 +225,11 @@ where
     F: Future<Output = ()> + Send,
 {
     Ok(Server::builder()
+        // Prometheus scrapes over HTTP/1.1 on the same port: `GET /metrics`.
+        .accept_http1(true)
+        .layer(crate::metrics::MetricsLayer::new(crate::metrics::registry(
+            &node,
+        )))
         .add_service(health)
         .add_service(reflection_v1(&[CONTROL])?)
         .add_service(reflection_v1alpha(&[CONTROL])?)

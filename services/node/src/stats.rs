@@ -1,41 +1,142 @@
-//! The counters a service exposes through `Control.GetStats`.
+//! What a service counts: the `Control.GetStats` counters and the Prometheus metrics, from
+//! one set of atomics so the two always agree.
+//!
+//! Prometheus counters must only go up (a reset would break `rate()`), while `ResetStats`
+//! zeroes the Stats counters for a measurement. So each [`Count`] keeps its total, which
+//! `/metrics` exports, and a baseline taken at the last reset; Stats shows total − baseline.
+//! Since process start, with no reset, they are equal.
 
 use std::sync::{
     Arc,
     atomic::{AtomicU64, Ordering},
 };
 
+use prometheus_client::{
+    encoding::EncodeLabelSet,
+    metrics::{counter::Counter, family::Family, histogram::Histogram},
+};
 use resilience::{Attempt, RetryBudget, RetryObserver};
 use retrychain_proto::v1::Stats;
 
-/// One service's counters. Relaxed atomics: each counter is independent and read only for
-/// reporting, so no ordering between them is promised or needed.
+/// A monotonic count with a resettable baseline; see the module docs.
 #[derive(Debug, Default)]
+pub struct Count {
+    /// Since the process started.
+    total: AtomicU64,
+    /// `total` at the last `ResetStats`.
+    baseline: AtomicU64,
+}
+
+impl Count {
+    /// Adds one.
+    pub fn inc(&self) {
+        self.total.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Since the process started (what Prometheus sees).
+    pub fn total(&self) -> u64 {
+        self.total.load(Ordering::Relaxed)
+    }
+
+    /// Since the last reset (what Stats shows).
+    pub fn since_reset(&self) -> u64 {
+        self.total()
+            .saturating_sub(self.baseline.load(Ordering::Relaxed))
+    }
+
+    fn reset(&self) {
+        self.baseline.store(self.total(), Ordering::Relaxed);
+    }
+}
+
+/// Labels of a finished Payments call.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct CallLabels {
+    /// `Charge` or `GetAccount`.
+    pub method: &'static str,
+    /// The gRPC code name answered, `OK` included.
+    pub code: &'static str,
+}
+
+/// Labels of a latency observation.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct MethodLabels {
+    /// `Charge` or `GetAccount`.
+    pub method: &'static str,
+}
+
+/// Labels of a retry: the code of the failure that caused it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct ReasonLabels {
+    /// E.g. `UNAVAILABLE`.
+    pub reason: &'static str,
+}
+
+/// One service's counters. Relaxed atomics: each is independent and read only for
+/// reporting, so no ordering between them is promised or needed.
+#[derive(Debug)]
 pub struct Counters {
     /// Payments calls that reached this service.
-    pub requests_received: AtomicU64,
+    pub requests_received: Count,
     /// Calls made downstream (ledger: processor calls).
-    pub downstream_attempts: AtomicU64,
+    pub downstream_attempts: Count,
     /// How many of those were retries.
-    pub retries: AtomicU64,
+    pub retries: Count,
     /// Retries the budget refused.
-    pub budget_denied: AtomicU64,
+    pub budget_denied: Count,
     /// Attempts not made because the deadline left no room.
-    pub deadline_denied: AtomicU64,
+    pub deadline_denied: Count,
     /// Ledger: charges committed.
-    pub executions: AtomicU64,
+    pub executions: Count,
     /// Ledger: saved replies returned for a repeated key.
-    pub replays: AtomicU64,
+    pub replays: Count,
     /// The deadline last received, in ms.
     pub last_incoming_timeout_ms: AtomicU64,
     /// The deadline last sent downstream, in ms.
     pub last_outgoing_timeout_ms: AtomicU64,
+    /// Finished Payments calls by method and code (Prometheus only).
+    pub calls: Family<CallLabels, Counter>,
+    /// Payments call latency by method, in seconds (Prometheus only).
+    pub latency: Family<MethodLabels, Histogram, fn() -> Histogram>,
+    /// Retries by the code that caused them; they sum to `retries`.
+    pub retry_reasons: Family<ReasonLabels, Counter>,
+    /// Attempts per downstream call, 1 to 5+ (Prometheus only).
+    pub attempts_per_call: Histogram,
+}
+
+/// Latency buckets from 1 ms to 30 s: a hop answers in about a millisecond, a retried
+/// charge in tens of milliseconds, a deadline in seconds.
+fn latency_histogram() -> Histogram {
+    Histogram::new([
+        0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    ])
+}
+
+impl Default for Counters {
+    fn default() -> Self {
+        Self {
+            requests_received: Count::default(),
+            downstream_attempts: Count::default(),
+            retries: Count::default(),
+            budget_denied: Count::default(),
+            deadline_denied: Count::default(),
+            executions: Count::default(),
+            replays: Count::default(),
+            last_incoming_timeout_ms: AtomicU64::default(),
+            last_outgoing_timeout_ms: AtomicU64::default(),
+            calls: Family::default(),
+            latency: Family::new_with_constructor(latency_histogram),
+            retry_reasons: Family::default(),
+            // gRFC A96 counts attempts per call in buckets 1..5.
+            attempts_per_call: Histogram::new([1.0, 2.0, 3.0, 4.0, 5.0]),
+        }
+    }
 }
 
 impl Counters {
-    /// Adds one to a counter.
-    pub fn bump(counter: &AtomicU64) {
-        counter.fetch_add(1, Ordering::Relaxed);
+    /// Adds one to a count.
+    pub fn bump(count: &Count) {
+        count.inc();
     }
 
     /// The counters as the wire message, with the budget's tokens now.
@@ -43,22 +144,22 @@ impl Counters {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         Stats {
             service: service.to_owned(),
-            requests_received: get(&self.requests_received),
-            downstream_attempts: get(&self.downstream_attempts),
-            retries: get(&self.retries),
-            budget_denied: get(&self.budget_denied),
-            deadline_denied: get(&self.deadline_denied),
+            requests_received: self.requests_received.since_reset(),
+            downstream_attempts: self.downstream_attempts.since_reset(),
+            retries: self.retries.since_reset(),
+            budget_denied: self.budget_denied.since_reset(),
+            deadline_denied: self.deadline_denied.since_reset(),
             budget_tokens: budget.map_or(0.0, |b| b.tokens()),
-            executions: get(&self.executions),
-            replays: get(&self.replays),
+            executions: self.executions.since_reset(),
+            replays: self.replays.since_reset(),
             last_incoming_timeout_ms: get(&self.last_incoming_timeout_ms),
             last_outgoing_timeout_ms: get(&self.last_outgoing_timeout_ms),
         }
     }
 
-    /// Zeroes every counter.
+    /// Zeroes every Stats counter (the Prometheus totals go on).
     pub fn reset(&self) {
-        for counter in [
+        for count in [
             &self.requests_received,
             &self.downstream_attempts,
             &self.retries,
@@ -66,30 +167,70 @@ impl Counters {
             &self.deadline_denied,
             &self.executions,
             &self.replays,
-            &self.last_incoming_timeout_ms,
-            &self.last_outgoing_timeout_ms,
         ] {
-            counter.store(0, Ordering::Relaxed);
+            count.reset();
         }
+        self.last_incoming_timeout_ms.store(0, Ordering::Relaxed);
+        self.last_outgoing_timeout_ms.store(0, Ordering::Relaxed);
+    }
+
+    /// Records a finished Payments call.
+    pub fn call_finished(&self, method: &'static str, code: tonic::Code, seconds: f64) {
+        self.calls
+            .get_or_create(&CallLabels {
+                method,
+                code: crate::faults::code_name(code),
+            })
+            .inc();
+        self.latency
+            .get_or_create(&MethodLabels { method })
+            .observe(seconds);
     }
 }
 
 /// The retry executor reports straight into the counters.
 impl RetryObserver for Counters {
     fn attempt_started(&self, attempt: &Attempt) {
-        Self::bump(&self.downstream_attempts);
+        self.downstream_attempts.inc();
         if attempt.is_retry() {
-            Self::bump(&self.retries);
+            self.retries.inc();
+            let reason = attempt.retry_of.map_or("UNKNOWN", crate::faults::code_name);
+            self.retry_reasons
+                .get_or_create(&ReasonLabels { reason })
+                .inc();
         }
         self.last_outgoing_timeout_ms
             .store(attempt.timeout.as_millis() as u64, Ordering::Relaxed);
     }
 
     fn budget_denied(&self) {
-        Self::bump(&self.budget_denied);
+        self.budget_denied.inc();
     }
 
     fn deadline_denied(&self) {
-        Self::bump(&self.deadline_denied);
+        self.deadline_denied.inc();
+    }
+
+    fn call_finished(&self, attempts: u32) {
+        if attempts > 0 {
+            self.attempts_per_call.observe(f64::from(attempts));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stats_restart_from_zero_while_totals_go_on() {
+        let counters = Counters::default();
+        counters.requests_received.inc();
+        counters.requests_received.inc();
+        counters.reset();
+        counters.requests_received.inc();
+        assert_eq!(counters.requests_received.since_reset(), 1);
+        assert_eq!(counters.requests_received.total(), 3);
+        assert_eq!(counters.snapshot("edge", None).requests_received, 1);
     }
 }

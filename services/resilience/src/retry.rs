@@ -20,6 +20,7 @@ use std::{
 
 use rand::{SeedableRng, rngs::SmallRng};
 use tonic::{Code, Status, metadata::MetadataValue};
+use tracing::Instrument;
 
 use crate::{
     backoff::Backoff,
@@ -71,6 +72,11 @@ pub trait RetryObserver: Send + Sync {
     fn budget_denied(&self);
     /// An attempt was not made because the deadline left no room.
     fn deadline_denied(&self);
+    /// The call ended after `attempts` attempts (success or not), for an attempts-per-call
+    /// histogram (as gRFC A96's per-call retry metrics).
+    fn call_finished(&self, attempts: u32) {
+        let _ = attempts;
+    }
 }
 
 /// Observes nothing; for callers that keep no counters.
@@ -87,6 +93,8 @@ pub struct Attempt {
     pub number: u32,
     /// The time this attempt may take: hand it downstream as `grpc-timeout`.
     pub timeout: Duration,
+    /// On a retry: the code of the failure that caused it (why this attempt is made).
+    pub retry_of: Option<Code>,
 }
 
 impl Attempt {
@@ -243,7 +251,25 @@ impl Retry {
         &self,
         deadline: Deadline,
         observer: &dyn RetryObserver,
+        call: F,
+    ) -> Result<T, RetryError>
+    where
+        F: FnMut(Attempt) -> Fut,
+        Fut: Future<Output = Result<T, Status>>,
+    {
+        let mut made = 0;
+        let result = self.attempts(deadline, observer, call, &mut made).await;
+        observer.call_finished(made);
+        result
+    }
+
+    /// The loop of [`Retry::run_detailed`]; `number` counts the attempts made.
+    async fn attempts<T, F, Fut>(
+        &self,
+        deadline: Deadline,
+        observer: &dyn RetryObserver,
         mut call: F,
+        number: &mut u32,
     ) -> Result<T, RetryError>
     where
         F: FnMut(Attempt) -> Fut,
@@ -254,7 +280,8 @@ impl Retry {
         if let Some(budget) = &policy.budget {
             budget.deposit_first_attempt();
         }
-        let mut number = 0;
+        let mut retry_of = None;
+        let mut waited = Duration::ZERO;
         loop {
             let timeout = match deadline.downstream_timeout(policy.margin, policy.min_attempt) {
                 Ok(timeout) => timeout,
@@ -264,15 +291,40 @@ impl Retry {
                         "no attempt started: {:?} left of the deadline, an attempt needs more than {:?}",
                         no_room.remaining, no_room.needed
                     ));
-                    return Err(self.stopped(status, number, StopReason::NoRoom));
+                    return Err(self.stopped(status, *number, StopReason::NoRoom));
                 }
             };
-            number += 1;
-            let attempt = Attempt { number, timeout };
+            *number += 1;
+            let number = *number;
+            let attempt = Attempt {
+                number,
+                timeout,
+                retry_of,
+            };
             observer.attempt_started(&attempt);
+            // The attempt's span: a client span in a trace (OpenTelemetry), the parent of the
+            // downstream's server span — the call is built inside it, so propagation sees it.
+            let span = tracing::info_span!(
+                "attempt",
+                otel.kind = "client",
+                otel.status_code = tracing::field::Empty,
+                attempt = number,
+                retry_of = retry_of.map(|code| format!("{code:?}")),
+                backoff_ms = waited.as_secs_f64() * 1e3,
+                budget_tokens = policy.budget.as_ref().map(|b| b.tokens()),
+                timeout_ms = timeout.as_millis() as u64,
+                outcome = tracing::field::Empty,
+            );
+            let future = span.in_scope(|| call(attempt));
             let started = tokio::time::Instant::now();
-            let status = match tokio::time::timeout(timeout, call(attempt)).await {
-                Ok(Ok(value)) => return Ok(value),
+            let answer = tokio::time::timeout(timeout, future)
+                .instrument(span.clone())
+                .await;
+            let status = match answer {
+                Ok(Ok(value)) => {
+                    span.record("outcome", "OK");
+                    return Ok(value);
+                }
                 Ok(Err(status)) => status,
                 Err(_) => Status::deadline_exceeded(format!(
                     "attempt {number} got no answer within {timeout:?}"
@@ -289,6 +341,8 @@ impl Retry {
             } else {
                 status
             };
+            span.record("outcome", format!("{:?}", status.code()));
+            span.record("otel.status_code", "ERROR");
 
             if !is_retryable(status.code()) {
                 return Err(if number > 1 {
@@ -342,6 +396,8 @@ impl Retry {
                 "attempt failed, retrying"
             );
             tokio::time::sleep(wait).await;
+            retry_of = Some(status.code());
+            waited = wait;
         }
     }
 

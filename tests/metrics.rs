@@ -1,0 +1,269 @@
+//! Prometheus metrics on every service's admin port: scraped over plain HTTP/1.1 after a
+//! scenario, parsed with a Prometheus text-format parser, and held against `Stats`.
+
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+mod support;
+
+use std::{
+    io::{Read, Write},
+    time::Duration,
+};
+
+use retrychain_proto::v1::{Faults, Stats};
+use support::*;
+
+/// `GET /metrics` on `admin` (`http://host:port`): the response body.
+fn scrape(admin: &str) -> String {
+    let mut stream = std::net::TcpStream::connect(host_port(admin)).unwrap();
+    write!(
+        stream,
+        "GET /metrics HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
+        host_port(admin)
+    )
+    .unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(
+        head.to_lowercase()
+            .contains("content-type: text/plain; version=0.0.4"),
+        "{head}"
+    );
+    // The body may come chunked; the parser wants plain lines.
+    if head.to_lowercase().contains("transfer-encoding: chunked") {
+        dechunk(body)
+    } else {
+        body.to_owned()
+    }
+}
+
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let size = usize::from_str_radix(size.trim(), 16).unwrap();
+        if size == 0 {
+            break;
+        }
+        out.push_str(&rest[..size]);
+        body = &rest[size + 2..];
+    }
+    out
+}
+
+fn parse(text: &str) -> prometheus_parse::Scrape {
+    prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_owned()))).unwrap()
+}
+
+/// The sum of the samples named `name` whose labels include `labels`.
+fn value(scrape: &prometheus_parse::Scrape, name: &str, labels: &[(&str, &str)]) -> f64 {
+    scrape
+        .samples
+        .iter()
+        .filter(|s| s.metric == name && labels.iter().all(|(k, v)| s.labels.get(k) == Some(v)))
+        .map(|s| match &s.value {
+            prometheus_parse::Value::Counter(v)
+            | prometheus_parse::Value::Gauge(v)
+            | prometheus_parse::Value::Untyped(v) => *v,
+            _ => 0.0,
+        })
+        .sum()
+}
+
+fn histogram_count(scrape: &prometheus_parse::Scrape, name: &str) -> f64 {
+    scrape
+        .samples
+        .iter()
+        .filter(|s| s.metric == name)
+        .map(|s| match &s.value {
+            prometheus_parse::Value::Histogram(buckets) => buckets.last().map_or(0.0, |b| b.count),
+            _ => 0.0,
+        })
+        .sum()
+}
+
+fn assert_agree(scrape: &prometheus_parse::Scrape, stats: &Stats) {
+    let service = stats.service.as_str();
+    let s = &[("service", service)][..];
+    let pairs = [
+        (
+            "retrychain_requests_received_total",
+            stats.requests_received,
+        ),
+        (
+            "retrychain_downstream_attempts_total",
+            stats.downstream_attempts,
+        ),
+        ("retrychain_retries_total", stats.retries),
+    ];
+    for (name, expected) in pairs {
+        assert_eq!(value(scrape, name, s), expected as f64, "{service} {name}");
+    }
+    assert_eq!(
+        value(
+            scrape,
+            "retrychain_retries_refused_total",
+            &[("by", "budget")]
+        ),
+        stats.budget_denied as f64,
+        "{service} refused by the budget"
+    );
+    assert_eq!(
+        value(
+            scrape,
+            "retrychain_retries_refused_total",
+            &[("by", "deadline")]
+        ),
+        stats.deadline_denied as f64,
+        "{service} refused by the deadline"
+    );
+    assert_eq!(
+        value(scrape, "retrychain_requests_total", s),
+        stats.requests_received as f64,
+        "{service}: every call received has finished with a code"
+    );
+    assert_eq!(
+        histogram_count(scrape, "retrychain_request_duration_seconds"),
+        stats.requests_received as f64,
+        "{service}: one latency per call"
+    );
+    if service == "edge" {
+        assert_eq!(
+            value(scrape, "retrychain_budget_tokens", s),
+            stats.budget_tokens,
+            "edge budget"
+        );
+    }
+    if service == "ledger" {
+        assert_eq!(
+            value(scrape, "retrychain_ledger_executions_total", s),
+            stats.executions as f64
+        );
+        assert_eq!(
+            value(scrape, "retrychain_ledger_replays_total", s),
+            stats.replays as f64
+        );
+    }
+}
+
+#[tokio::test]
+async fn metrics_on_every_admin_port_agree_with_stats() {
+    let chain = Chain::spawn(Options::default()).await;
+    let mut edge = chain.edge().await;
+    let account = new_account();
+    // Charges, a replay, a failure the edge retries, a refused bad input.
+    let key = new_key();
+    for _ in 0..2 {
+        edge.charge(charge(
+            &account,
+            500,
+            Some(&key),
+            Duration::from_secs(5),
+            &[],
+        ))
+        .await
+        .unwrap();
+    }
+    edge.charge(charge(&account, 0, None, Duration::from_secs(5), &[]))
+        .await
+        .expect_err("bad amount");
+    chain
+        .set_faults(
+            LEDGER,
+            Faults {
+                fail_rate: 1.0,
+                ..faults()
+            },
+        )
+        .await;
+    for _ in 0..3 {
+        edge.charge(charge(&account, 100, None, Duration::from_secs(5), &[]))
+            .await
+            .expect_err("the processor fails");
+    }
+    chain.set_faults(LEDGER, faults()).await;
+
+    let stats = chain.all_stats().await;
+    assert_eq!(stats[LEDGER].executions, 1);
+    assert_eq!(stats[LEDGER].replays, 1);
+    assert!(
+        stats[EDGE].retries >= 6,
+        "the edge retried: {:?}",
+        stats[EDGE]
+    );
+    let promtool = which_promtool();
+    for (i, admin) in chain.admins.iter().enumerate() {
+        let text = scrape(admin);
+        let scrape = parse(&text);
+        assert_agree(&scrape, &stats[i]);
+        if let Some(promtool) = &promtool {
+            let (ok, said) = std::process::Command::new(promtool)
+                .args(["check", "metrics"])
+                .stdin(std::process::Stdio::piped())
+                .output_with_stdin(&text);
+            assert!(ok, "promtool check metrics on {}: {said}", NAMES[i]);
+        }
+    }
+    // Retries by reason: the edge's all came from UNAVAILABLE.
+    let edge_scrape = parse(&scrape(&chain.admins[EDGE]));
+    assert_eq!(
+        value(
+            &edge_scrape,
+            "retrychain_retries_total",
+            &[("reason", "UNAVAILABLE")]
+        ),
+        stats[EDGE].retries as f64
+    );
+    assert_eq!(
+        value(
+            &edge_scrape,
+            "retrychain_requests_total",
+            &[("method", "Charge"), ("code", "INVALID_ARGUMENT")]
+        ),
+        1.0
+    );
+    if promtool.is_none() {
+        println!("promtool not installed: the text format was checked by the parser only");
+    }
+}
+
+fn which_promtool() -> Option<String> {
+    std::env::var("PROMTOOL").ok().or_else(|| {
+        std::process::Command::new("promtool")
+            .arg("--version")
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|_| "promtool".to_owned())
+    })
+}
+
+trait OutputWithStdin {
+    fn output_with_stdin(&mut self, input: &str) -> (bool, String);
+}
+
+impl OutputWithStdin for std::process::Command {
+    fn output_with_stdin(&mut self, input: &str) -> (bool, String) {
+        let mut child = self
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+        let output = child.wait_with_output().unwrap();
+        (
+            output.status.success(),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            ),
+        )
+    }
+}
