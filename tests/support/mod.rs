@@ -88,6 +88,8 @@ pub struct Options {
     pub edge: Vec<String>,
     /// Flags for the ledger only.
     pub ledger: Vec<String>,
+    /// Environment for all five (e.g. OTEL_* variables).
+    pub env: Vec<(String, String)>,
 }
 
 impl Default for Options {
@@ -104,6 +106,7 @@ impl Default for Options {
             ]),
             edge: Vec::new(),
             ledger: args(&["--db-pool-size", "8"]),
+            env: Vec::new(),
         }
     }
 }
@@ -270,11 +273,14 @@ impl Chain {
                 LEDGER => args.extend(options.ledger.iter().cloned()),
                 _ => {}
             }
-            let env: Vec<(&str, &str)> = if i == LEDGER {
-                vec![("DATABASE_URL", database_url.as_str())]
-            } else {
-                vec![]
-            };
+            let mut env: Vec<(&str, &str)> = options
+                .env
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
+            if i == LEDGER {
+                env.push(("DATABASE_URL", database_url.as_str()));
+            }
             let service = Service::start(name, args, &env);
             downstream = service.addr.clone();
             services.insert(0, service);

@@ -14,12 +14,12 @@ use crate::config::{HopArgs, InFlightArg, LedgerArgs, ServiceArgs};
 /// Runs the edge (`edge == true`) or a relay until Ctrl-C or SIGTERM.
 pub async fn hop(args: HopArgs, edge: bool) -> anyhow::Result<()> {
     let service = &args.service;
-    telemetry::init(service.log_format.into());
     let (default_listen, default_name) = if edge {
         ("0.0.0.0:50051", "edge")
     } else {
         ("0.0.0.0:50052", "hop2")
     };
+    let _telemetry = telemetry::init(service.log_format.into(), &name(service, default_name));
     let downstream = match (&args.downstream, edge) {
         (Some(url), _) => url.clone(),
         (None, true) => "http://127.0.0.1:50052".to_owned(),
@@ -64,7 +64,7 @@ pub async fn hop(args: HopArgs, edge: bool) -> anyhow::Result<()> {
 /// Runs the ledger until Ctrl-C or SIGTERM.
 pub async fn ledger(args: LedgerArgs) -> anyhow::Result<()> {
     let service = &args.service;
-    telemetry::init(service.log_format.into());
+    let _telemetry = telemetry::init(service.log_format.into(), &name(service, "ledger"));
     // A key must outlive every retry of its request: the retries of one request all happen
     // within its deadline, and no deadline is honoured past --max-deadline-ms.
     let max_deadline = Duration::from_millis(service.max_deadline_ms);
@@ -118,12 +118,17 @@ fn hop_mode(service: &ServiceArgs) -> &'static str {
     retrychain_node::RetryMode::from(service.retry_mode).as_str()
 }
 
+/// The service's name: `--name`, or its role's default.
+fn name(service: &ServiceArgs, default_name: &str) -> String {
+    service
+        .name
+        .clone()
+        .unwrap_or_else(|| default_name.to_owned())
+}
+
 fn node(service: &ServiceArgs, default_name: &str, budget: Option<Arc<RetryBudget>>) -> Arc<Node> {
     Arc::new(Node::new(NodeConfig {
-        name: service
-            .name
-            .clone()
-            .unwrap_or_else(|| default_name.to_owned()),
+        name: name(service, default_name),
         fault_injection: service.fault_injection,
         default_deadline: Duration::from_millis(service.default_deadline_ms),
         max_deadline: Duration::from_millis(service.max_deadline_ms),

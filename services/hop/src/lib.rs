@@ -118,7 +118,11 @@ impl Forward {
         if self.pass_mode {
             metadata.insert(RETRY_MODE, MetadataValue::from_static(self.mode.as_str()));
         }
-        if let Some(traceparent) = &self.traceparent {
+        // Exporting traces, the parent of the downstream's span is this attempt's span;
+        // otherwise this hop's own trace context.
+        if !retrychain_node::telemetry::inject_current(metadata)
+            && let Some(traceparent) = &self.traceparent
+        {
             metadata.insert(TRACEPARENT, traceparent.clone());
         }
         attempt.apply(&mut request);

@@ -105,6 +105,7 @@ impl Ledger {
             }
             ChargeOutcome::Replayed(saved) => {
                 Counters::bump(&self.node.counters.replays);
+                tracing::Span::current().record("replayed", true);
                 tracing::info!(charge_id = %saved.charge_id, "replayed the saved reply");
                 (saved, true)
             }

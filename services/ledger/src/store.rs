@@ -55,6 +55,7 @@ use sqlx::{
     pool::PoolConnection,
     postgres::{PgConnectOptions, PgPoolOptions},
 };
+use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::key_locks::KeyLocks;
@@ -607,6 +608,7 @@ where
     .bind(key.as_str())
     .bind(amount.get())
     .execute(&mut *tx)
+    .instrument(tracing::info_span!("claim_key"))
     .await?
     .rows_affected()
         == 1;
@@ -641,8 +643,11 @@ where
     .bind(charge_id)
     .bind(key.as_str())
     .fetch_one(&mut *tx)
+    .instrument(tracing::info_span!("record_charge"))
     .await?;
-    tx.commit().await?;
+    tx.commit()
+        .instrument(tracing::info_span!("commit"))
+        .await?;
     Ok(ChargeOutcome::Executed(SavedReply {
         charge_id,
         account_id: account.as_str().to_owned(),

@@ -77,20 +77,31 @@ impl RpcScope {
             .store(incoming.timeout.as_millis() as u64, Ordering::Relaxed);
         let metadata = request.metadata();
         let text = |key: &str| metadata.get(key).and_then(|v| v.to_str().ok());
-        let trace = TraceContext::continue_or_start(text(TRACEPARENT));
+        let mut trace = TraceContext::continue_or_start(text(TRACEPARENT));
         let caller_previous_attempts = text(resilience::retry::PREVIOUS_ATTEMPTS_HEADER)
             .and_then(|v| v.trim().parse::<u32>().ok())
             .unwrap_or(0);
         let attempt = caller_previous_attempts.saturating_add(1);
         let span = tracing::info_span!(
             "rpc",
+            otel.kind = "server",
+            otel.name = %format_args!("{} {method}", node.name),
+            otel.status_code = field::Empty,
             service = %node.name,
             method,
-            trace_id = %trace.trace_id,
+            trace_id = field::Empty,
             key = field::Empty,
             attempt,
             deadline_ms = incoming.timeout.as_millis() as u64,
+            code = field::Empty,
+            replayed = field::Empty,
         );
+        // Exporting traces, the span continues the caller's trace, and its trace id is the
+        // one logs and the `trace-id` header show.
+        if let Some(trace_id) = crate::telemetry::continue_trace(&span, metadata) {
+            trace.trace_id = trace_id;
+        }
+        span.record("trace_id", trace.trace_id.as_str());
         Self {
             deadline: incoming.deadline,
             answer_by: incoming.answer_by,
@@ -140,6 +151,11 @@ impl RpcScope {
                 .as_ref()
                 .map_or_else(|s| s.code(), |_| tonic::Code::Ok);
             self.node.counters.call_finished(self.method, code, elapsed);
+            let code_name = crate::faults::code_name(code);
+            self.span.record("code", code_name);
+            if code != tonic::Code::Ok {
+                self.span.record("otel.status_code", "ERROR");
+            }
             match result {
                 Ok(mut response) => {
                     tracing::info!(code = "OK", elapsed_ms, "rpc done");

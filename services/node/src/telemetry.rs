@@ -1,12 +1,32 @@
-//! Logging: one subscriber per process, text for people or JSON for machines.
+//! Logging, and traces for Jaeger or any OpenTelemetry collector.
 //!
 //! Every Payments log line sits inside the `rpc` span, whose fields carry the service, the
-//! trace id and the idempotency key; both formats print them on each line, so
+//! trace id and the idempotency key; both log formats print them on each line, so
 //! `grep <trace-id>` over five services' logs shows a request's whole path.
+//!
+//! With `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) set, the same
+//! spans also go to that collector over OTLP/gRPC: each service's `rpc` span is a server
+//! span whose parent is the caller's `traceparent`, each downstream attempt a client span
+//! (attempt number, why it was retried, the backoff waited, the budget's tokens, the
+//! deadline sent, the outcome), and the ledger adds the key claim and the commit. The
+//! standard variables apply: `OTEL_SERVICE_NAME` (default: the service's `--name`),
+//! `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG`, `OTEL_BSP_SCHEDULE_DELAY`. Unset, no
+//! exporter and no OpenTelemetry layer exist: tracing costs what it did before.
 
-use std::io::IsTerminal;
+use std::{
+    io::IsTerminal,
+    sync::atomic::{AtomicBool, Ordering},
+};
 
-use tracing_subscriber::EnvFilter;
+use opentelemetry::{
+    propagation::{Extractor, Injector, TextMapPropagator},
+    trace::{TraceContextExt, TracerProvider as _},
+};
+use opentelemetry_sdk::{propagation::TraceContextPropagator, trace::SdkTracerProvider};
+use tonic::metadata::{MetadataKey, MetadataMap, MetadataValue};
+use tracing::Span;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+use tracing_subscriber::{EnvFilter, Layer, layer::SubscriberExt, util::SubscriberInitExt};
 
 /// How log lines are written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -17,22 +37,235 @@ pub enum LogFormat {
     Json,
 }
 
-/// Installs the global subscriber. `RUST_LOG` overrides the default level (`info`).
-/// Safe to call more than once: later calls change nothing.
-pub fn init(format: LogFormat) {
+/// Whether spans go to an OpenTelemetry collector (set once, by [`init`]).
+static EXPORTING: AtomicBool = AtomicBool::new(false);
+
+/// Whether this process exports traces over OTLP.
+pub fn exporting() -> bool {
+    EXPORTING.load(Ordering::Relaxed)
+}
+
+/// Flushes and stops the trace exporter when dropped (at the end of `main`), so the
+/// spans of the last requests are not lost.
+#[derive(Debug)]
+#[must_use = "dropping the guard stops the trace exporter"]
+pub struct Telemetry {
+    /// The exporter's provider, when exporting.
+    provider: Option<SdkTracerProvider>,
+}
+
+impl Drop for Telemetry {
+    fn drop(&mut self) {
+        if let Some(provider) = self.provider.take()
+            && let Err(error) = provider.shutdown()
+        {
+            eprintln!("flushing traces: {error}");
+        }
+    }
+}
+
+/// Installs the global subscriber: logs in `format` (`RUST_LOG` overrides the default level,
+/// `info`) and, when the OTLP variables say so, trace export as `service` (unless
+/// `OTEL_SERVICE_NAME` names it). Must run inside the Tokio runtime. Safe to call more than
+/// once: later calls change nothing.
+pub fn init(format: LogFormat, service: &str) -> Telemetry {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    let fmt = tracing_subscriber::fmt::layer()
         .with_target(false)
         .with_writer(std::io::stdout);
-    let _ = match format {
-        LogFormat::Text => builder
+    let fmt = match format {
+        LogFormat::Text => fmt
             .with_ansi(std::io::stdout().is_terminal())
-            .try_init(),
-        LogFormat::Json => builder
+            .fmt_fields(WithoutOtelFields)
+            .boxed(),
+        LogFormat::Json => fmt
             .json()
             .with_current_span(true)
             .with_span_list(false)
-            .try_init(),
+            .boxed(),
     };
+    let provider = otlp_requested().then(|| tracer_provider(service)).flatten();
+    let otel = provider.as_ref().map(|provider| {
+        tracing_opentelemetry::layer()
+            .with_tracer(provider.tracer("retrychain"))
+            .with_filter(tracing_subscriber::filter::LevelFilter::INFO)
+    });
+    let installed = tracing_subscriber::registry()
+        .with(fmt.with_filter(filter))
+        .with(otel)
+        .try_init()
+        .is_ok();
+    if installed && provider.is_some() {
+        EXPORTING.store(true, Ordering::Relaxed);
+    }
+    Telemetry {
+        provider: if installed { provider } else { None },
+    }
+}
+
+/// Span and event fields as `name=value`, as tracing-subscriber writes them, leaving out
+/// the `otel.*` fields that only instruct the OpenTelemetry layer (span kind, name, status).
+#[derive(Debug, Clone, Copy)]
+struct WithoutOtelFields;
+
+impl<'w> tracing_subscriber::fmt::FormatFields<'w> for WithoutOtelFields {
+    fn format_fields<R: tracing_subscriber::field::RecordFields>(
+        &self,
+        writer: tracing_subscriber::fmt::format::Writer<'w>,
+        fields: R,
+    ) -> std::fmt::Result {
+        let mut visitor = FieldWriter {
+            writer,
+            first: true,
+            result: Ok(()),
+        };
+        fields.record(&mut visitor);
+        visitor.result
+    }
+
+    fn add_fields(
+        &self,
+        current: &'w mut tracing_subscriber::fmt::FormattedFields<Self>,
+        fields: &tracing::span::Record<'_>,
+    ) -> std::fmt::Result {
+        let mut added = String::new();
+        self.format_fields(
+            tracing_subscriber::fmt::format::Writer::new(&mut added),
+            fields,
+        )?;
+        if added.is_empty() {
+            return Ok(());
+        }
+        if !current.fields.is_empty() {
+            current.fields.push(' ');
+        }
+        current.fields.push_str(&added);
+        Ok(())
+    }
+}
+
+struct FieldWriter<'w> {
+    writer: tracing_subscriber::fmt::format::Writer<'w>,
+    first: bool,
+    result: std::fmt::Result,
+}
+
+impl tracing::field::Visit for FieldWriter<'_> {
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        if field.name() == "message" {
+            self.record_debug(field, &format_args!("{value}"));
+        } else {
+            self.record_debug(field, &value);
+        }
+    }
+
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        if self.result.is_err() || field.name().starts_with("otel.") {
+            return;
+        }
+        let separator = if self.first { "" } else { " " };
+        self.first = false;
+        self.result = if field.name() == "message" {
+            write!(self.writer, "{separator}{value:?}")
+        } else {
+            write!(self.writer, "{separator}{field}={value:?}")
+        };
+    }
+}
+
+fn otlp_requested() -> bool {
+    [
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    ]
+    .iter()
+    .any(|var| std::env::var(var).is_ok_and(|v| !v.trim().is_empty()))
+}
+
+fn tracer_provider(service: &str) -> Option<SdkTracerProvider> {
+    let exporter = match opentelemetry_otlp::SpanExporter::builder()
+        .with_tonic()
+        .build()
+    {
+        Ok(exporter) => exporter,
+        Err(error) => {
+            eprintln!("OTLP trace export is off: {error}");
+            return None;
+        }
+    };
+    let name = std::env::var("OTEL_SERVICE_NAME")
+        .ok()
+        .filter(|n| !n.is_empty())
+        .unwrap_or_else(|| service.to_owned());
+    Some(
+        SdkTracerProvider::builder()
+            .with_batch_exporter(exporter)
+            .with_resource(
+                opentelemetry_sdk::Resource::builder()
+                    .with_service_name(name)
+                    .build(),
+            )
+            .build(),
+    )
+}
+
+/// Makes `span` (a server span) the child of the trace context in `metadata`'s
+/// `traceparent`, and returns the trace id it belongs to — `None` when not exporting, or
+/// when the span has no valid context.
+pub fn continue_trace(span: &Span, metadata: &MetadataMap) -> Option<String> {
+    if !exporting() {
+        return None;
+    }
+    let parent = TraceContextPropagator::new().extract(&MetadataExtractor(metadata));
+    let _ = span.set_parent(parent);
+    let context = span.context();
+    let span_context = context.span().span_context().clone();
+    span_context
+        .is_valid()
+        .then(|| span_context.trace_id().to_string())
+}
+
+/// Writes the current span's `traceparent` into `metadata` (the downstream's parent is
+/// this attempt); `false` when not exporting, and the caller sends its own.
+pub fn inject_current(metadata: &mut MetadataMap) -> bool {
+    if !exporting() {
+        return false;
+    }
+    let context = Span::current().context();
+    if !context.span().span_context().is_valid() {
+        return false;
+    }
+    TraceContextPropagator::new().inject_context(&context, &mut MetadataInjector(metadata));
+    true
+}
+
+struct MetadataExtractor<'a>(&'a MetadataMap);
+
+impl Extractor for MetadataExtractor<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|v| v.to_str().ok())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0
+            .keys()
+            .filter_map(|key| match key {
+                tonic::metadata::KeyRef::Ascii(key) => Some(key.as_str()),
+                tonic::metadata::KeyRef::Binary(_) => None,
+            })
+            .collect()
+    }
+}
+
+struct MetadataInjector<'a>(&'a mut MetadataMap);
+
+impl Injector for MetadataInjector<'_> {
+    fn set(&mut self, key: &str, value: String) {
+        if let (Ok(key), Ok(value)) = (
+            MetadataKey::from_bytes(key.as_bytes()),
+            MetadataValue::try_from(value),
+        ) {
+            self.0.insert(key, value);
+        }
+    }
 }

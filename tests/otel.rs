@@ -1,0 +1,282 @@
+//! OpenTelemetry traces over OTLP: a real five-service chain exports to a collector that
+//! runs in this test (a tonic `TraceService` server from the OpenTelemetry proto crate),
+//! and one request must come out as one trace — five server spans linked parent to child
+//! through each hop's attempt spans, and the amplification visible as spans: 243
+//! processor calls in one trace in every-layer mode, 3 in edge-only.
+
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+mod support;
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use opentelemetry_proto::tonic::{
+    collector::trace::v1::{
+        ExportTraceServiceRequest, ExportTraceServiceResponse,
+        trace_service_server::{TraceService, TraceServiceServer},
+    },
+    common::v1::any_value::Value,
+    trace::v1::span::SpanKind,
+};
+use retrychain_proto::v1::Faults;
+use support::*;
+use tonic::{Request, Response, Status};
+
+/// One span as the collector received it.
+#[derive(Debug, Clone)]
+struct Got {
+    service: String,
+    trace_id: String,
+    span_id: String,
+    parent: String,
+    name: String,
+    kind: SpanKind,
+}
+
+/// Keeps every span exported to it.
+#[derive(Debug, Clone, Default)]
+struct Collector {
+    spans: Arc<Mutex<Vec<Got>>>,
+}
+
+#[tonic::async_trait]
+impl TraceService for Collector {
+    async fn export(
+        &self,
+        request: Request<ExportTraceServiceRequest>,
+    ) -> Result<Response<ExportTraceServiceResponse>, Status> {
+        let mut spans = self.spans.lock().unwrap();
+        for resource_spans in request.into_inner().resource_spans {
+            let service = resource_spans
+                .resource
+                .iter()
+                .flat_map(|r| &r.attributes)
+                .find(|kv| kv.key == "service.name")
+                .and_then(|kv| kv.value.as_ref()?.value.as_ref())
+                .map(|v| match v {
+                    Value::StringValue(s) => s.clone(),
+                    other => format!("{other:?}"),
+                })
+                .unwrap_or_default();
+            for scope in resource_spans.scope_spans {
+                for span in scope.spans {
+                    spans.push(Got {
+                        service: service.clone(),
+                        trace_id: hex(&span.trace_id),
+                        span_id: hex(&span.span_id),
+                        parent: hex(&span.parent_span_id),
+                        kind: SpanKind::try_from(span.kind).unwrap_or(SpanKind::Unspecified),
+                        name: span.name,
+                    });
+                }
+            }
+        }
+        Ok(Response::new(ExportTraceServiceResponse {
+            partial_success: None,
+        }))
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl Collector {
+    /// Starts the collector on a free port; its OTLP endpoint.
+    async fn start() -> (Collector, String) {
+        let collector = Collector::default();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = TraceServiceServer::new(collector.clone());
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(server)
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        (collector, format!("http://{addr}"))
+    }
+
+    /// The spans of `trace_id`, once `enough` says they have all arrived (batches come
+    /// every 50 ms; give up after 20 s).
+    async fn trace(&self, trace_id: &str, enough: impl Fn(&[Got]) -> bool) -> Vec<Got> {
+        let start = Instant::now();
+        loop {
+            let spans: Vec<Got> = self
+                .spans
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|s| s.trace_id == trace_id)
+                .cloned()
+                .collect();
+            if enough(&spans) {
+                // Whatever else was in flight lands in the next batch.
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                return self
+                    .spans
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .filter(|s| s.trace_id == trace_id)
+                    .cloned()
+                    .collect();
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "trace {trace_id} incomplete: {} spans: {spans:#?}",
+                spans.len()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// A chain exporting to `endpoint`.
+async fn traced_chain(endpoint: &str) -> Chain {
+    let mut options = Options::default();
+    options.env = vec![
+        ("OTEL_EXPORTER_OTLP_ENDPOINT".into(), endpoint.into()),
+        ("OTEL_BSP_SCHEDULE_DELAY".into(), "50".into()),
+    ];
+    Chain::spawn(options).await
+}
+
+fn count(spans: &[Got], service: &str, name: &str) -> usize {
+    spans
+        .iter()
+        .filter(|s| s.service == service && s.name == name)
+        .count()
+}
+
+#[tokio::test]
+async fn one_request_is_one_trace_of_five_linked_server_spans() {
+    let (collector, endpoint) = Collector::start().await;
+    let chain = traced_chain(&endpoint).await;
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let client_span = "00f067aa0ba902b7";
+    let traceparent = format!("00-{trace_id}-{client_span}-01");
+    let reply = chain
+        .edge()
+        .await
+        .charge(charge(
+            &new_account(),
+            500,
+            Some(&new_key()),
+            Duration::from_secs(5),
+            &[("traceparent", traceparent.as_str())],
+        ))
+        .await
+        .unwrap();
+    assert_eq!(header(&reply, "trace-id").as_deref(), Some(trace_id));
+
+    let spans = collector
+        .trace(trace_id, |spans| {
+            spans.iter().filter(|s| s.kind == SpanKind::Server).count() >= 5
+                && spans.iter().any(|s| s.name == "commit")
+        })
+        .await;
+    let by_id: HashMap<&str, &Got> = spans.iter().map(|s| (s.span_id.as_str(), s)).collect();
+    let server = |service: &str| -> &Got {
+        let found: Vec<&Got> = spans
+            .iter()
+            .filter(|s| s.service == service && s.kind == SpanKind::Server)
+            .collect();
+        assert_eq!(found.len(), 1, "{service}: {spans:#?}");
+        found[0]
+    };
+    assert_eq!(
+        server("edge").parent,
+        client_span,
+        "the client's span is the root's parent"
+    );
+    assert_eq!(server("edge").name, "edge Charge");
+    for pair in NAMES.windows(2) {
+        let (upstream, downstream) = (server(pair[0]), server(pair[1]));
+        let attempt = by_id
+            .get(downstream.parent.as_str())
+            .unwrap_or_else(|| panic!("{}'s parent is not in the trace", pair[1]));
+        assert_eq!(attempt.kind, SpanKind::Client, "{attempt:?}");
+        assert_eq!(attempt.service, pair[0]);
+        assert_eq!(attempt.name, "attempt");
+        assert_eq!(
+            attempt.parent, upstream.span_id,
+            "{} attempt under its server span",
+            pair[0]
+        );
+    }
+    // Attempt spans are the Stats counts, service by service.
+    let stats = chain.all_stats().await;
+    for (i, name) in NAMES.iter().enumerate() {
+        assert_eq!(
+            count(&spans, name, "attempt") as u64,
+            stats[i].downstream_attempts,
+            "{name}"
+        );
+    }
+    // The ledger's own steps hang under its server span.
+    let ledger = server("ledger");
+    for step in ["claim_key", "record_charge", "commit"] {
+        let span = spans
+            .iter()
+            .find(|s| s.name == step)
+            .unwrap_or_else(|| panic!("no {step} span"));
+        let mut parent = by_id.get(span.parent.as_str()).copied();
+        while let Some(p) = parent {
+            if p.span_id == ledger.span_id {
+                break;
+            }
+            parent = by_id.get(p.parent.as_str()).copied();
+        }
+        assert!(parent.is_some(), "{step} is under the ledger's server span");
+    }
+}
+
+#[tokio::test]
+async fn amplification_shows_as_processor_spans_243_against_3() {
+    let (collector, endpoint) = Collector::start().await;
+    let chain = traced_chain(&endpoint).await;
+    chain
+        .set_faults(
+            LEDGER,
+            Faults {
+                fail_rate: 1.0,
+                ..faults()
+            },
+        )
+        .await;
+    for (mode, trace_id, expected) in [
+        ("every-layer", "11111111111111111111111111111111", 243),
+        ("edge-only", "22222222222222222222222222222222", 3),
+    ] {
+        let traceparent = format!("00-{trace_id}-00f067aa0ba902b7-01");
+        chain
+            .edge()
+            .await
+            .charge(charge(
+                &new_account(),
+                500,
+                None,
+                Duration::from_secs(30),
+                &[
+                    ("traceparent", traceparent.as_str()),
+                    ("x-retry-mode", mode),
+                ],
+            ))
+            .await
+            .expect_err("the processor fails");
+        let spans = collector
+            .trace(trace_id, |spans| {
+                count(spans, "ledger", "attempt") >= expected
+            })
+            .await;
+        assert_eq!(count(&spans, "ledger", "attempt"), expected, "{mode}");
+        println!(
+            "{mode}: {} spans in one trace, {expected} processor calls",
+            spans.len()
+        );
+    }
+}
