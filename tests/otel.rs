@@ -137,11 +137,13 @@ impl Collector {
 
 /// A chain exporting to `endpoint`.
 async fn traced_chain(endpoint: &str) -> Chain {
-    let mut options = Options::default();
-    options.env = vec![
-        ("OTEL_EXPORTER_OTLP_ENDPOINT".into(), endpoint.into()),
-        ("OTEL_BSP_SCHEDULE_DELAY".into(), "50".into()),
-    ];
+    let options = Options {
+        env: vec![
+            ("OTEL_EXPORTER_OTLP_ENDPOINT".into(), endpoint.into()),
+            ("OTEL_BSP_SCHEDULE_DELAY".into(), "50".into()),
+        ],
+        ..Options::default()
+    };
     Chain::spawn(options).await
 }
 
