@@ -76,7 +76,8 @@ pub async fn ledger(args: LedgerArgs) -> anyhow::Result<()> {
         humantime::format_duration(args.key_retention),
         service.max_deadline_ms,
     );
-    let listeners = bind(service, "0.0.0.0:50055").await?;
+    // Connect (and migrate) before listening: while the database is not there yet, callers
+    // get a fast refusal instead of a connection that answers nothing.
     let store = KeyStore::connect(
         &args.database_url,
         StoreOptions {
@@ -85,6 +86,7 @@ pub async fn ledger(args: LedgerArgs) -> anyhow::Result<()> {
         },
     )
     .await?;
+    let listeners = bind(service, "0.0.0.0:50055").await?;
     let node = node(service, "ledger", None);
     let in_flight = match args.in_flight {
         InFlightArg::Wait => InFlight::Wait,

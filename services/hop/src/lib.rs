@@ -185,6 +185,12 @@ impl Hop {
         }
         // A service without the override neither reads the header nor passes it on.
         let (mode, pass_mode) = match self.node.requested_retry_mode(incoming)? {
+            // A caller retrying on its own gets one attempt from the edge, and no retries
+            // below it either: an honoured every-layer would make each of its retries 81
+            // bottom calls.
+            Some(_) if self.role == Role::Edge && scope.caller_previous_attempts > 0 => {
+                (RetryMode::EdgeOnly, true)
+            }
             Some(mode) => (mode, true),
             None => (self.mode, false),
         };

@@ -171,12 +171,11 @@ impl From<sqlx::Error> for StoreError {
                 "55P03" => StoreError::DeadlineWhileWaiting(
                     "waiting for a request with the same key to finish",
                 ),
-                // query_canceled by our statement_timeout (also the request's deadline);
-                // any other cancel (an operator's pg_cancel_backend) is transient.
-                "57014" if db.message().contains("statement timeout") => {
-                    StoreError::DeadlineWhileWaiting("a database statement ran")
-                }
-                "57014" => StoreError::Unavailable(text),
+                // query_canceled: our statement_timeout, which is the request's deadline
+                // (an operator's pg_cancel_backend lands here too; both are worth a retry
+                // while the caller's deadline has room). Decided by code, not by the
+                // message, which depends on the server's language.
+                "57014" => StoreError::DeadlineWhileWaiting("a database statement ran"),
                 // numeric_value_out_of_range: only the balance can overflow.
                 "22003" => StoreError::BalanceOverflow,
                 "40001" | "40P01" => StoreError::Conflict(text),
@@ -250,6 +249,8 @@ pub struct KeyStore {
     keys: Arc<KeyLocks>,
     /// Gauges and counts for `/metrics`.
     gauges: Arc<StoreGauges>,
+    /// The pool's size limit, to tell a busy pool from a lost database.
+    max_connections: u32,
 }
 
 /// What the store counts for `/metrics`.
@@ -354,6 +355,7 @@ impl KeyStore {
             suspicion,
             keys: Arc::new(KeyLocks::default()),
             gauges: Arc::default(),
+            max_connections: options.pool_size,
         })
     }
 
@@ -482,10 +484,18 @@ impl KeyStore {
                 "waiting for a database connection",
             )),
             Ok(Err(sqlx::Error::PoolTimedOut)) => {
-                self.suspicion.raise();
-                Err(StoreError::Unavailable(
-                    "no connection to Postgres could be had within the acquire timeout".into(),
-                ))
+                // Every connection busy is load, not a lost database: no suspicion then.
+                let saturated =
+                    self.pool.size() >= self.max_connections && self.pool.num_idle() == 0;
+                if !saturated {
+                    self.suspicion.raise();
+                }
+                Err(StoreError::Unavailable(if saturated {
+                    "every database connection is busy; none came free within the acquire timeout"
+                        .into()
+                } else {
+                    "no connection to Postgres could be had within the acquire timeout".into()
+                }))
             }
             Ok(Err(error)) => Err(self.noted(error.into())),
             Ok(Ok(conn)) => Ok(Checkout {
@@ -580,7 +590,15 @@ where
         "BEGIN; SET LOCAL lock_timeout = {left_ms}; SET LOCAL statement_timeout = {left_ms}; \
          SET LOCAL idle_in_transaction_session_timeout = {idle_ms}"
     );
-    let mut tx = conn.begin_with(AssertSqlSafe(begin)).await?;
+    // Whatever went wrong in BEGIN, the session's state is unknown (sqlx counts the
+    // transaction only once BEGIN has answered): the connection is not to be reused.
+    let mut tx =
+        conn.begin_with(AssertSqlSafe(begin))
+            .await
+            .map_err(|error| match StoreError::from(error) {
+                in_doubt @ (StoreError::Unavailable(_) | StoreError::Database(_)) => in_doubt,
+                other => StoreError::Unavailable(format!("BEGIN failed: {other}")),
+            })?;
 
     if in_flight == InFlight::Reject {
         // A transaction-scoped advisory lock on (account, key) tells "another ledger

@@ -162,6 +162,8 @@ pub struct RetryError {
     pub attempts: u32,
     /// Why no further attempt was made.
     pub reason: StopReason,
+    /// The policy's attempt limit: 1 means this caller never retries.
+    pub max_attempts: u32,
 }
 
 impl RetryError {
@@ -169,6 +171,9 @@ impl RetryError {
     /// pushback): then it was the retrying layer for this call, and a layer above that
     /// retried too would multiply load.
     pub fn retries_were_spent(&self) -> bool {
+        if self.max_attempts <= 1 {
+            return false;
+        }
         match self.reason {
             StopReason::NotRetryable => false,
             StopReason::MaxAttempts => self.attempts > 1,
@@ -352,6 +357,7 @@ impl Retry {
                         status,
                         attempts: number,
                         reason: StopReason::NotRetryable,
+                        max_attempts: policy.max_attempts,
                     }
                 });
             }
@@ -411,6 +417,7 @@ impl Retry {
                 status,
                 attempts,
                 reason,
+                max_attempts: self.policy.max_attempts,
             };
         }
         tracing::info!(attempts, ?reason, code = ?status.code(), "giving up");
@@ -429,6 +436,7 @@ impl Retry {
             status: Status::with_metadata(status.code(), message, status.metadata().clone()),
             attempts,
             reason,
+            max_attempts: self.policy.max_attempts,
         }
     }
 

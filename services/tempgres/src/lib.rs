@@ -305,7 +305,13 @@ impl TempCluster {
     /// connections.
     pub fn start_server(&self) -> Result<(), Error> {
         let log = self.dir.join("postgres.log");
-        let options = self.server_options.join(" ");
+        // pg_ctl hands -o to a shell: quote each option.
+        let options = self
+            .server_options
+            .iter()
+            .map(|o| format!("'{}'", o.replace('\'', r"'\''")))
+            .collect::<Vec<_>>()
+            .join(" ");
         self.pg_ctl("start", &["-l", &log.display().to_string(), "-o", &options])
     }
 
