@@ -1,5 +1,6 @@
-//! docker-compose.yml: valid, and wired as the README says. There is no Docker engine on
-//! this kind of machine, so the file is checked with `docker-compose config`, not run.
+//! docker-compose.yml: valid, and wired as the README says, checked with
+//! `docker-compose config` (no engine needed). `scripts/compose-test` runs the core profile
+//! for real; the observability profile's images cannot be had here, so it is checked only.
 
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
 
@@ -89,4 +90,40 @@ fn the_retry_mode_comes_from_the_shell() {
         5,
         "{resolved}"
     );
+}
+
+#[test]
+fn the_observability_profile_is_valid_and_scrapes_the_five_admin_ports() {
+    let output = Command::new("docker-compose")
+        .args(["--profile", "observability", "config"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("docker-compose is installed");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let resolved = String::from_utf8(output.stdout).unwrap();
+    for service in ["jaeger:", "prometheus:", "grafana:"] {
+        assert!(resolved.contains(service), "{service} in the profile");
+    }
+    assert!(resolved.contains("COLLECTOR_OTLP_ENABLED"));
+    let prometheus = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/deploy/prometheus/prometheus.yml"
+    ))
+    .unwrap();
+    for target in ["edge:51051", "hop2:51052", "hop3:51053", "hop4:51054", "ledger:51055"] {
+        assert!(prometheus.contains(target), "Prometheus scrapes {target}");
+    }
+    let dashboard: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/deploy/grafana/dashboards/retrychain.json"
+        ))
+        .unwrap(),
+    )
+    .expect("the dashboard is JSON");
+    assert!(dashboard["panels"].as_array().is_some_and(|p| p.len() >= 4));
 }
