@@ -114,7 +114,13 @@ fn the_observability_profile_is_valid_and_scrapes_the_five_admin_ports() {
         "/deploy/prometheus/prometheus.yml"
     ))
     .unwrap();
-    for target in ["edge:51051", "hop2:51052", "hop3:51053", "hop4:51054", "ledger:51055"] {
+    for target in [
+        "edge:51051",
+        "hop2:51052",
+        "hop3:51053",
+        "hop4:51054",
+        "ledger:51055",
+    ] {
         assert!(prometheus.contains(target), "Prometheus scrapes {target}");
     }
     let dashboard: serde_json::Value = serde_json::from_str(

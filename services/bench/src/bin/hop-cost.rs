@@ -6,8 +6,10 @@
 //! cargo run --release -p retrychain-bench --bin hop-cost -- --requests 100000
 //! ```
 //!
-//! The same binary also runs the pieces: `hop-cost sink --listen ADDR` and
-//! `hop-cost forward --listen ADDR --downstream URL`.
+//! The same binary also runs the pieces: `hop-cost sink --listen ADDR`,
+//! `hop-cost forward --listen ADDR --downstream URL`, and `hop-cost otlp-sink --listen ADDR`
+//! (an OTLP trace collector that drops what it gets), for `--otlp-sample`: the relay then
+//! exports its spans, sampled at that ratio.
 
 use std::{
     process::{Child, Command, Stdio},
@@ -39,6 +41,10 @@ struct Cli {
     /// RUST_LOG for the relay: `info` logs one line per call, as deployed.
     #[arg(long, default_value = "info")]
     relay_log: String,
+    /// Export the relay's traces over OTLP (to a collector this tool runs), sampling this
+    /// ratio of requests (1 = all). Unset: no export, as by default.
+    #[arg(long)]
+    otlp_sample: Option<f64>,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -58,6 +64,35 @@ enum Role {
         #[arg(long)]
         downstream: String,
     },
+    /// Accept OTLP trace exports and drop them.
+    OtlpSink {
+        #[arg(long)]
+        listen: String,
+    },
+}
+
+/// An OTLP trace collector that drops every span: the exporting side's cost, measured
+/// without a real collector's.
+#[derive(Debug, Clone, Copy)]
+struct DropSpans;
+
+#[tonic::async_trait]
+impl opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::TraceService
+    for DropSpans
+{
+    async fn export(
+        &self,
+        _: tonic::Request<
+            opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest,
+        >,
+    ) -> Result<
+        tonic::Response<
+            opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceResponse,
+        >,
+        tonic::Status,
+    > {
+        Ok(tonic::Response::new(Default::default()))
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -87,6 +122,16 @@ async fn main() -> anyhow::Result<()> {
                 BareForwarder::new(channel),
             )
             .await
+        }
+        Some(Role::OtlpSink { listen }) => {
+            use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::TraceServiceServer;
+            tonic::transport::Server::builder()
+                .add_service(TraceServiceServer::new(DropSpans))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(
+                    TcpListener::bind(listen).await?,
+                ))
+                .await?;
+            Ok(())
         }
         None => compare(&cli).await,
     }
@@ -139,8 +184,29 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
     };
     let _sink =
         spawn(Command::new(&me).args(["sink", "--listen", &format!("127.0.0.1:{sink_port}")]))?;
+    let mut relay_command = Command::new(&retrychain);
+    let _collector = match cli.otlp_sample {
+        Some(ratio) => {
+            let port = free_port()?;
+            let collector = spawn(Command::new(&me).args([
+                "otlp-sink",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+            ]))?;
+            wait_listening(port).await?;
+            relay_command
+                .env(
+                    "OTEL_EXPORTER_OTLP_ENDPOINT",
+                    format!("http://127.0.0.1:{port}"),
+                )
+                .env("OTEL_TRACES_SAMPLER", "traceidratio")
+                .env("OTEL_TRACES_SAMPLER_ARG", ratio.to_string());
+            Some(collector)
+        }
+        None => None,
+    };
     let relay = spawn(
-        Command::new(&retrychain)
+        relay_command
             .args([
                 "relay",
                 "--listen",
