@@ -25,15 +25,7 @@ fn received(stats: &[retrychain_proto::v1::Stats]) -> Vec<u64> {
 #[tokio::test]
 async fn every_layer_makes_243_bottom_calls() {
     let chain = Chain::deployment().await;
-    chain
-        .set_faults(
-            LEDGER,
-            Faults {
-                fail_rate: 1.0,
-                ..faults()
-            },
-        )
-        .await;
+    chain.fail_processor().await;
     let account = new_account();
 
     let status = chain
@@ -54,15 +46,7 @@ async fn every_layer_makes_243_bottom_calls() {
 #[tokio::test]
 async fn edge_only_makes_3_bottom_calls() {
     let chain = Chain::deployment().await;
-    chain
-        .set_faults(
-            LEDGER,
-            Faults {
-                fail_rate: 1.0,
-                ..faults()
-            },
-        )
-        .await;
+    chain.fail_processor().await;
 
     let status = chain
         .edge()
@@ -92,15 +76,7 @@ async fn outage_load(edge_flags: &[&str]) -> (u64, u64) {
     options.edge.extend(args(&["--max-attempts", "4"]));
     options.edge.extend(args(edge_flags));
     let chain = Chain::spawn(options).await;
-    chain
-        .set_faults(
-            LEDGER,
-            Faults {
-                fail_rate: 1.0,
-                ..faults()
-            },
-        )
-        .await;
+    chain.fail_processor().await;
     let edge = chain.edge().await;
     let failures = futures::stream::iter(0..2000)
         .map(|i| {
@@ -400,15 +376,7 @@ async fn the_retry_mode_override_needs_the_flag() {
         .all
         .retain(|flag| flag != "--allow-retry-mode-override");
     let chain = Chain::spawn(options).await;
-    chain
-        .set_faults(
-            LEDGER,
-            Faults {
-                fail_rate: 1.0,
-                ..faults()
-            },
-        )
-        .await;
+    chain.fail_processor().await;
     chain
         .edge()
         .await

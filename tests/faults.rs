@@ -978,6 +978,11 @@ async fn waiting_duplicates_do_not_starve_other_accounts() {
         }
     }
     assert_eq!(executed, 1, "one execution, 19 replays");
+    let metrics = scrape_metrics(&ledger.admin);
+    assert!(
+        metrics.contains("retrychain_ledger_in_flight_waits_total{service=\"ledger\"} 19"),
+        "19 duplicates waited, in memory:\n{metrics}"
+    );
     assert_eq!(row_counts(&url).await.1, 2);
 }
 
@@ -1201,15 +1206,7 @@ async fn retry_load_cannot_be_raised_from_outside() {
         .all
         .retain(|flag| flag != "--allow-retry-mode-override");
     let chain = Chain::spawn(options).await;
-    chain
-        .set_faults(
-            LEDGER,
-            Faults {
-                fail_rate: 1.0,
-                ..faults()
-            },
-        )
-        .await;
+    chain.fail_processor().await;
 
     // x-retry-mode straight at a relay: ignored, so one bottom call, not 27.
     PaymentsClient::new(chain.channel(1).await)
@@ -1261,15 +1258,7 @@ async fn retry_load_cannot_be_raised_from_outside() {
 #[tokio::test]
 async fn the_edge_stops_clients_retrying_on_top() {
     let chain = Chain::spawn(Options::default()).await;
-    chain
-        .set_faults(
-            LEDGER,
-            Faults {
-                fail_rate: 1.0,
-                ..faults()
-            },
-        )
-        .await;
+    chain.fail_processor().await;
     let status = chain
         .edge()
         .await

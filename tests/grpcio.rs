@@ -11,7 +11,6 @@ mod support;
 
 use std::{path::PathBuf, process::Command, sync::OnceLock};
 
-use retrychain_proto::v1::Faults;
 use support::*;
 
 /// The client: one Charge through a channel configured by the service config, printing
@@ -108,15 +107,7 @@ async fn grpcio_charge(target: &str, account: &str, key: &str) -> serde_json::Va
 #[tokio::test]
 async fn a_retrying_grpcio_client_adds_no_layer_of_retries() {
     let chain = Chain::spawn(Options::default()).await;
-    chain
-        .set_faults(
-            LEDGER,
-            Faults {
-                fail_rate: 1.0,
-                ..faults()
-            },
-        )
-        .await;
+    chain.fail_processor().await;
 
     // Through the edge: the edge retries (3 attempts), then answers with pushback -1,
     // which gRPC core obeys: 3 bottom calls, not 5 × 3 = 15.

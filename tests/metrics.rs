@@ -5,52 +5,10 @@
 
 mod support;
 
-use std::{
-    io::{Read, Write},
-    time::Duration,
-};
+use std::{io::Write, time::Duration};
 
-use retrychain_proto::v1::{Faults, Stats};
+use retrychain_proto::v1::Stats;
 use support::*;
-
-/// `GET /metrics` on `admin` (`http://host:port`): the response body.
-fn scrape(admin: &str) -> String {
-    let mut stream = std::net::TcpStream::connect(host_port(admin)).unwrap();
-    write!(
-        stream,
-        "GET /metrics HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
-        host_port(admin)
-    )
-    .unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
-    let (head, body) = response.split_once("\r\n\r\n").unwrap();
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    assert!(
-        head.to_lowercase()
-            .contains("content-type: text/plain; version=0.0.4"),
-        "{head}"
-    );
-    // The body may come chunked; the parser wants plain lines.
-    if head.to_lowercase().contains("transfer-encoding: chunked") {
-        dechunk(body)
-    } else {
-        body.to_owned()
-    }
-}
-
-fn dechunk(mut body: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = body.split_once("\r\n") {
-        let size = usize::from_str_radix(size.trim(), 16).unwrap();
-        if size == 0 {
-            break;
-        }
-        out.push_str(&rest[..size]);
-        body = &rest[size + 2..];
-    }
-    out
-}
 
 fn parse(text: &str) -> prometheus_parse::Scrape {
     prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_owned()))).unwrap()
@@ -168,15 +126,7 @@ async fn metrics_on_every_admin_port_agree_with_stats() {
     edge.charge(charge(&account, 0, None, Duration::from_secs(5), &[]))
         .await
         .expect_err("bad amount");
-    chain
-        .set_faults(
-            LEDGER,
-            Faults {
-                fail_rate: 1.0,
-                ..faults()
-            },
-        )
-        .await;
+    chain.fail_processor().await;
     for _ in 0..3 {
         edge.charge(charge(&account, 100, None, Duration::from_secs(5), &[]))
             .await
@@ -194,7 +144,7 @@ async fn metrics_on_every_admin_port_agree_with_stats() {
     );
     let promtool = which_promtool();
     for (i, admin) in chain.admins.iter().enumerate() {
-        let text = scrape(admin);
+        let text = scrape_metrics(admin);
         let scrape = parse(&text);
         assert_agree(&scrape, &stats[i]);
         if let Some(promtool) = &promtool {
@@ -206,7 +156,7 @@ async fn metrics_on_every_admin_port_agree_with_stats() {
         }
     }
     // Retries by reason: the edge's all came from UNAVAILABLE.
-    let edge_scrape = parse(&scrape(&chain.admins[EDGE]));
+    let edge_scrape = parse(&scrape_metrics(&chain.admins[EDGE]));
     assert_eq!(
         value(
             &edge_scrape,

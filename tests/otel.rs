@@ -22,7 +22,6 @@ use opentelemetry_proto::tonic::{
     common::v1::any_value::Value,
     trace::v1::span::SpanKind,
 };
-use retrychain_proto::v1::Faults;
 use support::*;
 use tonic::{Request, Response, Status};
 
@@ -241,15 +240,7 @@ async fn one_request_is_one_trace_of_five_linked_server_spans() {
 async fn amplification_shows_as_processor_spans_243_against_3() {
     let (collector, endpoint) = Collector::start().await;
     let chain = traced_chain(&endpoint).await;
-    chain
-        .set_faults(
-            LEDGER,
-            Faults {
-                fail_rate: 1.0,
-                ..faults()
-            },
-        )
-        .await;
+    chain.fail_processor().await;
     for (mode, trace_id, expected) in [
         ("every-layer", "11111111111111111111111111111111", 243),
         ("edge-only", "22222222222222222222222222222222", 3),

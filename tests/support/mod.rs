@@ -397,6 +397,19 @@ impl Chain {
         self.services[i].log()
     }
 
+    /// Makes the ledger's processor fail every call, UNAVAILABLE: the outage that retries
+    /// multiply.
+    pub async fn fail_processor(&self) {
+        self.set_faults(
+            LEDGER,
+            Faults {
+                fail_rate: 1.0,
+                ..faults()
+            },
+        )
+        .await;
+    }
+
     /// The ledger's balance and charge count for `account`, read through the edge.
     pub async fn account(&self, account: &str) -> Option<(i64, i64)> {
         match self
@@ -556,6 +569,46 @@ pub fn admin_of(addr: &str) -> String {
 fn fresh_child(mut fresh: Service, log: &mut Arc<Mutex<String>>) -> Option<Child> {
     *log = Arc::clone(&fresh.log);
     fresh.child.take()
+}
+
+/// `GET /metrics` on an admin address (`http://host:port`), over plain HTTP/1.1: the
+/// Prometheus text.
+pub fn scrape_metrics(admin: &str) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(host_port(admin)).unwrap();
+    write!(
+        stream,
+        "GET /metrics HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
+        host_port(admin)
+    )
+    .unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(
+        head.to_lowercase()
+            .contains("content-type: text/plain; version=0.0.4"),
+        "{head}"
+    );
+    if head.to_lowercase().contains("transfer-encoding: chunked") {
+        dechunk(body)
+    } else {
+        body.to_owned()
+    }
+}
+
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let size = usize::from_str_radix(size.trim(), 16).unwrap();
+        if size == 0 {
+            break;
+        }
+        out.push_str(&rest[..size]);
+        body = &rest[size + 2..];
+    }
+    out
 }
 
 /// The grpcurl binary: $GRPCURL, else `grpcurl` on PATH.

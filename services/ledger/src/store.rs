@@ -386,16 +386,22 @@ impl KeyStore {
         Fut: Future<Output = Result<(), tonic::Status>>,
     {
         let _turn = match in_flight {
-            InFlight::Wait => tokio::time::timeout_at(
-                deadline.instant(),
-                self.keys.lock(account.as_str(), key.as_str()),
-            )
-            .await
-            .map_err(|_| {
-                StoreError::DeadlineWhileWaiting(
-                    "waiting for a request with the same key to finish",
-                )
-            })?,
+            InFlight::Wait => match self.keys.try_lock(account.as_str(), key.as_str()) {
+                Some(turn) => turn,
+                None => {
+                    self.gauges.key_waits.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::timeout_at(
+                        deadline.instant(),
+                        self.keys.lock(account.as_str(), key.as_str()),
+                    )
+                    .await
+                    .map_err(|_| {
+                        StoreError::DeadlineWhileWaiting(
+                            "waiting for a request with the same key to finish",
+                        )
+                    })?
+                }
+            },
             InFlight::Reject => match self.keys.try_lock(account.as_str(), key.as_str()) {
                 Some(turn) => turn,
                 // Running here now — unless it already finished and this is a repeat.
