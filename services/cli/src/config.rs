@@ -163,6 +163,12 @@ pub struct ServiceArgs {
     /// Allow Control.SetFaults (a demo setting; production leaves it off).
     #[arg(long, env = "RETRYCHAIN_FAULT_INJECTION")]
     pub fault_injection: bool,
+    /// A gRPC service config JSON file (gRFC A6): its `retryPolicy` for
+    /// retrychain.v1.Payments/Charge replaces --max-attempts and --backoff*, its
+    /// `retryThrottling` replaces the edge's budget, its `timeout` --default-deadline-ms.
+    /// Refused at start-up, with the field and the reason, if invalid.
+    #[arg(long, env = "RETRYCHAIN_SERVICE_CONFIG")]
+    pub service_config: Option<std::path::PathBuf>,
     /// Honour (and pass on) a caller's x-retry-mode header. It can multiply load 81-fold,
     /// so it is off by default on every service (a demo setting, like --fault-injection).
     #[arg(long, env = "RETRYCHAIN_ALLOW_RETRY_MODE_OVERRIDE")]
@@ -198,6 +204,7 @@ impl ServiceArgs {
             max_attempts: self.max_attempts,
             backoff: self.backoff(),
             budget: None,
+            retryable: None,
             margin: self.margin(),
             min_attempt: Duration::from_millis(self.min_attempt_ms),
         }

@@ -671,6 +671,7 @@ impl Target {
                 max_attempts: u32::MAX,
                 backoff: Backoff::new(kind, 2 * tick, 64 * tick),
                 budget: None,
+                retryable: None,
                 margin: Duration::ZERO,
                 min_attempt: Duration::from_millis(1),
             });

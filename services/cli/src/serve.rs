@@ -3,7 +3,10 @@
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
 use anyhow::Context;
-use resilience::RetryBudget;
+use resilience::{
+    A6Throttle, Backoff, RetryBudget, RetryPolicy, ServiceConfig, Throttle,
+    service_config::CallPolicy,
+};
 use retrychain_hop::{Hop, HopRetryConfig, Role};
 use retrychain_ledger::{InFlight, KeyStore, Ledger, StoreOptions, run_retention};
 use retrychain_node::{Listeners, Node, NodeConfig, default_admin_addr, telemetry};
@@ -25,15 +28,20 @@ pub async fn hop(args: HopArgs, edge: bool) -> anyhow::Result<()> {
         (None, true) => "http://127.0.0.1:50052".to_owned(),
         (None, false) => anyhow::bail!("a relay needs --downstream (or RETRYCHAIN_DOWNSTREAM)"),
     };
+    let policies = Policies::from_args(service)?;
     let listeners = bind(service, default_listen).await?;
-    // Only the edge retries under a budget; elsewhere Stats reports 0 tokens.
-    let budget = (edge && !service.no_budget).then(|| {
-        Arc::new(RetryBudget::new(
-            service.budget_tokens,
-            service.budget_refund,
-        ))
-    });
-    let node = node(service, default_name, budget.clone());
+    // Only the edge retries under a throttle; elsewhere Stats reports 0 tokens.
+    let budget = if edge {
+        policies.throttle.clone()
+    } else {
+        None
+    };
+    let node = node(
+        service,
+        default_name,
+        budget.clone(),
+        policies.default_deadline,
+    );
     // Connect lazily: services may start in any order, and a downstream that is not up
     // yet is an UNAVAILABLE attempt like any other.
     let channel = Endpoint::from_shared(downstream.clone())
@@ -42,7 +50,7 @@ pub async fn hop(args: HopArgs, edge: bool) -> anyhow::Result<()> {
         .connect_timeout(Duration::from_secs(2))
         .connect_lazy();
     let role = if edge { Role::Edge } else { Role::Relay };
-    let policy = service.every_layer_policy();
+    let policy = policies.retry;
     let hop = Hop::new(
         Arc::clone(&node),
         role,
@@ -51,6 +59,7 @@ pub async fn hop(args: HopArgs, edge: bool) -> anyhow::Result<()> {
             max_attempts: policy.max_attempts,
             backoff: policy.backoff,
             budget,
+            retryable: policy.retryable,
             margin: policy.margin,
             min_attempt: policy.min_attempt,
         },
@@ -65,6 +74,7 @@ pub async fn hop(args: HopArgs, edge: bool) -> anyhow::Result<()> {
 pub async fn ledger(args: LedgerArgs) -> anyhow::Result<()> {
     let service = &args.service;
     let _telemetry = telemetry::init(service.log_format.into(), &name(service, "ledger"));
+    let policies = Policies::from_args(service)?;
     // A key must outlive every retry of its request: the retries of one request all happen
     // within its deadline, and no deadline is honoured past --max-deadline-ms.
     let max_deadline = Duration::from_millis(service.max_deadline_ms);
@@ -87,7 +97,7 @@ pub async fn ledger(args: LedgerArgs) -> anyhow::Result<()> {
     )
     .await?;
     let listeners = bind(service, "0.0.0.0:50055").await?;
-    let node = node(service, "ledger", None);
+    let node = node(service, "ledger", None, policies.default_deadline);
     let in_flight = match args.in_flight {
         InFlightArg::Wait => InFlight::Wait,
         InFlightArg::Reject => InFlight::Reject,
@@ -96,7 +106,7 @@ pub async fn ledger(args: LedgerArgs) -> anyhow::Result<()> {
         Arc::clone(&node),
         store.clone(),
         service.retry_mode.into(),
-        service.every_layer_policy(),
+        policies.retry,
         in_flight,
     );
     // Purge a few times per retention window, at most once a minute.
@@ -120,6 +130,79 @@ fn hop_mode(service: &ServiceArgs) -> &'static str {
     retrychain_node::RetryMode::from(service.retry_mode).as_str()
 }
 
+/// How a service retries, from its flags or, with `--service-config`, from that document.
+struct Policies {
+    /// Where this service retries (every-layer everywhere; edge-only at the edge), without
+    /// the throttle.
+    retry: RetryPolicy,
+    /// The throttle of the edge's edge-only retries: the budget flags, or the config's
+    /// `retryThrottling`; `None` with `--no-budget` and no `retryThrottling`.
+    throttle: Option<Arc<dyn Throttle>>,
+    /// The deadline of a call that carries none.
+    default_deadline: Duration,
+}
+
+/// The method whose service config entry the services use: every call they make
+/// downstream is a Charge or a GetAccount, and retries matter for Charge.
+const CONFIGURED_METHOD: (&str, &str) = ("retrychain.v1.Payments", "Charge");
+
+impl Policies {
+    fn from_args(service: &ServiceArgs) -> anyhow::Result<Self> {
+        let mut policies = Policies {
+            retry: service.every_layer_policy(),
+            throttle: (!service.no_budget).then(|| {
+                Arc::new(RetryBudget::new(
+                    service.budget_tokens,
+                    service.budget_refund,
+                )) as Arc<dyn Throttle>
+            }),
+            default_deadline: Duration::from_millis(service.default_deadline_ms),
+        };
+        let Some(path) = &service.service_config else {
+            return Ok(policies);
+        };
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading --service-config {}", path.display()))?;
+        let config = ServiceConfig::parse(&text)
+            .with_context(|| format!("--service-config {}", path.display()))?;
+        if let Some(throttling) = config.retry_throttling {
+            policies.throttle = Some(Arc::new(A6Throttle::new(
+                throttling.max_tokens,
+                throttling.token_ratio,
+            )));
+        }
+        let (service_name, method) = CONFIGURED_METHOD;
+        let Some(method_config) = config.for_method(service_name, method) else {
+            return Ok(policies);
+        };
+        if let Some(timeout) = method_config.timeout {
+            anyhow::ensure!(
+                timeout <= Duration::from_millis(service.max_deadline_ms),
+                "--service-config {}: timeout {timeout:?} is longer than --max-deadline-ms {}",
+                path.display(),
+                service.max_deadline_ms
+            );
+            policies.default_deadline = timeout;
+        }
+        match &method_config.policy {
+            None => {}
+            Some(CallPolicy::Retry(retry)) => {
+                policies.retry.max_attempts = retry.max_attempts;
+                policies.retry.backoff =
+                    Backoff::new(retry.jitter, retry.initial_backoff, retry.max_backoff)
+                        .with_multiplier(retry.backoff_multiplier);
+                policies.retry.retryable = Some(retry.retryable_status_codes.clone());
+            }
+            Some(CallPolicy::Hedging(_)) => anyhow::bail!(
+                "--service-config {}: a hedgingPolicy for {service_name}/{method} is valid, but \
+                 retrychain's services do not hedge yet; use a retryPolicy",
+                path.display()
+            ),
+        }
+        Ok(policies)
+    }
+}
+
 /// The service's name: `--name`, or its role's default.
 fn name(service: &ServiceArgs, default_name: &str) -> String {
     service
@@ -128,11 +211,16 @@ fn name(service: &ServiceArgs, default_name: &str) -> String {
         .unwrap_or_else(|| default_name.to_owned())
 }
 
-fn node(service: &ServiceArgs, default_name: &str, budget: Option<Arc<RetryBudget>>) -> Arc<Node> {
+fn node(
+    service: &ServiceArgs,
+    default_name: &str,
+    budget: Option<Arc<dyn Throttle>>,
+    default_deadline: Duration,
+) -> Arc<Node> {
     Arc::new(Node::new(NodeConfig {
         name: name(service, default_name),
         fault_injection: service.fault_injection,
-        default_deadline: Duration::from_millis(service.default_deadline_ms),
+        default_deadline,
         max_deadline: Duration::from_millis(service.max_deadline_ms),
         allow_retry_mode_override: service.allow_retry_mode_override,
         budget,

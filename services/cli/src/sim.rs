@@ -113,6 +113,7 @@ pub fn layered_bottom_calls(layers: u32, attempts: u32) -> anyhow::Result<u64> {
         max_attempts: attempts,
         backoff: Backoff::new(BackoffKind::None, Duration::ZERO, Duration::ZERO),
         budget: None,
+        retryable: None,
         margin: Duration::ZERO,
         min_attempt: Duration::from_nanos(1),
     };

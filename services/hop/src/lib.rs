@@ -20,7 +20,7 @@
 
 use std::sync::Arc;
 
-use resilience::{Backoff, Retry, RetryBudget, RetryError, RetryPolicy};
+use resilience::{Backoff, Retry, RetryError, RetryPolicy, Throttle};
 use retrychain_node::{
     AccountId, AmountCents, IdempotencyKey, Node, RetryMode, RpcScope, TraceContext,
     faults::lost_reply,
@@ -54,8 +54,11 @@ pub struct HopRetryConfig {
     pub max_attempts: u32,
     /// Waits between attempts.
     pub backoff: Backoff,
-    /// The edge's budget in `edge-only` mode; `None` with `--no-budget`.
-    pub budget: Option<Arc<RetryBudget>>,
+    /// The edge's retry throttle in `edge-only` mode (the budget, or a service config's
+    /// `retryThrottling`); `None` with `--no-budget`.
+    pub budget: Option<Arc<dyn Throttle>>,
+    /// The codes worth a retry; `None`: the contract's set.
+    pub retryable: Option<Vec<tonic::Code>>,
     /// Taken off the remaining time for each downstream deadline.
     pub margin: std::time::Duration,
     /// The shortest downstream attempt worth starting.
@@ -137,6 +140,7 @@ impl Hop {
             max_attempts: retry.max_attempts,
             backoff: retry.backoff,
             budget: None,
+            retryable: retry.retryable.clone(),
             margin: retry.margin,
             min_attempt: retry.min_attempt,
         };

@@ -16,7 +16,7 @@
 
 use std::{sync::Arc, time::Duration};
 
-use resilience::RetryBudget;
+use resilience::Throttle;
 use retrychain_proto::v1::Stats;
 
 pub mod control;
@@ -56,8 +56,8 @@ pub struct Node {
     /// unless the operator allowed it — at the edge and at every service behind it, since a
     /// caller who reaches hop2 directly must not bypass the edge's gate.
     pub allow_retry_mode_override: bool,
-    /// This service's retry budget, when its retries are budgeted.
-    pub budget: Option<Arc<RetryBudget>>,
+    /// This service's retry throttle, when its retries are limited by one.
+    pub budget: Option<Arc<dyn Throttle>>,
     /// The ledger's database gauges for `/metrics`, once it has connected.
     pub database: std::sync::OnceLock<Arc<dyn metrics::DatabaseGauges>>,
 }
@@ -76,7 +76,7 @@ pub struct NodeConfig {
     /// See [`Node::allow_retry_mode_override`].
     pub allow_retry_mode_override: bool,
     /// See [`Node::budget`].
-    pub budget: Option<Arc<RetryBudget>>,
+    pub budget: Option<Arc<dyn Throttle>>,
 }
 
 impl Node {

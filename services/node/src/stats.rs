@@ -15,7 +15,7 @@ use prometheus_client::{
     encoding::EncodeLabelSet,
     metrics::{counter::Counter, family::Family, histogram::Histogram},
 };
-use resilience::{Attempt, RetryBudget, RetryObserver};
+use resilience::{Attempt, RetryObserver, Throttle};
 use retrychain_proto::v1::Stats;
 
 /// A monotonic count with a resettable baseline; see the module docs.
@@ -140,7 +140,7 @@ impl Counters {
     }
 
     /// The counters as the wire message, with the budget's tokens now.
-    pub fn snapshot(&self, service: &str, budget: Option<&Arc<RetryBudget>>) -> Stats {
+    pub fn snapshot(&self, service: &str, budget: Option<&Arc<dyn Throttle>>) -> Stats {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         Stats {
             service: service.to_owned(),

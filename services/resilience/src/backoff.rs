@@ -2,8 +2,9 @@
 //!
 //! Capped exponential backoff spaces retries out, but clients that failed together and wait
 //! the same time collide again; random jitter is what spreads them. The five policies are
-//! the design notes' definitions, with `e = min(cap, base · 2^retry)` and `retry` counting
-//! the retries already made (0 before the first retry):
+//! the design notes' definitions, with `e = min(cap, base · multiplier^retry)` (the
+//! multiplier is 2 unless a service config's `backoffMultiplier` says otherwise) and `retry`
+//! counting the retries already made (0 before the first retry):
 //!
 //! | policy         | wait                              |
 //! |----------------|-----------------------------------|
@@ -78,7 +79,7 @@ impl FromStr for BackoffKind {
 
 /// A backoff policy: the formula and its two parameters. Cheap to copy; per-call state lives
 /// in a [`BackoffSchedule`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Backoff {
     /// The formula.
     pub kind: BackoffKind,
@@ -86,16 +87,28 @@ pub struct Backoff {
     pub base: Duration,
     /// No wait is ever longer than this.
     pub cap: Duration,
+    /// How much each exponential step grows (gRFC A6's `backoffMultiplier`).
+    pub multiplier: f64,
 }
 
 impl Backoff {
-    /// A policy; `cap` below `base` is raised to `base`.
+    /// A policy doubling each step; `cap` below `base` is raised to `base`.
     pub fn new(kind: BackoffKind, base: Duration, cap: Duration) -> Self {
         Self {
             kind,
             base,
             cap: cap.max(base),
+            multiplier: 2.0,
         }
+    }
+
+    /// The same policy growing by `multiplier` per step (a positive, finite number;
+    /// anything else keeps doubling).
+    pub fn with_multiplier(mut self, multiplier: f64) -> Self {
+        if multiplier > 0.0 && multiplier.is_finite() {
+            self.multiplier = multiplier;
+        }
+        self
     }
 
     /// Fresh state for one logical call's retries.
@@ -107,14 +120,24 @@ impl Backoff {
         }
     }
 
-    /// `e = min(cap, base · 2^retry)`, saturating rather than overflowing.
+    /// `e = min(cap, base · multiplier^retry)`, saturating rather than overflowing.
     pub fn exponential(&self, retry: u32) -> Duration {
-        let grown = match 2u32.checked_pow(retry) {
-            Some(factor) => self.base.saturating_mul(factor),
-            None if self.base.is_zero() => Duration::ZERO,
-            None => Duration::MAX,
-        };
-        grown.min(self.cap)
+        if self.multiplier == 2.0 {
+            // Exact integer arithmetic for the common case (the simulations rely on it).
+            let grown = match 2u32.checked_pow(retry) {
+                Some(factor) => self.base.saturating_mul(factor),
+                None if self.base.is_zero() => Duration::ZERO,
+                None => Duration::MAX,
+            };
+            return grown.min(self.cap);
+        }
+        let factor = self.multiplier.powi(retry.min(i32::MAX as u32) as i32);
+        let seconds = self.base.as_secs_f64() * factor;
+        if seconds.is_finite() && seconds < self.cap.as_secs_f64() {
+            Duration::from_secs_f64(seconds)
+        } else {
+            self.cap
+        }
     }
 }
 
@@ -133,7 +156,9 @@ pub struct BackoffSchedule {
 impl BackoffSchedule {
     /// The wait before the next retry.
     pub fn next_delay<R: Rng + ?Sized>(&mut self, rng: &mut R) -> Duration {
-        let Backoff { kind, base, cap } = self.backoff;
+        let Backoff {
+            kind, base, cap, ..
+        } = self.backoff;
         let e = self.backoff.exponential(self.retries);
         let delay = match kind {
             BackoffKind::None => Duration::ZERO,
@@ -250,6 +275,35 @@ mod tests {
         for kind in BackoffKind::ALL {
             assert_eq!(samples(kind, 11), samples(kind, 11), "{kind}");
         }
+    }
+
+    #[test]
+    fn a_multiplier_other_than_2_grows_by_that_factor() {
+        let b = Backoff::new(
+            BackoffKind::Exponential,
+            Duration::from_millis(100),
+            Duration::from_secs(1),
+        )
+        .with_multiplier(1.5);
+        assert_eq!(b.exponential(0), Duration::from_millis(100));
+        assert_eq!(b.exponential(2), Duration::from_millis(225));
+        assert_eq!(b.exponential(40), Duration::from_secs(1), "capped");
+        let same = Backoff::new(
+            BackoffKind::Exponential,
+            Duration::from_millis(10),
+            Duration::from_secs(1),
+        )
+        .with_multiplier(1.0);
+        assert_eq!(
+            same.exponential(5),
+            Duration::from_millis(10),
+            "grpc-go's example: 1.0"
+        );
+        assert_eq!(
+            same.with_multiplier(-1.0).multiplier,
+            1.0,
+            "a bad multiplier changes nothing"
+        );
     }
 
     #[test]

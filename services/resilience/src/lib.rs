@@ -8,7 +8,11 @@
 //! - [`backoff`]: the five backoff policies of the design notes.
 //! - [`budget`]: [`RetryBudget`], the token bucket that caps retries per process.
 //! - [`classify`]: which status codes are retryable; `grpc-retry-pushback-ms`.
+//! - [`throttle`]: [`Throttle`], what limits retries across calls: our [`RetryBudget`] or
+//!   gRFC A6's [`A6Throttle`].
 //! - [`retry`]: [`Retry`], the executor that runs attempts under a [`RetryPolicy`].
+//! - [`service_config`]: [`ServiceConfig`], the gRPC service config JSON (retry policy,
+//!   throttling, timeouts as data), parsed and validated.
 //! - [`layer`]: [`DeadlineLayer`], the tower layer that gives each server request its
 //!   deadline and answers DEADLINE_EXCEEDED (never CANCELLED) when it is spent.
 
@@ -18,6 +22,8 @@ pub mod classify;
 pub mod deadline;
 pub mod layer;
 pub mod retry;
+pub mod service_config;
+pub mod throttle;
 
 pub use backoff::{Backoff, BackoffKind, BackoffSchedule};
 pub use budget::RetryBudget;
@@ -25,3 +31,5 @@ pub use classify::{Pushback, is_retryable, pushback, set_pushback};
 pub use deadline::{Deadline, NoRoom, format_grpc_timeout, parse_grpc_timeout};
 pub use layer::{DeadlineLayer, IncomingDeadline};
 pub use retry::{Attempt, Retry, RetryError, RetryObserver, RetryPolicy, StopReason};
+pub use service_config::{ConfigError, ServiceConfig};
+pub use throttle::{A6Throttle, Throttle};

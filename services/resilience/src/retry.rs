@@ -24,9 +24,9 @@ use tracing::Instrument;
 
 use crate::{
     backoff::Backoff,
-    budget::RetryBudget,
     classify::{Pushback, is_retryable, pushback, transport_failure_as_unavailable},
     deadline::{Deadline, format_grpc_timeout},
+    throttle::Throttle,
 };
 
 /// Request metadata that tells the server how many attempts preceded this one (gRFC A6).
@@ -43,7 +43,10 @@ pub struct RetryPolicy {
     /// The wait between attempts when the server gave no pushback.
     pub backoff: Backoff,
     /// The token bucket retries draw on; `None` limits retries by `max_attempts` alone.
-    pub budget: Option<Arc<RetryBudget>>,
+    pub budget: Option<Arc<dyn Throttle>>,
+    /// The codes worth another attempt; `None`: the contract's set ([`is_retryable`]). A
+    /// service config's `retryableStatusCodes` sets it, and then exactly those are retried.
+    pub retryable: Option<Vec<Code>>,
     /// Taken off the remaining time for each attempt's deadline, so the attempt fails while
     /// this caller still has time to react.
     pub margin: Duration,
@@ -58,6 +61,7 @@ impl RetryPolicy {
             max_attempts: 1,
             backoff,
             budget: None,
+            retryable: None,
             margin,
             min_attempt,
         }
@@ -283,7 +287,7 @@ impl Retry {
         let policy = &self.policy;
         let mut schedule = policy.backoff.schedule();
         if let Some(budget) = &policy.budget {
-            budget.deposit_first_attempt();
+            budget.first_attempt();
         }
         let mut retry_of = None;
         let mut waited = Duration::ZERO;
@@ -328,6 +332,9 @@ impl Retry {
             let status = match answer {
                 Ok(Ok(value)) => {
                     span.record("outcome", "OK");
+                    if let Some(budget) = &policy.budget {
+                        budget.attempt_succeeded();
+                    }
                     return Ok(value);
                 }
                 Ok(Err(status)) => status,
@@ -349,7 +356,11 @@ impl Retry {
             span.record("outcome", format!("{:?}", status.code()));
             span.record("otel.status_code", "ERROR");
 
-            if !is_retryable(status.code()) {
+            let retryable = match &policy.retryable {
+                Some(codes) => codes.contains(&status.code()),
+                None => is_retryable(status.code()),
+            };
+            if !retryable {
                 return Err(if number > 1 {
                     self.stopped(status, number, StopReason::NotRetryable)
                 } else {
@@ -360,6 +371,9 @@ impl Retry {
                         max_attempts: policy.max_attempts,
                     }
                 });
+            }
+            if let Some(budget) = &policy.budget {
+                budget.attempt_failed();
             }
             if number >= policy.max_attempts {
                 return Err(self.stopped(status, number, StopReason::MaxAttempts));
@@ -389,7 +403,7 @@ impl Retry {
                 return Err(self.stopped(status, number, StopReason::NoRoom));
             }
             if let Some(budget) = &policy.budget
-                && !budget.try_withdraw()
+                && !budget.try_retry()
             {
                 observer.budget_denied();
                 return Err(self.stopped(status, number, StopReason::BudgetExhausted));
@@ -484,6 +498,7 @@ mod tests {
             max_attempts,
             backoff: Backoff::new(kind, Duration::from_millis(10), Duration::from_millis(100)),
             budget: None,
+            retryable: None,
             margin: Duration::from_millis(5),
             min_attempt: Duration::from_millis(1),
         }
@@ -536,7 +551,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn stops_when_the_budget_is_empty() {
         let mut p = policy(3, BackoffKind::None);
-        p.budget = Some(Arc::new(RetryBudget::new(1.0, 0.0)));
+        p.budget = Some(Arc::new(crate::RetryBudget::new(1.0, 0.0)));
         let retry = Retry::with_seed(p, 1);
         let counts = Counts::default();
         let status = retry

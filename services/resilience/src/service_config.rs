@@ -1,0 +1,695 @@
+//! Retry policy as data: the gRPC service config, the JSON document grpc-go, grpc-java and
+//! gRPC core accept (gRFC A6), parsed and validated.
+//!
+//! ```json
+//! {
+//!   "methodConfig": [{
+//!     "name": [{"service": "retrychain.v1.Payments", "method": "Charge"}],
+//!     "timeout": "10s",
+//!     "retryPolicy": {
+//!       "maxAttempts": 3,
+//!       "initialBackoff": "0.01s",
+//!       "maxBackoff": "1s",
+//!       "backoffMultiplier": 2,
+//!       "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"]
+//!     }
+//!   }],
+//!   "retryThrottling": {"maxTokens": 10, "tokenRatio": 0.1}
+//! }
+//! ```
+//!
+//! Validation follows gRFC A6 and grpc-go's parser: `maxAttempts` must be at least 2 and is
+//! capped at 5; durations are proto3 JSON strings (`"1.5s"`); backoffs and the multiplier
+//! must be positive; `retryableStatusCodes` must name at least one code other than OK; a
+//! method may have a retry policy or a hedging policy, not both; a `name` with a method
+//! needs its service, and no name may appear twice; `retryThrottling.maxTokens` is in
+//! (0, 1000] and `tokenRatio` positive. Anything else is refused with the field's path and
+//! the reason — a service must not start on a policy it half understood. Unknown fields
+//! are ignored, as grpc-go ignores them.
+//!
+//! One extension: `retryPolicy.retrychainJitter` picks one of this crate's jitter kinds
+//! (`full`, `equal`, `decorrelated`, `exponential`, `none`); A6's own formula is `full`.
+
+use std::{collections::HashSet, time::Duration};
+
+use serde_json::{Map, Value};
+use tonic::Code;
+
+use crate::backoff::BackoffKind;
+
+/// The most attempts a policy may ask for; more is silently capped (gRFC A6).
+pub const MAX_ATTEMPTS_CAP: u32 = 5;
+
+/// A parsed, valid service config.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ServiceConfig {
+    /// Per-method settings, in document order.
+    pub method_configs: Vec<MethodConfig>,
+    /// The channel-wide retry throttle, if any.
+    pub retry_throttling: Option<RetryThrottling>,
+}
+
+/// Settings for the methods `names` matches.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct MethodConfig {
+    /// Which methods: a service and method, a whole service, or (empty) every method.
+    pub names: Vec<MethodName>,
+    /// The deadline for calls that carry none.
+    pub timeout: Option<Duration>,
+    /// How calls are retried or hedged.
+    pub policy: Option<CallPolicy>,
+}
+
+/// One `name` entry.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
+pub struct MethodName {
+    /// `package.Service`; `None` matches every service (the default config).
+    pub service: Option<String>,
+    /// The method; `None` matches every method of the service.
+    pub method: Option<String>,
+}
+
+/// A method's retry or hedging policy (never both).
+#[derive(Debug, Clone, PartialEq)]
+pub enum CallPolicy {
+    /// Retry after a failure.
+    Retry(RetryPolicyConfig),
+    /// Send copies after a delay; the first answer wins.
+    Hedging(HedgingPolicy),
+}
+
+/// `retryPolicy`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RetryPolicyConfig {
+    /// Attempts in all, first included: 2 to 5.
+    pub max_attempts: u32,
+    /// The first backoff's upper bound.
+    pub initial_backoff: Duration,
+    /// No backoff is longer.
+    pub max_backoff: Duration,
+    /// Each backoff's bound grows by this factor.
+    pub backoff_multiplier: f64,
+    /// The codes worth another attempt.
+    pub retryable_status_codes: Vec<Code>,
+    /// The jitter formula (extension; A6's is full jitter).
+    pub jitter: BackoffKind,
+}
+
+/// `hedgingPolicy`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HedgingPolicy {
+    /// Copies in all, first included: 2 to 5.
+    pub max_attempts: u32,
+    /// The wait before each further copy.
+    pub hedging_delay: Duration,
+    /// Codes that do not end the call (the other copies go on).
+    pub non_fatal_status_codes: Vec<Code>,
+}
+
+/// `retryThrottling`: gRFC A6's token bucket for a channel.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RetryThrottling {
+    /// Tokens the bucket starts with and never exceeds.
+    pub max_tokens: f64,
+    /// Tokens each success adds back.
+    pub token_ratio: f64,
+}
+
+/// Why a service config was refused: where, and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("service config: {field}: {reason}")]
+pub struct ConfigError {
+    /// The JSON path of the offending field, e.g. `methodConfig[0].retryPolicy.maxAttempts`.
+    pub field: String,
+    /// What is wrong with it.
+    pub reason: String,
+}
+
+fn error(field: &str, reason: impl Into<String>) -> ConfigError {
+    ConfigError {
+        field: field.to_owned(),
+        reason: reason.into(),
+    }
+}
+
+impl ServiceConfig {
+    /// Parses and validates a service config document; see the module docs.
+    pub fn parse(json: &str) -> Result<Self, ConfigError> {
+        let value: Value = serde_json::from_str(json)
+            .map_err(|e| error("(document)", format!("not valid JSON: {e}")))?;
+        let root = value
+            .as_object()
+            .ok_or_else(|| error("(document)", "must be a JSON object"))?;
+        let mut config = ServiceConfig::default();
+        let mut seen = HashSet::new();
+        if let Some(list) = root.get("methodConfig") {
+            let list = list
+                .as_array()
+                .ok_or_else(|| error("methodConfig", "must be a list"))?;
+            for (i, entry) in list.iter().enumerate() {
+                let path = format!("methodConfig[{i}]");
+                config
+                    .method_configs
+                    .push(method_config(&path, entry, &mut seen)?);
+            }
+        }
+        if let Some(throttling) = root.get("retryThrottling") {
+            config.retry_throttling = Some(retry_throttling(throttling)?);
+        }
+        Ok(config)
+    }
+
+    /// The settings for `service`/`method`: an exact match first, then the service's,
+    /// then the default (a config whose name is `{}`), as grpc-go resolves them.
+    pub fn for_method(&self, service: &str, method: &str) -> Option<&MethodConfig> {
+        let find = |wanted: &MethodName| {
+            self.method_configs
+                .iter()
+                .find(|config| config.names.contains(wanted))
+        };
+        find(&MethodName {
+            service: Some(service.to_owned()),
+            method: Some(method.to_owned()),
+        })
+        .or_else(|| {
+            find(&MethodName {
+                service: Some(service.to_owned()),
+                method: None,
+            })
+        })
+        .or_else(|| find(&MethodName::default()))
+    }
+}
+
+fn object<'v>(path: &str, value: &'v Value) -> Result<&'v Map<String, Value>, ConfigError> {
+    value
+        .as_object()
+        .ok_or_else(|| error(path, "must be a JSON object"))
+}
+
+fn method_config(
+    path: &str,
+    value: &Value,
+    seen: &mut HashSet<MethodName>,
+) -> Result<MethodConfig, ConfigError> {
+    let entry = object(path, value)?;
+    let mut config = MethodConfig::default();
+    if let Some(names) = entry.get("name") {
+        let names_path = format!("{path}.name");
+        let names = names
+            .as_array()
+            .ok_or_else(|| error(&names_path, "must be a list"))?;
+        for (j, name) in names.iter().enumerate() {
+            let name_path = format!("{names_path}[{j}]");
+            let name_obj = object(&name_path, name)?;
+            let text = |key: &str| -> Result<Option<String>, ConfigError> {
+                match name_obj.get(key) {
+                    None => Ok(None),
+                    Some(Value::String(s)) if s.is_empty() => Ok(None),
+                    Some(Value::String(s)) => Ok(Some(s.clone())),
+                    Some(_) => Err(error(&format!("{name_path}.{key}"), "must be a string")),
+                }
+            };
+            let parsed = MethodName {
+                service: text("service")?,
+                method: text("method")?,
+            };
+            if parsed.service.is_none() && parsed.method.is_some() {
+                return Err(error(
+                    &format!("{name_path}.service"),
+                    "a method needs its service",
+                ));
+            }
+            if !seen.insert(parsed.clone()) {
+                return Err(error(&name_path, "this name appears twice"));
+            }
+            config.names.push(parsed);
+        }
+    }
+    if let Some(timeout) = entry.get("timeout") {
+        config.timeout = Some(duration(&format!("{path}.timeout"), timeout)?);
+    }
+    let retry = entry.get("retryPolicy");
+    let hedging = entry.get("hedgingPolicy");
+    config.policy = match (retry, hedging) {
+        (Some(_), Some(_)) => {
+            return Err(error(
+                path,
+                "retryPolicy and hedgingPolicy are mutually exclusive",
+            ));
+        }
+        (Some(retry), None) => Some(CallPolicy::Retry(retry_policy(
+            &format!("{path}.retryPolicy"),
+            retry,
+        )?)),
+        (None, Some(hedging)) => Some(CallPolicy::Hedging(hedging_policy(
+            &format!("{path}.hedgingPolicy"),
+            hedging,
+        )?)),
+        (None, None) => None,
+    };
+    Ok(config)
+}
+
+fn max_attempts(path: &str, value: Option<&Value>) -> Result<u32, ConfigError> {
+    let path = format!("{path}.maxAttempts");
+    let value = value.ok_or_else(|| error(&path, "is required"))?;
+    let n = value
+        .as_u64()
+        .ok_or_else(|| error(&path, "must be a whole number"))?;
+    if n < 2 {
+        return Err(error(&path, format!("must be at least 2, got {n}")));
+    }
+    Ok(n.min(u64::from(MAX_ATTEMPTS_CAP)) as u32)
+}
+
+fn retry_policy(path: &str, value: &Value) -> Result<RetryPolicyConfig, ConfigError> {
+    let policy = object(path, value)?;
+    let required = |key: &str| {
+        policy
+            .get(key)
+            .ok_or_else(|| error(&format!("{path}.{key}"), "is required"))
+    };
+    let initial_backoff = positive(
+        &format!("{path}.initialBackoff"),
+        duration(
+            &format!("{path}.initialBackoff"),
+            required("initialBackoff")?,
+        )?,
+    )?;
+    let max_backoff = positive(
+        &format!("{path}.maxBackoff"),
+        duration(&format!("{path}.maxBackoff"), required("maxBackoff")?)?,
+    )?;
+    let multiplier_path = format!("{path}.backoffMultiplier");
+    let backoff_multiplier = required("backoffMultiplier")?
+        .as_f64()
+        .ok_or_else(|| error(&multiplier_path, "must be a number"))?;
+    if !(backoff_multiplier > 0.0 && backoff_multiplier.is_finite()) {
+        return Err(error(
+            &multiplier_path,
+            format!("must be above 0, got {backoff_multiplier}"),
+        ));
+    }
+    let codes_path = format!("{path}.retryableStatusCodes");
+    let retryable_status_codes = codes(&codes_path, required("retryableStatusCodes")?)?;
+    if retryable_status_codes.is_empty() {
+        return Err(error(&codes_path, "must name at least one code"));
+    }
+    let jitter = match policy.get("retrychainJitter") {
+        None => BackoffKind::Full,
+        Some(Value::String(name)) => name
+            .parse()
+            .map_err(|e| error(&format!("{path}.retrychainJitter"), format!("{e}")))?,
+        Some(_) => {
+            return Err(error(
+                &format!("{path}.retrychainJitter"),
+                "must be a string",
+            ));
+        }
+    };
+    Ok(RetryPolicyConfig {
+        max_attempts: max_attempts(path, policy.get("maxAttempts"))?,
+        initial_backoff,
+        max_backoff,
+        backoff_multiplier,
+        retryable_status_codes,
+        jitter,
+    })
+}
+
+fn hedging_policy(path: &str, value: &Value) -> Result<HedgingPolicy, ConfigError> {
+    let policy = object(path, value)?;
+    let hedging_delay = match policy.get("hedgingDelay") {
+        None => Duration::ZERO,
+        Some(value) => duration(&format!("{path}.hedgingDelay"), value)?,
+    };
+    let non_fatal_status_codes = match policy.get("nonFatalStatusCodes") {
+        None => Vec::new(),
+        Some(value) => codes(&format!("{path}.nonFatalStatusCodes"), value)?,
+    };
+    Ok(HedgingPolicy {
+        max_attempts: max_attempts(path, policy.get("maxAttempts"))?,
+        hedging_delay,
+        non_fatal_status_codes,
+    })
+}
+
+fn retry_throttling(value: &Value) -> Result<RetryThrottling, ConfigError> {
+    let path = "retryThrottling";
+    let throttling = object(path, value)?;
+    let number = |key: &str| {
+        let field = format!("{path}.{key}");
+        throttling
+            .get(key)
+            .ok_or_else(|| error(&field, "is required"))?
+            .as_f64()
+            .ok_or_else(|| error(&field, "must be a number"))
+    };
+    let max_tokens = number("maxTokens")?;
+    if !(max_tokens > 0.0 && max_tokens <= 1000.0) {
+        return Err(error(
+            "retryThrottling.maxTokens",
+            format!("must be above 0 and at most 1000, got {max_tokens}"),
+        ));
+    }
+    let token_ratio = number("tokenRatio")?;
+    if !(token_ratio > 0.0 && token_ratio.is_finite()) {
+        return Err(error(
+            "retryThrottling.tokenRatio",
+            format!("must be above 0, got {token_ratio}"),
+        ));
+    }
+    Ok(RetryThrottling {
+        max_tokens,
+        // A6: up to three decimal places are honoured.
+        token_ratio: (token_ratio * 1000.0).trunc() / 1000.0,
+    })
+}
+
+fn positive(path: &str, duration: Duration) -> Result<Duration, ConfigError> {
+    if duration.is_zero() {
+        Err(error(path, "must be above 0s"))
+    } else {
+        Ok(duration)
+    }
+}
+
+/// A proto3 JSON duration: decimal seconds with an `s` suffix, e.g. `"1.5s"`, `"0.010s"`.
+fn duration(path: &str, value: &Value) -> Result<Duration, ConfigError> {
+    let text = value
+        .as_str()
+        .ok_or_else(|| error(path, "must be a string such as \"1.5s\""))?;
+    let seconds = text.strip_suffix('s').ok_or_else(|| {
+        error(
+            path,
+            format!("{text:?} is not a duration: it must end in \"s\", e.g. \"1.5s\""),
+        )
+    })?;
+    let (whole, fraction) = seconds.split_once('.').unwrap_or((seconds, ""));
+    let digits = |s: &str| s.bytes().all(|b| b.is_ascii_digit());
+    if whole.is_empty() || !digits(whole) || !digits(fraction) || fraction.len() > 9 {
+        return Err(error(
+            path,
+            format!(
+                "{text:?} is not a duration: decimal seconds, at most 9 decimals, e.g. \"1.5s\""
+            ),
+        ));
+    }
+    let whole: u64 = whole
+        .parse()
+        .map_err(|_| error(path, format!("{text:?} is too long")))?;
+    let nanos: u32 = if fraction.is_empty() {
+        0
+    } else {
+        format!("{fraction:0<9}")
+            .parse()
+            .map_err(|_| error(path, format!("{text:?} is not a duration")))?
+    };
+    Ok(Duration::new(whole, nanos))
+}
+
+/// Status codes by name (`"UNAVAILABLE"`, any case) or number; OK is not a failure.
+fn codes(path: &str, value: &Value) -> Result<Vec<Code>, ConfigError> {
+    let list = value
+        .as_array()
+        .ok_or_else(|| error(path, "must be a list of status codes"))?;
+    let mut codes = Vec::new();
+    for (i, code) in list.iter().enumerate() {
+        let field = format!("{path}[{i}]");
+        let parsed = match code {
+            Value::String(name) => code_by_name(name)
+                .ok_or_else(|| error(&field, format!("{name:?} is not a gRPC status code")))?,
+            Value::Number(n) => n
+                .as_i64()
+                .filter(|n| (1..=16).contains(n))
+                .map(|n| Code::from_i32(n as i32))
+                .ok_or_else(|| error(&field, format!("{n} is not a gRPC status code")))?,
+            _ => return Err(error(&field, "must be a code name or number")),
+        };
+        if parsed == Code::Ok {
+            return Err(error(&field, "OK is not a failure"));
+        }
+        if !codes.contains(&parsed) {
+            codes.push(parsed);
+        }
+    }
+    Ok(codes)
+}
+
+const CODE_NAMES: [(&str, Code); 17] = [
+    ("OK", Code::Ok),
+    ("CANCELLED", Code::Cancelled),
+    ("UNKNOWN", Code::Unknown),
+    ("INVALID_ARGUMENT", Code::InvalidArgument),
+    ("DEADLINE_EXCEEDED", Code::DeadlineExceeded),
+    ("NOT_FOUND", Code::NotFound),
+    ("ALREADY_EXISTS", Code::AlreadyExists),
+    ("PERMISSION_DENIED", Code::PermissionDenied),
+    ("RESOURCE_EXHAUSTED", Code::ResourceExhausted),
+    ("FAILED_PRECONDITION", Code::FailedPrecondition),
+    ("ABORTED", Code::Aborted),
+    ("OUT_OF_RANGE", Code::OutOfRange),
+    ("UNIMPLEMENTED", Code::Unimplemented),
+    ("INTERNAL", Code::Internal),
+    ("UNAVAILABLE", Code::Unavailable),
+    ("DATA_LOSS", Code::DataLoss),
+    ("UNAUTHENTICATED", Code::Unauthenticated),
+];
+
+fn code_by_name(name: &str) -> Option<Code> {
+    CODE_NAMES
+        .iter()
+        .find(|(n, _)| n.eq_ignore_ascii_case(name))
+        .map(|(_, code)| *code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// grpc-go's documented example (examples/features/retry), verbatim but for the service.
+    const GRPC_GO_RETRY: &str = r#"{
+        "methodConfig": [{
+            "name": [{"service": "grpc.examples.echo.Echo"}],
+            "waitForReady": true,
+            "retryPolicy": {
+                "MaxAttempts": 4,
+                "maxAttempts": 4,
+                "InitialBackoff": ".01s",
+                "initialBackoff": "0.01s",
+                "MaxBackoff": ".01s",
+                "maxBackoff": "0.01s",
+                "BackoffMultiplier": 1.0,
+                "backoffMultiplier": 1.0,
+                "RetryableStatusCodes": [ "UNAVAILABLE" ],
+                "retryableStatusCodes": [ "UNAVAILABLE" ]
+            }
+        }]
+    }"#;
+
+    #[test]
+    fn grpc_go_examples_are_accepted() {
+        let config = ServiceConfig::parse(GRPC_GO_RETRY).expect("accepted");
+        let method = config
+            .for_method("grpc.examples.echo.Echo", "UnaryEcho")
+            .expect("the service's config");
+        let Some(CallPolicy::Retry(retry)) = &method.policy else {
+            panic!("a retry policy")
+        };
+        assert_eq!(retry.max_attempts, 4);
+        assert_eq!(retry.initial_backoff, Duration::from_millis(10));
+        assert_eq!(retry.retryable_status_codes, vec![Code::Unavailable]);
+
+        // gRFC A6's hedging and throttling examples.
+        let config = ServiceConfig::parse(
+            r#"{
+                "methodConfig": [{
+                    "name": [{"service": "EchoService", "method": "Echo"}],
+                    "hedgingPolicy": {
+                        "maxAttempts": 3,
+                        "hedgingDelay": "0.5s",
+                        "nonFatalStatusCodes": ["UNAVAILABLE", "INTERNAL", "ABORTED"]
+                    },
+                    "timeout": "1.000000001s"
+                }],
+                "retryThrottling": {"maxTokens": 10, "tokenRatio": 0.1}
+            }"#,
+        )
+        .expect("accepted");
+        let method = config.for_method("EchoService", "Echo").expect("exact");
+        assert_eq!(method.timeout, Some(Duration::new(1, 1)));
+        assert_eq!(
+            method.policy,
+            Some(CallPolicy::Hedging(HedgingPolicy {
+                max_attempts: 3,
+                hedging_delay: Duration::from_millis(500),
+                non_fatal_status_codes: vec![Code::Unavailable, Code::Internal, Code::Aborted],
+            }))
+        );
+        assert_eq!(
+            config.retry_throttling,
+            Some(RetryThrottling {
+                max_tokens: 10.0,
+                token_ratio: 0.1
+            })
+        );
+    }
+
+    #[test]
+    fn max_attempts_above_5_is_capped() {
+        let config =
+            ServiceConfig::parse(&retry_with("maxAttempts", serde_json::json!(9))).expect("ok");
+        let Some(CallPolicy::Retry(retry)) = &config.method_configs[0].policy else {
+            panic!()
+        };
+        assert_eq!(retry.max_attempts, 5);
+    }
+
+    /// A valid retry policy with `key` set to `value`.
+    fn retry_with(key: &str, value: Value) -> String {
+        let mut policy = serde_json::json!({
+            "maxAttempts": 3,
+            "initialBackoff": "0.1s",
+            "maxBackoff": "1s",
+            "backoffMultiplier": 2,
+            "retryableStatusCodes": ["UNAVAILABLE"]
+        });
+        policy[key] = value;
+        serde_json::json!({"methodConfig": [{"name": [{"service": "s"}], "retryPolicy": policy}]})
+            .to_string()
+    }
+
+    fn refused(json: &str) -> ConfigError {
+        ServiceConfig::parse(json).expect_err("refused")
+    }
+
+    #[test]
+    fn invalid_configs_are_refused_with_the_field_and_the_reason() {
+        let cases: [(String, &str, &str); 9] = [
+            (
+                retry_with("maxAttempts", serde_json::json!(1)),
+                "methodConfig[0].retryPolicy.maxAttempts",
+                "at least 2",
+            ),
+            (
+                retry_with("initialBackoff", serde_json::json!("100")),
+                "methodConfig[0].retryPolicy.initialBackoff",
+                "must end in \"s\"",
+            ),
+            (
+                retry_with("maxBackoff", serde_json::json!("0s")),
+                "methodConfig[0].retryPolicy.maxBackoff",
+                "above 0s",
+            ),
+            (
+                retry_with("backoffMultiplier", serde_json::json!(0)),
+                "methodConfig[0].retryPolicy.backoffMultiplier",
+                "above 0",
+            ),
+            (
+                retry_with("retryableStatusCodes", serde_json::json!(["SOMETIMES"])),
+                "methodConfig[0].retryPolicy.retryableStatusCodes[0]",
+                "not a gRPC status code",
+            ),
+            (
+                retry_with("retryableStatusCodes", serde_json::json!([])),
+                "methodConfig[0].retryPolicy.retryableStatusCodes",
+                "at least one",
+            ),
+            (
+                r#"{"methodConfig": [{"name": [{"service": "s"}],
+                    "retryPolicy": {"maxAttempts": 2, "initialBackoff": "1s", "maxBackoff": "1s", "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
+                    "hedgingPolicy": {"maxAttempts": 2}}]}"#
+                    .to_owned(),
+                "methodConfig[0]",
+                "mutually exclusive",
+            ),
+            (
+                r#"{"methodConfig": [{"name": [{"method": "Charge"}]}]}"#.to_owned(),
+                "methodConfig[0].name[0].service",
+                "needs its service",
+            ),
+            (
+                r#"{"retryThrottling": {"maxTokens": 1001, "tokenRatio": 0.1}}"#.to_owned(),
+                "retryThrottling.maxTokens",
+                "at most 1000",
+            ),
+        ];
+        for (json, field, reason) in cases {
+            let error = refused(&json);
+            assert_eq!(error.field, field, "{json}");
+            assert!(error.reason.contains(reason), "{error} for {json}");
+            assert!(error.to_string().contains(field));
+        }
+        assert_eq!(
+            refused(
+                r#"{"methodConfig": [{"name": [{"service": "s"}]}, {"name": [{"service": "s"}]}]}"#
+            )
+            .field,
+            "methodConfig[1].name[0]"
+        );
+        assert_eq!(refused(r#"{"methodConfig": "#).field, "(document)");
+        assert_eq!(
+            refused(r#"{"retryThrottling": {"maxTokens": 10, "tokenRatio": 0}}"#).field,
+            "retryThrottling.tokenRatio"
+        );
+        assert_eq!(
+            refused(&retry_with("retrychainJitter", serde_json::json!("wobbly"))).field,
+            "methodConfig[0].retryPolicy.retrychainJitter"
+        );
+    }
+
+    #[test]
+    fn methods_match_exactly_then_by_service_then_by_default() {
+        let config = ServiceConfig::parse(
+            r#"{"methodConfig": [
+                {"name": [{}], "timeout": "1s"},
+                {"name": [{"service": "retrychain.v1.Payments"}], "timeout": "2s"},
+                {"name": [{"service": "retrychain.v1.Payments", "method": "Charge"}], "timeout": "3s"}
+            ]}"#,
+        )
+        .expect("ok");
+        let timeout = |s: &str, m: &str| config.for_method(s, m).and_then(|c| c.timeout);
+        assert_eq!(
+            timeout("retrychain.v1.Payments", "Charge"),
+            Some(Duration::from_secs(3))
+        );
+        assert_eq!(
+            timeout("retrychain.v1.Payments", "GetAccount"),
+            Some(Duration::from_secs(2))
+        );
+        assert_eq!(
+            timeout("other.Service", "Any"),
+            Some(Duration::from_secs(1))
+        );
+        assert_eq!(ServiceConfig::default().for_method("a", "b"), None);
+    }
+
+    #[test]
+    fn durations_are_proto3_json() {
+        let d = |s: &str| duration("f", &Value::String(s.into()));
+        assert_eq!(d("1s"), Ok(Duration::from_secs(1)));
+        assert_eq!(d("0.010s"), Ok(Duration::from_millis(10)));
+        assert_eq!(d("1.000000001s"), Ok(Duration::new(1, 1)));
+        for bad in ["1", "1ms", "s", ".5s", "-1s", "1.0000000001s", "1e3s", ""] {
+            assert!(d(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn codes_by_name_in_any_case_or_by_number() {
+        let parsed = codes(
+            "c",
+            &serde_json::json!(["unavailable", "RESOURCE_EXHAUSTED", 10, "UNAVAILABLE"]),
+        )
+        .expect("ok");
+        assert_eq!(
+            parsed,
+            vec![Code::Unavailable, Code::ResourceExhausted, Code::Aborted]
+        );
+        assert!(codes("c", &serde_json::json!(["OK"])).is_err());
+        assert!(codes("c", &serde_json::json!([0])).is_err());
+        assert!(codes("c", &serde_json::json!([17])).is_err());
+    }
+}
