@@ -52,11 +52,22 @@ pub enum Pushback {
 
 /// Reads the pushback a server attached to a failure.
 pub fn pushback(status: &Status) -> Pushback {
-    let Some(value) = status.metadata().get(PUSHBACK_HEADER) else {
+    parse_pushback(
+        status
+            .metadata()
+            .get(PUSHBACK_HEADER)
+            .map(|value| value.to_str().unwrap_or("malformed")),
+    )
+}
+
+/// What a `grpc-retry-pushback-ms` value (absent: `None`) says: gRFC A6 reads a negative or
+/// malformed one as "do not retry".
+pub fn parse_pushback(value: Option<&str>) -> Pushback {
+    let Some(value) = value else {
         return Pushback::Absent;
     };
-    match value.to_str().ok().map(str::trim).map(str::parse::<i64>) {
-        Some(Ok(ms)) if ms >= 0 => Pushback::RetryAfter(Duration::from_millis(ms.unsigned_abs())),
+    match value.trim().parse::<i64>() {
+        Ok(ms) if ms >= 0 => Pushback::RetryAfter(Duration::from_millis(ms.unsigned_abs())),
         _ => Pushback::DoNotRetry,
     }
 }

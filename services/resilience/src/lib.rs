@@ -11,6 +11,8 @@
 //! - [`throttle`]: [`Throttle`], what limits retries across calls: our [`RetryBudget`] or
 //!   gRFC A6's [`A6Throttle`].
 //! - [`retry`]: [`Retry`], the executor that runs attempts under a [`RetryPolicy`].
+//! - [`client`]: [`RetryLayer`], gRFC A6 retries as a tower layer over any tonic client
+//!   (a `Channel`), configured by a service config.
 //! - [`service_config`]: [`ServiceConfig`], the gRPC service config JSON (retry policy,
 //!   throttling, timeouts as data), parsed and validated.
 //! - [`layer`]: [`DeadlineLayer`], the tower layer that gives each server request its
@@ -19,6 +21,7 @@
 pub mod backoff;
 pub mod budget;
 pub mod classify;
+pub mod client;
 pub mod deadline;
 pub mod layer;
 pub mod retry;
@@ -28,6 +31,7 @@ pub mod throttle;
 pub use backoff::{Backoff, BackoffKind, BackoffSchedule};
 pub use budget::RetryBudget;
 pub use classify::{Pushback, is_retryable, pushback, set_pushback};
+pub use client::RetryLayer;
 pub use deadline::{Deadline, NoRoom, format_grpc_timeout, parse_grpc_timeout};
 pub use layer::{DeadlineLayer, IncomingDeadline};
 pub use retry::{Attempt, Retry, RetryError, RetryObserver, RetryPolicy, StopReason};

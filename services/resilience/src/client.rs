@@ -1,0 +1,451 @@
+//! gRFC A6 retries as a tower layer for any tonic client: wrap a `Channel` (or any
+//! `GrpcService`) and every unary call is retried as its service config says.
+//!
+//! ```ignore
+//! let config = ServiceConfig::parse(&std::fs::read_to_string("service-config.json")?)?;
+//! let channel = Endpoint::from_static("http://[::1]:50051").connect_lazy();
+//! let stack = tower::ServiceBuilder::new()
+//!     .layer(RetryLayer::new(config))
+//!     .service(channel);
+//! let mut client = PaymentsClient::new(stack);
+//! ```
+//!
+//! Why a layer of its own and not `tower::retry`: a tonic request is an HTTP request with a
+//! streaming body, which is not `Clone` (hyperium/tonic#733). This layer buffers a request's
+//! body once (up to a per-call limit, default 1 MiB, and a per-channel total, as grpc-java
+//! does) and replays it for each attempt. What it does, exactly as gRFC A6 says:
+//!
+//! - **Which calls**: those whose method has a `retryPolicy` in the service config (exact
+//!   method, then the service, then the default). Others pass through untouched. So do calls
+//!   whose body is over the limits — they go through once, unretried.
+//! - **Committed on headers**: once the server sends response headers, the call is committed
+//!   and never retried, whatever its trailers say. Only a Trailers-Only answer (the status in
+//!   the headers, which is how servers refuse a call at once) or a failure to get any answer
+//!   can be retried.
+//! - **Which failures**: exactly `retryableStatusCodes`; a failure to reach the server counts
+//!   as UNAVAILABLE.
+//! - **When**: after the backoff (`initialBackoff · backoffMultiplier^n`, capped at
+//!   `maxBackoff`, jittered), or exactly the server's `grpc-retry-pushback-ms`; a negative
+//!   or malformed pushback ends the call.
+//! - **How many**: `maxAttempts` (at most 5), and, with `retryThrottling`, only while the
+//!   channel's throttle has more than half its tokens.
+//! - **Marked**: every retry carries `grpc-previous-rpc-attempts`.
+//! - **Deadline**: a call with `grpc-timeout` gets each attempt's timeout set to what is
+//!   left; no attempt starts and no backoff sleeps past the deadline.
+//!
+//! Streaming calls (client- or bidirectional-streaming) must not be given a retry policy:
+//! their body does not end before the response starts, so the layer would wait for it.
+
+use std::{
+    pin::Pin,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicUsize, Ordering},
+    },
+    task::{Context, Poll},
+};
+
+use bytes::{Bytes, BytesMut};
+use http_body::Body as _;
+use http_body_util::BodyExt;
+use rand::{SeedableRng, rngs::SmallRng};
+use tonic::{Code, Status, body::Body};
+use tower::{Layer, Service, ServiceExt};
+
+use crate::{
+    backoff::Backoff,
+    classify::{PUSHBACK_HEADER, Pushback, parse_pushback},
+    deadline::{format_grpc_timeout, parse_grpc_timeout},
+    retry::{PREVIOUS_ATTEMPTS_HEADER, TIMEOUT_HEADER},
+    service_config::{CallPolicy, RetryPolicyConfig, ServiceConfig},
+    throttle::{A6Throttle, Throttle},
+};
+
+/// The largest request body buffered for replay, by default (grpc-java's default).
+pub const DEFAULT_PER_CALL_LIMIT: usize = 1 << 20;
+/// The most request bytes all calls of a channel may hold buffered at once, by default
+/// (grpc-java's default).
+pub const DEFAULT_PER_CHANNEL_LIMIT: usize = 16 << 20;
+
+/// What the layer reports, for counters and logs.
+pub trait ClientObserver: Send + Sync {
+    /// An attempt is starting (`previous` attempts came before it).
+    fn attempt(&self, path: &str, previous: u32);
+    /// A retry was refused, and why (`"throttle"`, `"deadline"`, `"pushback"`).
+    fn refused(&self, path: &str, reason: &'static str);
+}
+
+/// Observes nothing.
+impl ClientObserver for () {
+    fn attempt(&self, _: &str, _: u32) {}
+    fn refused(&self, _: &str, _: &'static str) {}
+}
+
+/// Retries unary gRPC calls per a service config; see the module docs.
+#[derive(Clone)]
+pub struct RetryLayer {
+    /// What is shared by every service this layer makes.
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    /// Which methods retry, and how.
+    config: ServiceConfig,
+    /// The channel's `retryThrottling`, if any.
+    throttle: Option<Arc<dyn Throttle>>,
+    /// The per-call replay buffer limit.
+    per_call_limit: usize,
+    /// The per-channel total.
+    per_channel_limit: usize,
+    /// Bytes buffered now, across calls.
+    buffered: AtomicUsize,
+    /// Jitter.
+    rng: Mutex<SmallRng>,
+    /// Who is told.
+    observer: Arc<dyn ClientObserver>,
+}
+
+impl std::fmt::Debug for RetryLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RetryLayer")
+            .field("config", &self.shared.config)
+            .field("per_call_limit", &self.shared.per_call_limit)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RetryLayer {
+    /// A layer applying `config` (its `retryThrottling` becomes the channel's throttle).
+    pub fn new(config: ServiceConfig) -> Self {
+        let throttle = config
+            .retry_throttling
+            .map(|t| Arc::new(A6Throttle::new(t.max_tokens, t.token_ratio)) as Arc<dyn Throttle>);
+        Self {
+            shared: Arc::new(Shared {
+                config,
+                throttle,
+                per_call_limit: DEFAULT_PER_CALL_LIMIT,
+                per_channel_limit: DEFAULT_PER_CHANNEL_LIMIT,
+                buffered: AtomicUsize::new(0),
+                rng: Mutex::new(rand::make_rng()),
+                observer: Arc::new(()),
+            }),
+        }
+    }
+
+    fn edit(mut self, f: impl FnOnce(&mut Shared)) -> Self {
+        if let Some(shared) = Arc::get_mut(&mut self.shared) {
+            f(shared);
+        }
+        self
+    }
+
+    /// Limits replay buffering: a call's body over `per_call`, or one that would take the
+    /// channel's total over `per_channel`, goes through once, unretried.
+    pub fn buffer_limits(self, per_call: usize, per_channel: usize) -> Self {
+        self.edit(|s| {
+            s.per_call_limit = per_call;
+            s.per_channel_limit = per_channel;
+        })
+    }
+
+    /// Uses `throttle` instead of the config's `retryThrottling` (e.g. a [`RetryBudget`]
+    /// shared with other clients).
+    ///
+    /// [`RetryBudget`]: crate::RetryBudget
+    pub fn throttle(self, throttle: Arc<dyn Throttle>) -> Self {
+        self.edit(|s| s.throttle = Some(throttle))
+    }
+
+    /// Seeds the jitter, so tests see the same waits every run.
+    pub fn seed(self, seed: u64) -> Self {
+        self.edit(|s| s.rng = Mutex::new(SmallRng::seed_from_u64(seed)))
+    }
+
+    /// Reports attempts and refusals to `observer`.
+    pub fn observer(self, observer: Arc<dyn ClientObserver>) -> Self {
+        self.edit(|s| s.observer = observer)
+    }
+}
+
+impl<S> Layer<S> for RetryLayer {
+    type Service = RetryService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        RetryService {
+            inner,
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+/// The service [`RetryLayer`] makes.
+#[derive(Clone)]
+pub struct RetryService<S> {
+    /// Where attempts go.
+    inner: S,
+    /// Config, throttle, buffers.
+    shared: Arc<Shared>,
+}
+
+impl<S: std::fmt::Debug> std::fmt::Debug for RetryService<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RetryService")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+impl<S, ResBody> Service<http::Request<Body>> for RetryService<S>
+where
+    S: Service<http::Request<Body>, Response = http::Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: Send,
+    ResBody: Send + 'static,
+{
+    type Response = http::Response<ResBody>;
+    type Error = S::Error;
+    type Future = BoxFuture<Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        // The inner service was made ready for this call; keep that one, use a clone later.
+        let ready = self.inner.clone();
+        let ready = std::mem::replace(&mut self.inner, ready);
+        let shared = Arc::clone(&self.shared);
+        let policy = retry_policy(&shared.config, request.uri().path()).cloned();
+        match policy {
+            None => {
+                let mut ready = ready;
+                Box::pin(ready.call(request))
+            }
+            Some(policy) => Box::pin(retrying(ready, shared, policy, request)),
+        }
+    }
+}
+
+/// The retry policy of the method at `path` (`/package.Service/Method`).
+fn retry_policy<'c>(config: &'c ServiceConfig, path: &str) -> Option<&'c RetryPolicyConfig> {
+    let (service, method) = path.trim_start_matches('/').split_once('/')?;
+    match &config.for_method(service, method)?.policy {
+        Some(CallPolicy::Retry(policy)) => Some(policy),
+        _ => None,
+    }
+}
+
+/// A request's body, read into memory for replay, holding its share of the channel's
+/// buffer until dropped.
+struct Buffered {
+    bytes: Bytes,
+    shared: Arc<Shared>,
+}
+
+impl Drop for Buffered {
+    fn drop(&mut self) {
+        self.shared
+            .buffered
+            .fetch_sub(self.bytes.len(), Ordering::AcqRel);
+    }
+}
+
+/// Reads `body` up to the limits: `Ok` with all of it, or `Err` with a body that replays
+/// what was read and then the rest (to send once, unretried).
+async fn buffer(shared: &Arc<Shared>, mut body: Body) -> Result<Buffered, Body> {
+    let mut bytes = BytesMut::new();
+    let mut reserved = 0;
+    let release = |n: usize| {
+        shared.buffered.fetch_sub(n, Ordering::AcqRel);
+    };
+    loop {
+        let frame = match body.frame().await {
+            None => break,
+            Some(Ok(frame)) => frame,
+            Some(Err(error)) => {
+                release(reserved);
+                let failed = futures_error_body(bytes.freeze(), error);
+                return Err(failed);
+            }
+        };
+        let Ok(data) = frame.into_data() else {
+            continue; // request trailers: gRPC clients send none
+        };
+        let size = data.len();
+        let total = shared.buffered.fetch_add(size, Ordering::AcqRel) + size;
+        reserved += size;
+        bytes.extend_from_slice(&data);
+        if bytes.len() > shared.per_call_limit || total > shared.per_channel_limit {
+            release(reserved);
+            return Err(chain(bytes.freeze(), body));
+        }
+        if body.is_end_stream() {
+            break;
+        }
+    }
+    Ok(Buffered {
+        bytes: bytes.freeze(),
+        shared: Arc::clone(shared),
+    })
+}
+
+/// A body of `prefix`, then whatever `rest` still yields.
+fn chain(prefix: Bytes, rest: Body) -> Body {
+    let first = futures::stream::once(async move { Ok(http_body::Frame::data(prefix)) });
+    let rest = http_body_util::BodyStream::new(rest);
+    Body::new(http_body_util::StreamBody::new(futures::StreamExt::chain(
+        first, rest,
+    )))
+}
+
+/// A body of `prefix`, then `error`.
+fn futures_error_body(prefix: Bytes, error: Status) -> Body {
+    let frames: Vec<Result<http_body::Frame<Bytes>, Status>> =
+        vec![Ok(http_body::Frame::data(prefix)), Err(error)];
+    Body::new(http_body_util::StreamBody::new(futures::stream::iter(
+        frames,
+    )))
+}
+
+/// What an attempt's answer says, before its body is read.
+enum Verdict<R> {
+    /// Headers without a status (the call is committed), or OK: hand it back.
+    Committed(R),
+    /// A Trailers-Only failure, or no answer: maybe retry.
+    Failed { status: Status, answer: Option<R> },
+}
+
+fn judge<B, E>(result: Result<http::Response<B>, E>) -> Verdict<Result<http::Response<B>, E>> {
+    match result {
+        Ok(response) => match Status::from_header_map(response.headers()) {
+            Some(status) if status.code() != Code::Ok => Verdict::Failed {
+                status,
+                answer: Some(Ok(response)),
+            },
+            _ => Verdict::Committed(Ok(response)),
+        },
+        Err(error) => Verdict::Failed {
+            status: Status::unavailable("the call did not reach the server"),
+            answer: Some(Err(error)),
+        },
+    }
+}
+
+async fn retrying<S, ResBody>(
+    mut inner: S,
+    shared: Arc<Shared>,
+    policy: RetryPolicyConfig,
+    request: http::Request<Body>,
+) -> Result<http::Response<ResBody>, S::Error>
+where
+    S: Service<http::Request<Body>, Response = http::Response<ResBody>> + Clone + Send,
+    S::Future: Send,
+{
+    let path = request.uri().path().to_owned();
+    let (parts, body) = request.into_parts();
+    let deadline = parts
+        .headers
+        .get(TIMEOUT_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| parse_grpc_timeout(v).ok())
+        .map(|timeout| tokio::time::Instant::now() + timeout);
+    let body = match buffer(&shared, body).await {
+        Ok(body) => body,
+        Err(whole) => {
+            // Over the limits: once, as it is.
+            shared.observer.attempt(&path, 0);
+            return inner.call(http::Request::from_parts(parts, whole)).await;
+        }
+    };
+    let backoff = Backoff::new(policy.jitter, policy.initial_backoff, policy.max_backoff)
+        .with_multiplier(policy.backoff_multiplier);
+    let mut schedule = backoff.schedule();
+    let mut previous: u32 = 0;
+    loop {
+        let mut attempt = http::Request::from_parts(
+            parts.clone(),
+            Body::new(http_body_util::Full::new(body.bytes.clone())),
+        );
+        if previous > 0 {
+            attempt
+                .headers_mut()
+                .insert(PREVIOUS_ATTEMPTS_HEADER, http::HeaderValue::from(previous));
+        }
+        if let Some(deadline) = deadline {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if let Ok(value) = http::HeaderValue::from_str(&format_grpc_timeout(left)) {
+                attempt.headers_mut().insert(TIMEOUT_HEADER, value);
+            }
+        }
+        shared.observer.attempt(&path, previous);
+        let result = match inner.ready().await {
+            Ok(ready) => ready.call(attempt).await,
+            Err(error) => Err(error),
+        };
+        previous += 1;
+        let (status, answer) = match judge(result) {
+            Verdict::Committed(answer) => {
+                if let Some(throttle) = &shared.throttle {
+                    throttle.attempt_succeeded();
+                }
+                return answer;
+            }
+            Verdict::Failed { status, answer } => (status, answer),
+        };
+        let give_back = |answer: Option<Result<http::Response<ResBody>, S::Error>>| {
+            answer.unwrap_or_else(|| unreachable!("a failed attempt always has its answer"))
+        };
+        if !policy.retryable_status_codes.contains(&status.code()) {
+            return give_back(answer);
+        }
+        if let Some(throttle) = &shared.throttle {
+            throttle.attempt_failed();
+        }
+        if previous >= policy.max_attempts {
+            return give_back(answer);
+        }
+        let wait = match answer
+            .as_ref()
+            .and_then(|a| a.as_ref().ok())
+            .map(|response| pushback_of(response.headers()))
+            .unwrap_or(Pushback::Absent)
+        {
+            Pushback::Absent => {
+                let mut rng = shared
+                    .rng
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner());
+                schedule.next_delay(&mut *rng)
+            }
+            Pushback::RetryAfter(wait) => wait,
+            Pushback::DoNotRetry => {
+                shared.observer.refused(&path, "pushback");
+                return give_back(answer);
+            }
+        };
+        if let Some(throttle) = &shared.throttle
+            && !throttle.try_retry()
+        {
+            shared.observer.refused(&path, "throttle");
+            return give_back(answer);
+        }
+        if let Some(deadline) = deadline
+            && tokio::time::Instant::now() + wait >= deadline
+        {
+            shared.observer.refused(&path, "deadline");
+            return give_back(answer);
+        }
+        tokio::time::sleep(wait).await;
+    }
+}
+
+fn pushback_of(headers: &http::HeaderMap) -> Pushback {
+    parse_pushback(
+        headers
+            .get(PUSHBACK_HEADER)
+            .map(|value| value.to_str().unwrap_or("malformed")),
+    )
+}

@@ -1,0 +1,328 @@
+//! gRFC A6 conformance of [`RetryLayer`], on paused time, against tonic servers called in
+//! process (the generated `PaymentsServer` is itself a tower service: no sockets, so time
+//! can be paused and every wait checked to the millisecond).
+
+#![allow(clippy::unwrap_used, missing_docs)] // tests: a panic is the failure report
+
+use std::{
+    collections::VecDeque,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use resilience::{RetryLayer, ServiceConfig};
+use retrychain_proto::v1::{
+    Account, ChargeReply, ChargeRequest, GetAccountRequest,
+    payments_client::PaymentsClient,
+    payments_server::{Payments, PaymentsServer},
+};
+use tokio::time::Instant;
+use tonic::{Code, Request, Response, Status};
+
+/// What the server saw of one call.
+#[derive(Debug, Clone)]
+struct Seen {
+    at: Instant,
+    previous_attempts: Option<String>,
+    timeout: Option<String>,
+}
+
+/// A server that answers from a script (then OK) and remembers every call.
+#[derive(Debug, Clone, Default)]
+struct Scripted {
+    script: Arc<Mutex<VecDeque<Status>>>,
+    seen: Arc<Mutex<Vec<Seen>>>,
+}
+
+impl Scripted {
+    fn failing(statuses: Vec<Status>) -> Self {
+        Self {
+            script: Arc::new(Mutex::new(statuses.into())),
+            seen: Arc::default(),
+        }
+    }
+
+    fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+#[tonic::async_trait]
+impl Payments for Scripted {
+    async fn charge(
+        &self,
+        request: Request<ChargeRequest>,
+    ) -> Result<Response<ChargeReply>, Status> {
+        let text = |key: &str| {
+            request
+                .metadata()
+                .get(key)
+                .map(|v| v.to_str().unwrap().to_owned())
+        };
+        self.seen.lock().unwrap().push(Seen {
+            at: Instant::now(),
+            previous_attempts: text("grpc-previous-rpc-attempts"),
+            timeout: text("grpc-timeout"),
+        });
+        match self.script.lock().unwrap().pop_front() {
+            Some(status) => Err(status),
+            None => Ok(Response::new(ChargeReply::default())),
+        }
+    }
+
+    async fn get_account(
+        &self,
+        _: Request<GetAccountRequest>,
+    ) -> Result<Response<Account>, Status> {
+        Err(Status::unimplemented("not in this test"))
+    }
+}
+
+fn config(policy: &str, throttling: &str) -> ServiceConfig {
+    ServiceConfig::parse(&format!(
+        r#"{{"methodConfig": [{{"name": [{{"service": "retrychain.v1.Payments", "method": "Charge"}}],
+            "retryPolicy": {policy}}}] {throttling}}}"#
+    ))
+    .unwrap()
+}
+
+/// Retry on UNAVAILABLE and RESOURCE_EXHAUSTED, 100 ms backoff without jitter.
+fn policy(max_attempts: u32) -> String {
+    format!(
+        r#"{{"maxAttempts": {max_attempts}, "initialBackoff": "0.1s", "maxBackoff": "0.1s",
+            "backoffMultiplier": 1, "retrychainJitter": "exponential",
+            "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"]}}"#
+    )
+}
+
+fn client_of(
+    layer: RetryLayer,
+    server: &Scripted,
+) -> PaymentsClient<resilience::client::RetryService<PaymentsServer<Scripted>>> {
+    PaymentsClient::new(tower::Layer::layer(
+        &layer,
+        PaymentsServer::new(server.clone()),
+    ))
+}
+
+async fn charge(
+    client: &mut PaymentsClient<resilience::client::RetryService<PaymentsServer<Scripted>>>,
+) -> Result<Response<ChargeReply>, Status> {
+    client
+        .charge(ChargeRequest {
+            account_id: "a".into(),
+            amount_cents: 1,
+        })
+        .await
+}
+
+fn unavailable(n: usize) -> Vec<Status> {
+    (0..n).map(|_| Status::unavailable("down")).collect()
+}
+
+fn with_pushback(mut status: Status, ms: &str) -> Status {
+    status
+        .metadata_mut()
+        .insert("grpc-retry-pushback-ms", ms.parse().unwrap());
+    status
+}
+
+#[tokio::test(start_paused = true)]
+async fn attempts_are_capped_at_5_and_marked() {
+    let server = Scripted::failing(unavailable(10));
+    let mut client = client_of(RetryLayer::new(config(&policy(9), "")), &server);
+    let status = charge(&mut client).await.expect_err("fails throughout");
+    assert_eq!(status.code(), Code::Unavailable);
+    let seen = server.seen();
+    assert_eq!(seen.len(), 5, "maxAttempts 9 is capped at 5");
+    let marks: Vec<Option<String>> = seen.iter().map(|s| s.previous_attempts.clone()).collect();
+    assert_eq!(
+        marks,
+        vec![
+            None,
+            Some("1".into()),
+            Some("2".into()),
+            Some("3".into()),
+            Some("4".into())
+        ]
+    );
+    for pair in seen.windows(2) {
+        assert_eq!(
+            pair[1].at - pair[0].at,
+            Duration::from_millis(100),
+            "the backoff"
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_that_succeeds_returns_the_answer() {
+    let server = Scripted::failing(unavailable(2));
+    let mut client = client_of(RetryLayer::new(config(&policy(3), "")), &server);
+    charge(&mut client)
+        .await
+        .expect("the third attempt succeeds");
+    assert_eq!(server.seen().len(), 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn only_the_configured_codes_are_retried() {
+    let server = Scripted::failing(vec![Status::aborted("conflict"), Status::aborted("again")]);
+    let mut client = client_of(RetryLayer::new(config(&policy(5), "")), &server);
+    let status = charge(&mut client)
+        .await
+        .expect_err("ABORTED is not in the list");
+    assert_eq!(status.code(), Code::Aborted);
+    assert_eq!(server.seen().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn pushback_is_waited_exactly_and_a_negative_one_stops() {
+    let server = Scripted::failing(vec![with_pushback(
+        Status::resource_exhausted("busy"),
+        "250",
+    )]);
+    let mut client = client_of(RetryLayer::new(config(&policy(3), "")), &server);
+    charge(&mut client)
+        .await
+        .expect("succeeds after the pushback");
+    let seen = server.seen();
+    assert_eq!(seen[1].at - seen[0].at, Duration::from_millis(250));
+
+    for stop in ["-1", "soon"] {
+        let server = Scripted::failing(vec![with_pushback(Status::unavailable("no"), stop)]);
+        let mut client = client_of(RetryLayer::new(config(&policy(3), "")), &server);
+        charge(&mut client).await.expect_err("the server said stop");
+        assert_eq!(server.seen().len(), 1, "pushback {stop}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn throttling_allows_retries_only_above_half_the_tokens() {
+    // maxTokens 4: the first failure leaves 3 (> 2: retry), the second 2 (not > 2: stop).
+    let layer = RetryLayer::new(config(
+        &policy(5),
+        r#", "retryThrottling": {"maxTokens": 4, "tokenRatio": 1}"#,
+    ));
+    let server = Scripted::failing(unavailable(10));
+    let mut first = client_of(layer.clone(), &server);
+    charge(&mut first).await.expect_err("fails");
+    assert_eq!(server.seen().len(), 2);
+    // The throttle is the channel's: another client over the same layer shares it (2
+    // tokens: no retry), and a success earns tokenRatio back.
+    let mut second = client_of(layer.clone(), &server);
+    charge(&mut second).await.expect_err("fails");
+    assert_eq!(server.seen().len(), 3, "one attempt, no retry");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_body_over_the_buffer_limit_is_sent_once() {
+    let server = Scripted::failing(unavailable(3));
+    let layer = RetryLayer::new(config(&policy(5), "")).buffer_limits(16, 1 << 20);
+    let mut client = client_of(layer, &server);
+    let status = client
+        .charge(ChargeRequest {
+            account_id: "x".repeat(100),
+            amount_cents: 1,
+        })
+        .await
+        .expect_err("fails once, unretried");
+    assert_eq!(status.code(), Code::Unavailable);
+    assert_eq!(server.seen().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn each_attempt_gets_the_time_left_and_none_starts_past_the_deadline() {
+    let server = Scripted::failing(unavailable(10));
+    let layer = RetryLayer::new(config(
+        r#"{"maxAttempts": 5, "initialBackoff": "0.4s", "maxBackoff": "0.4s",
+             "backoffMultiplier": 1, "retrychainJitter": "exponential",
+             "retryableStatusCodes": ["UNAVAILABLE"]}"#,
+        "",
+    ));
+    let mut client = client_of(layer, &server);
+    let mut request = Request::new(ChargeRequest {
+        account_id: "a".into(),
+        amount_cents: 1,
+    });
+    request.set_timeout(Duration::from_secs(1));
+    client.charge(request).await.expect_err("fails");
+    let seen = server.seen();
+    // Attempts at 0, 0.4 and 0.8 s; one at 1.2 s would be past the deadline.
+    assert_eq!(seen.len(), 3);
+    let timeouts: Vec<Duration> = seen
+        .iter()
+        .map(|s| resilience::parse_grpc_timeout(s.timeout.as_deref().unwrap()).unwrap())
+        .collect();
+    assert_eq!(timeouts[0], Duration::from_secs(1));
+    assert_eq!(timeouts[1], Duration::from_millis(600));
+    assert_eq!(timeouts[2], Duration::from_millis(200));
+}
+
+#[tokio::test(start_paused = true)]
+async fn methods_without_a_retry_policy_pass_through() {
+    let server = Scripted::failing(unavailable(3));
+    let config = ServiceConfig::parse(
+        r#"{"methodConfig": [{"name": [{"service": "other.Service"}],
+            "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.1s", "maxBackoff": "0.1s",
+                            "backoffMultiplier": 1, "retryableStatusCodes": ["UNAVAILABLE"]}}]}"#,
+    )
+    .unwrap();
+    let mut client = client_of(RetryLayer::new(config), &server);
+    charge(&mut client).await.expect_err("fails");
+    assert_eq!(server.seen().len(), 1);
+}
+
+/// A server that sends response headers (committing the call) and only then fails, in
+/// its trailers.
+#[derive(Debug, Clone, Default)]
+struct FailsAfterHeaders {
+    calls: Arc<Mutex<u32>>,
+}
+
+impl tower::Service<http::Request<tonic::body::Body>> for FailsAfterHeaders {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = std::convert::Infallible;
+    type Future = std::future::Ready<Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: http::Request<tonic::body::Body>) -> Self::Future {
+        *self.calls.lock().unwrap() += 1;
+        let mut trailers = http::HeaderMap::new();
+        trailers.insert("grpc-status", "14".parse().unwrap());
+        trailers.insert("grpc-message", "failed%20after%20headers".parse().unwrap());
+        let frames: Vec<Result<http_body::Frame<bytes::Bytes>, Status>> =
+            vec![Ok(http_body::Frame::trailers(trailers))];
+        let body = tonic::body::Body::new(http_body_util::StreamBody::new(futures::stream::iter(
+            frames,
+        )));
+        let response = http::Response::builder()
+            .header("content-type", "application/grpc")
+            .body(body)
+            .unwrap();
+        std::future::ready(Ok(response))
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_is_committed_once_response_headers_arrive() {
+    let server = FailsAfterHeaders::default();
+    let layer = RetryLayer::new(config(&policy(5), ""));
+    let mut client = PaymentsClient::new(tower::Layer::layer(&layer, server.clone()));
+    let status = client
+        .charge(ChargeRequest::default())
+        .await
+        .expect_err("the trailers say UNAVAILABLE");
+    assert_eq!(status.code(), Code::Unavailable);
+    assert_eq!(
+        *server.calls.lock().unwrap(),
+        1,
+        "never retried after headers"
+    );
+}
