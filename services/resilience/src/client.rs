@@ -1,5 +1,5 @@
-//! gRFC A6 retries as a tower layer for any tonic client: wrap a `Channel` (or any
-//! `GrpcService`) and every unary call is retried as its service config says.
+//! gRFC A6 retries and hedging as a tower layer for any tonic client: wrap a `Channel` (or
+//! any `GrpcService`) and every unary call is retried or hedged as its service config says.
 //!
 //! ```ignore
 //! let config = ServiceConfig::parse(&std::fs::read_to_string("service-config.json")?)?;
@@ -33,6 +33,12 @@
 //! - **Deadline**: a call with `grpc-timeout` gets each attempt's timeout set to what is
 //!   left; no attempt starts and no backoff sleeps past the deadline.
 //!
+//! A method with a `hedgingPolicy` is hedged instead: the first attempt at once, another
+//! every `hedgingDelay` up to `maxAttempts` (at once after a non-fatal failure, or after
+//! the server's pushback), each marked with `grpc-previous-rpc-attempts` and counted by the
+//! throttle; the first committed answer, or the first fatal failure, wins, and the other
+//! attempts are dropped — their streams reset, so their servers see the cancellation.
+//!
 //! Streaming calls (client- or bidirectional-streaming) must not be given a retry policy:
 //! their body does not end before the response starts, so the layer would wait for it.
 
@@ -57,7 +63,7 @@ use crate::{
     classify::{PUSHBACK_HEADER, Pushback, parse_pushback},
     deadline::{format_grpc_timeout, parse_grpc_timeout},
     retry::{PREVIOUS_ATTEMPTS_HEADER, TIMEOUT_HEADER},
-    service_config::{CallPolicy, RetryPolicyConfig, ServiceConfig},
+    service_config::{CallPolicy, HedgingPolicy, RetryPolicyConfig, ServiceConfig},
     throttle::{A6Throttle, Throttle},
 };
 
@@ -218,24 +224,22 @@ where
         let ready = self.inner.clone();
         let ready = std::mem::replace(&mut self.inner, ready);
         let shared = Arc::clone(&self.shared);
-        let policy = retry_policy(&shared.config, request.uri().path()).cloned();
+        let policy = call_policy(&shared.config, request.uri().path()).cloned();
         match policy {
             None => {
                 let mut ready = ready;
                 Box::pin(ready.call(request))
             }
-            Some(policy) => Box::pin(retrying(ready, shared, policy, request)),
+            Some(CallPolicy::Retry(policy)) => Box::pin(retrying(ready, shared, policy, request)),
+            Some(CallPolicy::Hedging(policy)) => Box::pin(hedging(ready, shared, policy, request)),
         }
     }
 }
 
-/// The retry policy of the method at `path` (`/package.Service/Method`).
-fn retry_policy<'c>(config: &'c ServiceConfig, path: &str) -> Option<&'c RetryPolicyConfig> {
+/// The retry or hedging policy of the method at `path` (`/package.Service/Method`).
+fn call_policy<'c>(config: &'c ServiceConfig, path: &str) -> Option<&'c CallPolicy> {
     let (service, method) = path.trim_start_matches('/').split_once('/')?;
-    match &config.for_method(service, method)?.policy {
-        Some(CallPolicy::Retry(policy)) => Some(policy),
-        _ => None,
-    }
+    config.for_method(service, method)?.policy.as_ref()
 }
 
 /// A request's body, read into memory for replay, holding its share of the channel's
@@ -346,12 +350,7 @@ where
 {
     let path = request.uri().path().to_owned();
     let (parts, body) = request.into_parts();
-    let deadline = parts
-        .headers
-        .get(TIMEOUT_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| parse_grpc_timeout(v).ok())
-        .map(|timeout| tokio::time::Instant::now() + timeout);
+    let deadline = deadline_of(&parts);
     let body = match buffer(&shared, body).await {
         Ok(body) => body,
         Err(whole) => {
@@ -439,6 +438,151 @@ where
             return give_back(answer);
         }
         tokio::time::sleep(wait).await;
+    }
+}
+
+/// Attempt number `previous + 1` of a buffered call: the same request, marked with
+/// `grpc-previous-rpc-attempts` after the first, its `grpc-timeout` the time left.
+fn attempt_request(
+    parts: &http::request::Parts,
+    body: &Buffered,
+    previous: u32,
+    deadline: Option<tokio::time::Instant>,
+) -> http::Request<Body> {
+    let mut attempt = http::Request::from_parts(
+        parts.clone(),
+        Body::new(http_body_util::Full::new(body.bytes.clone())),
+    );
+    if previous > 0 {
+        attempt
+            .headers_mut()
+            .insert(PREVIOUS_ATTEMPTS_HEADER, http::HeaderValue::from(previous));
+    }
+    if let Some(deadline) = deadline {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if let Ok(value) = http::HeaderValue::from_str(&format_grpc_timeout(left)) {
+            attempt.headers_mut().insert(TIMEOUT_HEADER, value);
+        }
+    }
+    attempt
+}
+
+/// The call's deadline, from its `grpc-timeout`.
+fn deadline_of(parts: &http::request::Parts) -> Option<tokio::time::Instant> {
+    parts
+        .headers
+        .get(TIMEOUT_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| parse_grpc_timeout(v).ok())
+        .map(|timeout| tokio::time::Instant::now() + timeout)
+}
+
+/// gRFC A6 hedging: the first attempt now, another every `hedgingDelay` (at once after a
+/// non-fatal failure) up to `maxAttempts`, while the throttle allows; the first committed
+/// answer or fatal failure wins and the other attempts are dropped — cancelled, as the
+/// server sees it.
+async fn hedging<S, ResBody>(
+    inner: S,
+    shared: Arc<Shared>,
+    policy: HedgingPolicy,
+    request: http::Request<Body>,
+) -> Result<http::Response<ResBody>, S::Error>
+where
+    S: Service<http::Request<Body>, Response = http::Response<ResBody>> + Clone + Send,
+    S::Future: Send,
+{
+    use futures::{StreamExt, stream::FuturesUnordered};
+
+    let path = request.uri().path().to_owned();
+    let (parts, body) = request.into_parts();
+    let deadline = deadline_of(&parts);
+    let body = match buffer(&shared, body).await {
+        Ok(body) => body,
+        Err(whole) => {
+            shared.observer.attempt(&path, 0);
+            let mut inner = inner;
+            return inner.call(http::Request::from_parts(parts, whole)).await;
+        }
+    };
+    let mut running = FuturesUnordered::new();
+    let mut sent: u32 = 0;
+    let mut last_failure = None;
+    let mut next_hedge = Some(tokio::time::Instant::now());
+    loop {
+        let hedge_due = async {
+            match next_hedge {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            biased;
+            Some(result) = running.next(), if !running.is_empty() => {
+                match judge(result) {
+                    Verdict::Committed(answer) => {
+                        if let Some(throttle) = &shared.throttle {
+                            throttle.attempt_succeeded();
+                        }
+                        return answer; // the others are dropped: cancelled
+                    }
+                    Verdict::Failed { status, answer } => {
+                        let non_fatal = policy.non_fatal_status_codes.contains(&status.code());
+                        if !non_fatal {
+                            return answer.unwrap_or_else(|| unreachable!("failed with an answer"));
+                        }
+                        if let Some(throttle) = &shared.throttle {
+                            throttle.attempt_failed();
+                        }
+                        let pushback = answer
+                            .as_ref()
+                            .and_then(|a| a.as_ref().ok())
+                            .map(|response| pushback_of(response.headers()))
+                            .unwrap_or(Pushback::Absent);
+                        last_failure = answer;
+                        if sent < policy.max_attempts {
+                            next_hedge = match pushback {
+                                // A6: a non-fatal failure sends the next hedge at once…
+                                Pushback::Absent => Some(tokio::time::Instant::now()),
+                                // …or after the server's pushback, or never.
+                                Pushback::RetryAfter(wait) => Some(tokio::time::Instant::now() + wait),
+                                Pushback::DoNotRetry => {
+                                    shared.observer.refused(&path, "pushback");
+                                    None
+                                }
+                            };
+                        }
+                        if running.is_empty() && next_hedge.is_none() {
+                            return last_failure.unwrap_or_else(|| unreachable!("a failure was kept"));
+                        }
+                    }
+                }
+            }
+            () = hedge_due => {
+                next_hedge = None;
+                // The first attempt always goes; hedges only while the deadline has room.
+                let past_deadline =
+                    sent > 0 && deadline.is_some_and(|d| tokio::time::Instant::now() >= d);
+                let throttled = sent > 0
+                    && shared.throttle.as_ref().is_some_and(|t| !t.try_retry());
+                if past_deadline || throttled {
+                    shared.observer.refused(&path, if throttled { "throttle" } else { "deadline" });
+                    if running.is_empty() {
+                        if let Some(failure) = last_failure {
+                            return failure;
+                        }
+                    }
+                    continue;
+                }
+                let attempt = attempt_request(&parts, &body, sent, deadline);
+                shared.observer.attempt(&path, sent);
+                sent += 1;
+                let inner = inner.clone();
+                running.push(async move { inner.oneshot(attempt).await });
+                if sent < policy.max_attempts {
+                    next_hedge = Some(tokio::time::Instant::now() + policy.hedging_delay);
+                }
+            }
+        }
     }
 }
 

@@ -326,3 +326,186 @@ async fn a_call_is_committed_once_response_headers_arrive() {
         "never retried after headers"
     );
 }
+
+/// A server whose calls take a scripted time and answer a scripted outcome, and which
+/// notices when a call is cancelled (its handler dropped before it answered).
+#[derive(Debug, Clone, Default)]
+struct Slow {
+    script: Arc<Mutex<VecDeque<(Duration, Option<Status>)>>>,
+    seen: Arc<Mutex<Vec<Seen>>>,
+    cancelled: Arc<Mutex<u32>>,
+}
+
+/// Counts a cancellation unless disarmed.
+struct CancelGuard(Option<Arc<Mutex<u32>>>);
+
+impl Drop for CancelGuard {
+    fn drop(&mut self) {
+        if let Some(cancelled) = self.0.take() {
+            *cancelled.lock().unwrap() += 1;
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl Payments for Slow {
+    async fn charge(
+        &self,
+        request: Request<ChargeRequest>,
+    ) -> Result<Response<ChargeReply>, Status> {
+        self.seen.lock().unwrap().push(Seen {
+            at: Instant::now(),
+            previous_attempts: request
+                .metadata()
+                .get("grpc-previous-rpc-attempts")
+                .map(|v| v.to_str().unwrap().to_owned()),
+            timeout: None,
+        });
+        let (delay, outcome) = self
+            .script
+            .lock()
+            .unwrap()
+            .pop_front()
+            .unwrap_or((Duration::ZERO, None));
+        let mut guard = CancelGuard(Some(Arc::clone(&self.cancelled)));
+        tokio::time::sleep(delay).await;
+        guard.0 = None;
+        match outcome {
+            Some(status) => Err(status),
+            None => Ok(Response::new(ChargeReply {
+                charge_id: format!("after {delay:?}"),
+                ..ChargeReply::default()
+            })),
+        }
+    }
+
+    async fn get_account(
+        &self,
+        _: Request<GetAccountRequest>,
+    ) -> Result<Response<Account>, Status> {
+        Err(Status::unimplemented("not in this test"))
+    }
+}
+
+fn hedging(max_attempts: u32, delay_ms: u64, non_fatal: &str, throttling: &str) -> RetryLayer {
+    RetryLayer::new(
+        ServiceConfig::parse(&format!(
+            r#"{{"methodConfig": [{{"name": [{{"service": "retrychain.v1.Payments"}}],
+                "hedgingPolicy": {{"maxAttempts": {max_attempts}, "hedgingDelay": "{}s",
+                                   "nonFatalStatusCodes": [{non_fatal}]}}}}] {throttling}}}"#,
+            delay_ms as f64 / 1000.0
+        ))
+        .unwrap(),
+    )
+}
+
+fn slow(script: Vec<(u64, Option<Status>)>) -> Slow {
+    Slow {
+        script: Arc::new(Mutex::new(
+            script
+                .into_iter()
+                .map(|(ms, outcome)| (Duration::from_millis(ms), outcome))
+                .collect(),
+        )),
+        ..Slow::default()
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn hedges_go_at_the_delays_the_first_answer_wins_and_the_rest_are_cancelled() {
+    let server = slow(vec![(1000, None), (1000, None), (10, None)]);
+    let layer = hedging(3, 100, r#""UNAVAILABLE""#, "");
+    let mut client = PaymentsClient::new(tower::Layer::layer(
+        &layer,
+        PaymentsServer::new(server.clone()),
+    ));
+    let start = Instant::now();
+    let reply = client
+        .charge(ChargeRequest::default())
+        .await
+        .expect("the third copy answers first");
+    assert_eq!(reply.get_ref().charge_id, "after 10ms");
+    assert_eq!(start.elapsed(), Duration::from_millis(210));
+    let seen = server.seen.lock().unwrap().clone();
+    let offsets: Vec<Duration> = seen.iter().map(|s| s.at - start).collect();
+    assert_eq!(
+        offsets,
+        vec![
+            Duration::ZERO,
+            Duration::from_millis(100),
+            Duration::from_millis(200)
+        ]
+    );
+    let marks: Vec<Option<String>> = seen.iter().map(|s| s.previous_attempts.clone()).collect();
+    assert_eq!(marks, vec![None, Some("1".into()), Some("2".into())]);
+    tokio::task::yield_now().await;
+    assert_eq!(
+        *server.cancelled.lock().unwrap(),
+        2,
+        "the two slow copies were cancelled"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_non_fatal_failure_sends_the_next_hedge_at_once_and_a_fatal_one_ends_the_call() {
+    let server = slow(vec![(5, Some(Status::unavailable("busy"))), (5, None)]);
+    let layer = hedging(3, 1000, r#""UNAVAILABLE""#, "");
+    let mut client = PaymentsClient::new(tower::Layer::layer(
+        &layer,
+        PaymentsServer::new(server.clone()),
+    ));
+    let start = Instant::now();
+    client
+        .charge(ChargeRequest::default())
+        .await
+        .expect("the second copy succeeds");
+    assert_eq!(
+        start.elapsed(),
+        Duration::from_millis(10),
+        "no 1 s hedging delay"
+    );
+
+    let server = slow(vec![
+        (5, Some(Status::invalid_argument("bad"))),
+        (1000, None),
+    ]);
+    let mut client = PaymentsClient::new(tower::Layer::layer(
+        &layer,
+        PaymentsServer::new(server.clone()),
+    ));
+    let status = client
+        .charge(ChargeRequest::default())
+        .await
+        .expect_err("INVALID_ARGUMENT is fatal");
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert_eq!(
+        server.seen.lock().unwrap().len(),
+        1,
+        "no hedge after a fatal failure"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn hedges_count_against_the_throttle() {
+    // maxTokens 2: one non-fatal failure leaves 1, not above half: no more hedges.
+    let server = slow(vec![
+        (5, Some(Status::unavailable("busy"))),
+        (5, Some(Status::unavailable("busy"))),
+    ]);
+    let layer = hedging(
+        3,
+        50,
+        r#""UNAVAILABLE""#,
+        r#", "retryThrottling": {"maxTokens": 2, "tokenRatio": 0.1}"#,
+    );
+    let mut client = PaymentsClient::new(tower::Layer::layer(
+        &layer,
+        PaymentsServer::new(server.clone()),
+    ));
+    let status = client
+        .charge(ChargeRequest::default())
+        .await
+        .expect_err("throttled");
+    assert_eq!(status.code(), Code::Unavailable);
+    assert_eq!(server.seen.lock().unwrap().len(), 1);
+}
