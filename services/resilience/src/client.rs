@@ -566,10 +566,10 @@ where
                     && shared.throttle.as_ref().is_some_and(|t| !t.try_retry());
                 if past_deadline || throttled {
                     shared.observer.refused(&path, if throttled { "throttle" } else { "deadline" });
-                    if running.is_empty() {
-                        if let Some(failure) = last_failure {
-                            return failure;
-                        }
+                    if running.is_empty()
+                        && let Some(failure) = last_failure
+                    {
+                        return failure;
                     }
                     continue;
                 }
