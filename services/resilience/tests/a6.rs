@@ -331,10 +331,13 @@ async fn a_call_is_committed_once_response_headers_arrive() {
 /// notices when a call is cancelled (its handler dropped before it answered).
 #[derive(Debug, Clone, Default)]
 struct Slow {
-    script: Arc<Mutex<VecDeque<(Duration, Option<Status>)>>>,
+    script: Arc<Mutex<VecDeque<Step>>>,
     seen: Arc<Mutex<Vec<Seen>>>,
     cancelled: Arc<Mutex<u32>>,
 }
+
+/// How long a call takes, and its failure (`None`: OK).
+type Step = (Duration, Option<Status>);
 
 /// Counts a cancellation unless disarmed.
 struct CancelGuard(Option<Arc<Mutex<u32>>>);
