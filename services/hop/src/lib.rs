@@ -23,7 +23,7 @@ use std::sync::Arc;
 use resilience::{Backoff, Retry, RetryError, RetryPolicy, Throttle};
 use retrychain_node::{
     AccountId, AmountCents, IdempotencyKey, Node, RetryMode, RpcScope, TraceContext,
-    faults::lost_reply,
+    faults::{FaultLayer, Faulty},
     metadata::{self, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, RETRY_MODE, TRACE_ID, TRACEPARENT},
 };
 use retrychain_proto::v1::{
@@ -35,6 +35,20 @@ use tonic::{
     metadata::{Ascii, MetadataMap, MetadataValue},
     transport::Channel,
 };
+use tower::{Layer, util::Either};
+
+/// The client stack under a hop's downstream calls, outermost first: fault injection
+/// ([`FaultLayer`], only in a service started with `--fault-injection`), then the channel.
+/// The retry executor sits above it, driving one call through the stack per attempt.
+pub type Downstream = Either<Faulty<Channel>, Channel>;
+
+fn downstream_stack(node: &Arc<Node>, channel: Channel) -> Downstream {
+    if node.fault_injection {
+        Either::Left(FaultLayer::new(Arc::clone(node)).layer(channel))
+    } else {
+        Either::Right(channel)
+    }
+}
 
 /// Which place in the chain a hop holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,7 +89,7 @@ pub struct Hop {
     /// The configured mode.
     mode: RetryMode,
     /// The downstream service; one HTTP/2 connection shared by all calls.
-    downstream: PaymentsClient<Channel>,
+    downstream: PaymentsClient<Downstream>,
     /// The executor for `every-layer`: retries without a budget.
     every_layer: Arc<Retry>,
     /// The executor for `edge-only`: budgeted retries at the edge, one attempt elsewhere.
@@ -155,7 +169,7 @@ impl Hop {
         Self {
             role,
             mode: retry.mode,
-            downstream: PaymentsClient::new(downstream),
+            downstream: PaymentsClient::new(downstream_stack(&node, downstream)),
             every_layer: Arc::new(Retry::new(every_layer).with_label(&node.name)),
             edge_only: Arc::new(Retry::new(edge_only).with_label(&node.name)),
             single: Arc::new(Retry::new(single).with_label(&node.name)),
@@ -218,26 +232,6 @@ impl Hop {
         self.role == Role::Edge && error.retries_were_spent()
     }
 
-    /// One downstream attempt, with this hop's injected faults around it.
-    async fn attempt<T>(
-        &self,
-        call: impl Future<Output = Result<Response<T>, Status>>,
-    ) -> Result<Response<T>, Status> {
-        let faults = &self.node.faults;
-        if let Some(status) = faults.injected_failure(&self.node.name) {
-            return Err(status);
-        }
-        let delay = faults.delay();
-        if !delay.is_zero() {
-            tokio::time::sleep(delay).await;
-        }
-        let response = call.await?;
-        if faults.drop_reply() {
-            return Err(lost_reply(&self.node.name));
-        }
-        Ok(response)
-    }
-
     /// Sends a call downstream under the request's retry mode and relays the answer.
     async fn relay<Req, Rep, F, Fut>(
         &self,
@@ -248,14 +242,14 @@ impl Hop {
     ) -> Result<Response<Rep>, Status>
     where
         Req: Clone,
-        F: Fn(PaymentsClient<Channel>, Request<Req>) -> Fut,
+        F: Fn(PaymentsClient<Downstream>, Request<Req>) -> Fut,
         Fut: Future<Output = Result<Response<Rep>, Status>>,
     {
         let result = self
             .executor(forward.mode, scope)
             .run_detailed(scope.deadline, &self.node.counters, |attempt| {
                 let request = forward.request(message.clone(), &attempt);
-                self.attempt(call(self.downstream.clone(), request))
+                call(self.downstream.clone(), request)
             })
             .await;
         match result {

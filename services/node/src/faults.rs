@@ -1,11 +1,21 @@
 //! Fault injection on a service's downstream call, steered by `Control.SetFaults`.
 //!
+//! For the four forwarding services the faults are a tower layer, [`FaultLayer`], put on
+//! the downstream client only when the service runs with `--fault-injection`: the
+//! production call path has no fault code in it. The ledger's processor is simulated, and
+//! the faults are its behaviour.
+//!
 //! The faults model what retries exist for: a call that fails before reaching downstream
 //! (`fail_rate`, `fail_code`, `pushback_ms`), a slow downstream (`delay_ms`), and the case
 //! idempotency keys exist for — downstream succeeded but the reply was lost
 //! (`drop_reply_rate`).
 
-use std::{sync::RwLock, time::Duration};
+use std::{
+    pin::Pin,
+    sync::{Arc, RwLock},
+    task::{Context, Poll},
+    time::Duration,
+};
 
 use rand::RngExt;
 use retrychain_proto::v1::Faults;
@@ -129,6 +139,107 @@ pub fn failure(code: Code, message: String, faults: &FaultPlan) -> Status {
         }
     }
     status
+}
+
+/// Injects the faults in force on every call through a client; see the module docs.
+#[derive(Debug, Clone)]
+pub struct FaultLayer {
+    /// Whose faults, and whose name goes in the messages.
+    node: Arc<crate::Node>,
+}
+
+impl FaultLayer {
+    /// A layer injecting `node`'s faults.
+    pub fn new(node: Arc<crate::Node>) -> Self {
+        Self { node }
+    }
+}
+
+impl<S> tower::Layer<S> for FaultLayer {
+    type Service = Faulty<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Faulty {
+            inner,
+            node: Arc::clone(&self.node),
+        }
+    }
+}
+
+/// The service [`FaultLayer`] makes: before the call, a failure (`fail_rate`) or a delay
+/// (`delay_ms`); after a call that succeeded, maybe a lost reply (`drop_reply_rate`).
+#[derive(Debug, Clone)]
+pub struct Faulty<S> {
+    /// The downstream client.
+    inner: S,
+    /// Whose faults.
+    node: Arc<crate::Node>,
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+impl<S> tower::Service<http::Request<tonic::body::Body>> for Faulty<S>
+where
+    S: tower::Service<
+            http::Request<tonic::body::Body>,
+            Response = http::Response<tonic::body::Body>,
+        > + Clone
+        + Send
+        + 'static,
+    S::Future: Send,
+    S::Error: Send,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = S::Error;
+    type Future = BoxFuture<Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
+        let ready = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, ready);
+        let node = Arc::clone(&self.node);
+        Box::pin(async move {
+            let faults = &node.faults;
+            if let Some(status) = faults.injected_failure(&node.name) {
+                return Ok(status.into_http());
+            }
+            let delay = faults.delay();
+            if !delay.is_zero() {
+                tokio::time::sleep(delay).await;
+            }
+            let response = inner.call(request).await?;
+            if faults.current().drop_reply_rate <= 0.0 {
+                return Ok(response);
+            }
+            // Whether downstream succeeded is in the trailers: read the (unary) answer.
+            let (parts, body) = response.into_parts();
+            let collected = match http_body_util::BodyExt::collect(body).await {
+                Ok(collected) => collected,
+                Err(status) => return Ok(status.into_http()),
+            };
+            let trailers = collected.trailers().cloned();
+            let succeeded = trailers
+                .as_ref()
+                .and_then(tonic::Status::from_header_map)
+                .or_else(|| tonic::Status::from_header_map(&parts.headers))
+                .is_some_and(|status| status.code() == Code::Ok);
+            if succeeded && faults.drop_reply() {
+                return Ok(lost_reply(&node.name).into_http());
+            }
+            let mut frames: Vec<Result<http_body::Frame<bytes::Bytes>, tonic::Status>> =
+                vec![Ok(http_body::Frame::data(collected.to_bytes()))];
+            if let Some(trailers) = trailers {
+                frames.push(Ok(http_body::Frame::trailers(trailers)));
+            }
+            let body = tonic::body::Body::new(http_body_util::StreamBody::new(
+                futures::stream::iter(frames),
+            ));
+            Ok(http::Response::from_parts(parts, body))
+        })
+    }
 }
 
 /// The reply a lost response is replaced by.
