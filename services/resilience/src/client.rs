@@ -362,6 +362,9 @@ where
     let backoff = Backoff::new(policy.jitter, policy.initial_backoff, policy.max_backoff)
         .with_multiplier(policy.backoff_multiplier);
     let mut schedule = backoff.schedule();
+    if let Some(throttle) = &shared.throttle {
+        throttle.first_attempt(); // a budget's refund; nothing for A6's throttle
+    }
     let mut previous: u32 = 0;
     loop {
         let mut attempt = http::Request::from_parts(
@@ -504,6 +507,9 @@ where
             return inner.call(http::Request::from_parts(parts, whole)).await;
         }
     };
+    if let Some(throttle) = &shared.throttle {
+        throttle.first_attempt();
+    }
     let mut running = FuturesUnordered::new();
     let mut sent: u32 = 0;
     let mut last_failure = None;

@@ -512,3 +512,17 @@ async fn hedges_count_against_the_throttle() {
     assert_eq!(status.code(), Code::Unavailable);
     assert_eq!(server.seen.lock().unwrap().len(), 1);
 }
+
+#[tokio::test(start_paused = true)]
+async fn our_retry_budget_can_stand_in_for_the_throttle() {
+    // One token, no refund: the first call may retry once, the second not at all.
+    let budget = std::sync::Arc::new(resilience::RetryBudget::new(1.0, 0.0));
+    let layer = RetryLayer::new(config(&policy(5), "")).throttle(budget.clone());
+    let server = Scripted::failing(unavailable(10));
+    let mut client = client_of(layer, &server);
+    charge(&mut client).await.expect_err("fails");
+    assert_eq!(server.seen().len(), 2, "one retry, paid by the only token");
+    charge(&mut client).await.expect_err("fails");
+    assert_eq!(server.seen().len(), 3, "no token left: no retry");
+    assert_eq!(budget.tokens(), 0.0);
+}
