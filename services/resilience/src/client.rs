@@ -515,6 +515,34 @@ where
     let mut last_failure = None;
     let mut next_hedge = Some(tokio::time::Instant::now());
     loop {
+        // Send the hedge that is due, without waiting on a timer for one due now (the
+        // first attempt, or the one after a non-fatal failure).
+        if next_hedge.is_some_and(|at| at <= tokio::time::Instant::now()) {
+            next_hedge = None;
+            // The first attempt always goes; hedges only while the deadline has room.
+            let past_deadline =
+                sent > 0 && deadline.is_some_and(|d| tokio::time::Instant::now() >= d);
+            let throttled = sent > 0 && shared.throttle.as_ref().is_some_and(|t| !t.try_retry());
+            if past_deadline || throttled {
+                shared
+                    .observer
+                    .refused(&path, if throttled { "throttle" } else { "deadline" });
+                if running.is_empty()
+                    && let Some(failure) = last_failure
+                {
+                    return failure;
+                }
+            } else {
+                let attempt = attempt_request(&parts, &body, sent, deadline);
+                shared.observer.attempt(&path, sent);
+                sent += 1;
+                let inner = inner.clone();
+                running.push(async move { inner.oneshot(attempt).await });
+                if sent < policy.max_attempts {
+                    next_hedge = Some(tokio::time::Instant::now() + policy.hedging_delay);
+                }
+            }
+        }
         let hedge_due = async {
             match next_hedge {
                 Some(at) => tokio::time::sleep_until(at).await,
@@ -563,31 +591,7 @@ where
                     }
                 }
             }
-            () = hedge_due => {
-                next_hedge = None;
-                // The first attempt always goes; hedges only while the deadline has room.
-                let past_deadline =
-                    sent > 0 && deadline.is_some_and(|d| tokio::time::Instant::now() >= d);
-                let throttled = sent > 0
-                    && shared.throttle.as_ref().is_some_and(|t| !t.try_retry());
-                if past_deadline || throttled {
-                    shared.observer.refused(&path, if throttled { "throttle" } else { "deadline" });
-                    if running.is_empty()
-                        && let Some(failure) = last_failure
-                    {
-                        return failure;
-                    }
-                    continue;
-                }
-                let attempt = attempt_request(&parts, &body, sent, deadline);
-                shared.observer.attempt(&path, sent);
-                sent += 1;
-                let inner = inner.clone();
-                running.push(async move { inner.oneshot(attempt).await });
-                if sent < policy.max_attempts {
-                    next_hedge = Some(tokio::time::Instant::now() + policy.hedging_delay);
-                }
-            }
+            () = hedge_due => {}
         }
     }
 }
