@@ -15,6 +15,7 @@ use clap::Args;
 use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
 use resilience::{Backoff, BackoffKind, Deadline, Retry, RetryPolicy};
+use retrychain_node::metadata;
 use retrychain_proto::v1::{
     ChargeReply, ChargeRequest, Faults, GetAccountRequest, GetStatsRequest, ResetStatsRequest,
     Stats, control_client::ControlClient, payments_client::PaymentsClient,
@@ -380,12 +381,14 @@ fn charge(
     });
     request.set_timeout(T);
     if let Ok(value) = MetadataValue::try_from(key) {
-        request.metadata_mut().insert("idempotency-key", value);
+        request
+            .metadata_mut()
+            .insert(metadata::IDEMPOTENCY_KEY, value);
     }
     if let Some(mode) = mode {
         request
             .metadata_mut()
-            .insert("x-retry-mode", MetadataValue::from_static(mode));
+            .insert(metadata::RETRY_MODE, MetadataValue::from_static(mode));
     }
     request
 }
@@ -393,7 +396,7 @@ fn charge(
 fn replayed(response: &Response<ChargeReply>) -> bool {
     response
         .metadata()
-        .get("idempotent-replayed")
+        .get(metadata::IDEMPOTENT_REPLAYED)
         .is_some_and(|v| v == "true")
 }
 

@@ -189,21 +189,7 @@ fn mean_storm(kind: BackoffKind, clients: usize, seeds: u64) -> StormResult {
 /// A total outage: `first_attempts` calls, all failing, each allowed `max_retries` retries,
 /// drawing on `budget` if there is one.
 pub fn outage(budget: Option<&RetryBudget>, first_attempts: u64, max_retries: u32) -> OutageResult {
-    let mut backend = 0;
-    for _ in 0..first_attempts {
-        backend += 1;
-        if let Some(budget) = budget {
-            budget.deposit_first_attempt();
-        }
-        for _ in 0..max_retries {
-            if let Some(budget) = budget
-                && !budget.try_withdraw()
-            {
-                break;
-            }
-            backend += 1;
-        }
-    }
+    let backend = resilience::budget::outage_backend_calls(budget, first_attempts, max_retries);
     OutageResult {
         first: first_attempts,
         backend,

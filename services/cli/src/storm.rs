@@ -20,6 +20,7 @@ use anyhow::Context;
 use clap::Args;
 use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressStyle};
+use retrychain_node::metadata;
 use retrychain_proto::v1::{
     ChargeRequest, Faults, GetStatsRequest, control_client::ControlClient,
     payments_client::PaymentsClient,
@@ -285,12 +286,14 @@ async fn measure(
             });
             request.set_timeout(deadline);
             if let Ok(key) = MetadataValue::try_from(format!("storm-{run}-{n}")) {
-                request.metadata_mut().insert("idempotency-key", key);
+                request
+                    .metadata_mut()
+                    .insert(metadata::IDEMPOTENCY_KEY, key);
             }
             if let Some(mode) = mode {
                 request
                     .metadata_mut()
-                    .insert("x-retry-mode", MetadataValue::from_static(mode));
+                    .insert(metadata::RETRY_MODE, MetadataValue::from_static(mode));
             }
             async move {
                 let sent = Instant::now();

@@ -78,30 +78,41 @@ impl RetryBudget {
     }
 }
 
+/// The design notes' total outage, on this bucket: `first_attempts` calls that all fail,
+/// each allowed `max_retries` retries, drawing on `budget` if there is one; the calls the
+/// backend receives. Without a budget that is `first_attempts × (1 + max_retries)`; with
+/// one, about `first_attempts × (1 + refund)` plus the capacity.
+pub fn outage_backend_calls(
+    budget: Option<&RetryBudget>,
+    first_attempts: u64,
+    max_retries: u32,
+) -> u64 {
+    let mut backend = 0;
+    for _ in 0..first_attempts {
+        backend += 1;
+        if let Some(b) = budget {
+            b.deposit_first_attempt();
+        }
+        for _ in 0..max_retries {
+            if let Some(b) = budget
+                && !b.try_withdraw()
+            {
+                break;
+            }
+            backend += 1;
+        }
+    }
+    backend
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
 
     use super::*;
 
-    /// The design notes' outage: every call fails, `max_retries` retries each.
     fn outage(budget: Option<&RetryBudget>, first_attempts: u64, max_retries: u32) -> u64 {
-        let mut backend = 0;
-        for _ in 0..first_attempts {
-            backend += 1;
-            if let Some(b) = budget {
-                b.deposit_first_attempt();
-            }
-            for _ in 0..max_retries {
-                if let Some(b) = budget
-                    && !b.try_withdraw()
-                {
-                    break;
-                }
-                backend += 1;
-            }
-        }
-        backend
+        outage_backend_calls(budget, first_attempts, max_retries)
     }
 
     #[test]
