@@ -185,7 +185,8 @@ impl Policies {
             policies.default_deadline = timeout;
         }
         match &method_config.policy {
-            None => {}
+            // gRFC A6: a method whose config has no retry policy is not retried.
+            None => policies.retry.max_attempts = 1,
             Some(CallPolicy::Retry(retry)) => {
                 policies.retry.max_attempts = retry.max_attempts;
                 policies.retry.backoff =

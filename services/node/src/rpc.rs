@@ -166,7 +166,7 @@ impl RpcScope {
                     tracing::info!(
                         code = ?status.code(),
                         elapsed_ms,
-                        message = status.message(),
+                        error = status.message(),
                         remaining_ms = self.deadline.remaining().as_millis() as u64,
                         "rpc failed"
                     );

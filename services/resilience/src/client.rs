@@ -28,10 +28,13 @@
 //!   `maxBackoff`, jittered), or exactly the server's `grpc-retry-pushback-ms`; a negative
 //!   or malformed pushback ends the call.
 //! - **How many**: `maxAttempts` (at most 5), and, with `retryThrottling`, only while the
-//!   channel's throttle has more than half its tokens.
+//!   channel's throttle has more than half its tokens. A failure costs a token when its
+//!   attempt fails; a success is credited when the call commits (its trailers are the
+//!   caller's to read).
 //! - **Marked**: every retry carries `grpc-previous-rpc-attempts`.
-//! - **Deadline**: a call with `grpc-timeout` gets each attempt's timeout set to what is
-//!   left; no attempt starts and no backoff sleeps past the deadline.
+//! - **Deadline**: the call's `grpc-timeout` (or the method config's `timeout`, whichever
+//!   is shorter) bounds it: each attempt is sent the time left, no attempt starts and no
+//!   backoff sleeps past it, and a call still unanswered then ends DEADLINE_EXCEEDED.
 //!
 //! A method with a `hedgingPolicy` is hedged instead: the first attempt at once, another
 //! every `hedgingDelay` up to `maxAttempts` (at once after a non-fatal failure, or after
@@ -60,10 +63,11 @@ use tower::{Layer, Service, ServiceExt};
 
 use crate::{
     backoff::Backoff,
+    classify::transport_failure_as_unavailable,
     classify::{PUSHBACK_HEADER, Pushback, parse_pushback},
     deadline::{format_grpc_timeout, parse_grpc_timeout},
     retry::{PREVIOUS_ATTEMPTS_HEADER, TIMEOUT_HEADER},
-    service_config::{CallPolicy, HedgingPolicy, RetryPolicyConfig, ServiceConfig},
+    service_config::{CallPolicy, HedgingPolicy, MethodConfig, RetryPolicyConfig, ServiceConfig},
     throttle::{A6Throttle, Throttle},
 };
 
@@ -139,7 +143,22 @@ impl RetryLayer {
         }
     }
 
+    /// Changes a setting. A layer that was cloned (or has made services) is copied
+    /// first, so the change never reaches services already made — the copy is a layer of
+    /// its own, with its own buffer accounting and jitter.
     fn edit(mut self, f: impl FnOnce(&mut Shared)) -> Self {
+        if Arc::get_mut(&mut self.shared).is_none() {
+            let s = &self.shared;
+            self.shared = Arc::new(Shared {
+                config: s.config.clone(),
+                throttle: s.throttle.clone(),
+                per_call_limit: s.per_call_limit,
+                per_channel_limit: s.per_channel_limit,
+                buffered: AtomicUsize::new(0),
+                rng: Mutex::new(rand::make_rng()),
+                observer: Arc::clone(&s.observer),
+            });
+        }
         if let Some(shared) = Arc::get_mut(&mut self.shared) {
             f(shared);
         }
@@ -208,8 +227,8 @@ impl<S, ResBody> Service<http::Request<Body>> for RetryService<S>
 where
     S: Service<http::Request<Body>, Response = http::Response<ResBody>> + Clone + Send + 'static,
     S::Future: Send,
-    S::Error: Send,
-    ResBody: Send + 'static,
+    S::Error: Into<BoxError> + Send,
+    ResBody: Default + Send + 'static,
 {
     type Response = http::Response<ResBody>;
     type Error = S::Error;
@@ -224,22 +243,30 @@ where
         let ready = self.inner.clone();
         let ready = std::mem::replace(&mut self.inner, ready);
         let shared = Arc::clone(&self.shared);
-        let policy = call_policy(&shared.config, request.uri().path()).cloned();
+        let method = method_config(&shared.config, request.uri().path());
+        let timeout = method.and_then(|m| m.timeout);
+        let policy = method.and_then(|m| m.policy.clone());
         match policy {
             None => {
                 let mut ready = ready;
                 Box::pin(ready.call(request))
             }
-            Some(CallPolicy::Retry(policy)) => Box::pin(retrying(ready, shared, policy, request)),
-            Some(CallPolicy::Hedging(policy)) => Box::pin(hedging(ready, shared, policy, request)),
+            Some(CallPolicy::Retry(policy)) => {
+                Box::pin(retrying(ready, shared, policy, timeout, request))
+            }
+            Some(CallPolicy::Hedging(policy)) => {
+                Box::pin(hedging(ready, shared, policy, timeout, request))
+            }
         }
     }
 }
 
-/// The retry or hedging policy of the method at `path` (`/package.Service/Method`).
-fn call_policy<'c>(config: &'c ServiceConfig, path: &str) -> Option<&'c CallPolicy> {
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The method config of the method at `path` (`/package.Service/Method`).
+fn method_config<'c>(config: &'c ServiceConfig, path: &str) -> Option<&'c MethodConfig> {
     let (service, method) = path.trim_start_matches('/').split_once('/')?;
-    config.for_method(service, method)?.policy.as_ref()
+    config.for_method(service, method)
 }
 
 /// A request's body, read into memory for replay, holding its share of the channel's
@@ -257,39 +284,46 @@ impl Drop for Buffered {
     }
 }
 
+/// Bytes of the channel's buffer held by a call still reading its body: given back on
+/// drop, however the read ends (cancellation included).
+struct Reservation<'a> {
+    shared: &'a Shared,
+    bytes: usize,
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        self.shared.buffered.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
+}
+
 /// Reads `body` up to the limits: `Ok` with all of it, or `Err` with a body that replays
 /// what was read and then the rest (to send once, unretried).
 async fn buffer(shared: &Arc<Shared>, mut body: Body) -> Result<Buffered, Body> {
     let mut bytes = BytesMut::new();
-    let mut reserved = 0;
-    let release = |n: usize| {
-        shared.buffered.fetch_sub(n, Ordering::AcqRel);
-    };
+    let mut reservation = Reservation { shared, bytes: 0 };
     loop {
         let frame = match body.frame().await {
             None => break,
             Some(Ok(frame)) => frame,
-            Some(Err(error)) => {
-                release(reserved);
-                let failed = futures_error_body(bytes.freeze(), error);
-                return Err(failed);
-            }
+            Some(Err(error)) => return Err(futures_error_body(bytes.freeze(), error)),
         };
         let Ok(data) = frame.into_data() else {
             continue; // request trailers: gRPC clients send none
         };
         let size = data.len();
         let total = shared.buffered.fetch_add(size, Ordering::AcqRel) + size;
-        reserved += size;
+        reservation.bytes += size;
         bytes.extend_from_slice(&data);
         if bytes.len() > shared.per_call_limit || total > shared.per_channel_limit {
-            release(reserved);
             return Err(chain(bytes.freeze(), body));
         }
         if body.is_end_stream() {
             break;
         }
     }
+    // The bytes are now held by the `Buffered`, which gives them back when dropped.
+    reservation.bytes = 0;
     Ok(Buffered {
         bytes: bytes.freeze(),
         shared: Arc::clone(shared),
@@ -322,7 +356,9 @@ enum Verdict<R> {
     Failed { status: Status, answer: Option<R> },
 }
 
-fn judge<B, E>(result: Result<http::Response<B>, E>) -> Verdict<Result<http::Response<B>, E>> {
+fn judge<B: Default, E: Into<BoxError>>(
+    result: Result<http::Response<B>, E>,
+) -> Verdict<Result<http::Response<B>, E>> {
     match result {
         Ok(response) => match Status::from_header_map(response.headers()) {
             Some(status) if status.code() != Code::Ok => Verdict::Failed {
@@ -331,26 +367,39 @@ fn judge<B, E>(result: Result<http::Response<B>, E>) -> Verdict<Result<http::Res
             },
             _ => Verdict::Committed(Ok(response)),
         },
-        Err(error) => Verdict::Failed {
-            status: Status::unavailable("the call did not reach the server"),
-            answer: Some(Err(error)),
-        },
+        // No answer: the status tonic would have made of the error (a broken connection
+        // is UNAVAILABLE, a reset stream CANCELLED, …), answered as a gRPC response.
+        Err(error) => {
+            let status = transport_failure_as_unavailable(Status::from_error(error.into()));
+            Verdict::Failed {
+                answer: Some(Ok(status.clone().into_http())),
+                status,
+            }
+        }
     }
+}
+
+/// The answer when the call's deadline ends it.
+fn deadline_exceeded<B: Default>() -> http::Response<B> {
+    Status::deadline_exceeded("the call's deadline passed before an answer").into_http()
 }
 
 async fn retrying<S, ResBody>(
     mut inner: S,
     shared: Arc<Shared>,
     policy: RetryPolicyConfig,
+    timeout: Option<std::time::Duration>,
     request: http::Request<Body>,
 ) -> Result<http::Response<ResBody>, S::Error>
 where
     S: Service<http::Request<Body>, Response = http::Response<ResBody>> + Clone + Send,
     S::Future: Send,
+    S::Error: Into<BoxError>,
+    ResBody: Default,
 {
     let path = request.uri().path().to_owned();
     let (parts, body) = request.into_parts();
-    let deadline = deadline_of(&parts);
+    let deadline = deadline_of(&parts, timeout);
     let body = match buffer(&shared, body).await {
         Ok(body) => body,
         Err(whole) => {
@@ -383,9 +432,20 @@ where
             }
         }
         shared.observer.attempt(&path, previous);
-        let result = match inner.ready().await {
-            Ok(ready) => ready.call(attempt).await,
-            Err(error) => Err(error),
+        let call = async {
+            match inner.ready().await {
+                Ok(ready) => ready.call(attempt).await,
+                Err(error) => Err(error),
+            }
+        };
+        // The deadline is enforced here too: a server that ignores grpc-timeout, or a
+        // network gone silent, must not hold the call past it.
+        let result = match deadline {
+            Some(deadline) => match tokio::time::timeout_at(deadline, call).await {
+                Ok(result) => result,
+                Err(_) => return Ok(deadline_exceeded()),
+            },
+            None => call.await,
         };
         previous += 1;
         let (status, answer) = match judge(result) {
@@ -422,22 +482,28 @@ where
                     .unwrap_or_else(|poisoned| poisoned.into_inner());
                 schedule.next_delay(&mut *rng)
             }
-            Pushback::RetryAfter(wait) => wait,
+            Pushback::RetryAfter(wait) => {
+                // As grpc-go and grpc-java: after a server's pushback, backoff starts over.
+                schedule = backoff.schedule();
+                wait
+            }
             Pushback::DoNotRetry => {
                 shared.observer.refused(&path, "pushback");
                 return give_back(answer);
             }
         };
-        if let Some(throttle) = &shared.throttle
-            && !throttle.try_retry()
-        {
-            shared.observer.refused(&path, "throttle");
-            return give_back(answer);
-        }
+        // The deadline first: a budget's token is not to be spent on a retry that could
+        // not happen anyway.
         if let Some(deadline) = deadline
             && tokio::time::Instant::now() + wait >= deadline
         {
             shared.observer.refused(&path, "deadline");
+            return give_back(answer);
+        }
+        if let Some(throttle) = &shared.throttle
+            && !throttle.try_retry()
+        {
+            shared.observer.refused(&path, "throttle");
             return give_back(answer);
         }
         tokio::time::sleep(wait).await;
@@ -470,14 +536,22 @@ fn attempt_request(
     attempt
 }
 
-/// The call's deadline, from its `grpc-timeout`.
-fn deadline_of(parts: &http::request::Parts) -> Option<tokio::time::Instant> {
-    parts
+/// The call's deadline: its `grpc-timeout`, or the method config's `timeout`, whichever
+/// ends first.
+fn deadline_of(
+    parts: &http::request::Parts,
+    configured: Option<std::time::Duration>,
+) -> Option<tokio::time::Instant> {
+    let sent = parts
         .headers
         .get(TIMEOUT_HEADER)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| parse_grpc_timeout(v).ok())
-        .map(|timeout| tokio::time::Instant::now() + timeout)
+        .and_then(|v| parse_grpc_timeout(v).ok());
+    let timeout = match (sent, configured) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }?;
+    tokio::time::Instant::now().checked_add(timeout)
 }
 
 /// gRFC A6 hedging: the first attempt now, another every `hedgingDelay` (at once after a
@@ -488,17 +562,20 @@ async fn hedging<S, ResBody>(
     inner: S,
     shared: Arc<Shared>,
     policy: HedgingPolicy,
+    timeout: Option<std::time::Duration>,
     request: http::Request<Body>,
 ) -> Result<http::Response<ResBody>, S::Error>
 where
     S: Service<http::Request<Body>, Response = http::Response<ResBody>> + Clone + Send,
     S::Future: Send,
+    S::Error: Into<BoxError>,
+    ResBody: Default,
 {
     use futures::{StreamExt, stream::FuturesUnordered};
 
     let path = request.uri().path().to_owned();
     let (parts, body) = request.into_parts();
-    let deadline = deadline_of(&parts);
+    let deadline = deadline_of(&parts, timeout);
     let body = match buffer(&shared, body).await {
         Ok(body) => body,
         Err(whole) => {
@@ -510,6 +587,13 @@ where
     if let Some(throttle) = &shared.throttle {
         throttle.first_attempt();
     }
+    // Every attempt goes through a fresh clone (`oneshot`); the instance made ready for
+    // this call would otherwise keep a slot of the channel's buffer for the whole call.
+    let inner = {
+        let fresh = inner.clone();
+        drop(inner);
+        fresh
+    };
     let mut running = FuturesUnordered::new();
     let mut sent: u32 = 0;
     let mut last_failure = None;
@@ -545,6 +629,12 @@ where
         }
         let hedge_due = async {
             match next_hedge {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        let deadline_passes = async {
+            match deadline {
                 Some(at) => tokio::time::sleep_until(at).await,
                 None => std::future::pending().await,
             }
@@ -592,6 +682,7 @@ where
                 }
             }
             () = hedge_due => {}
+            () = deadline_passes => return Ok(deadline_exceeded()),
         }
     }
 }

@@ -380,7 +380,11 @@ impl Retry {
             }
             let wait = match pushback(&status) {
                 Pushback::Absent => schedule.next_delay(&mut *self.lock_rng()),
-                Pushback::RetryAfter(wait) => wait,
+                Pushback::RetryAfter(wait) => {
+                    // As grpc-go and grpc-java: after a server's pushback, backoff starts over.
+                    schedule = policy.backoff.schedule();
+                    wait
+                }
                 Pushback::DoNotRetry => {
                     return Err(self.stopped(status, number, StopReason::PushbackRefused));
                 }

@@ -37,6 +37,9 @@ use tonic::Code;
 
 use crate::backoff::BackoffKind;
 
+/// The longest protobuf `Duration`, in seconds (about 10,000 years): no longer one is read.
+const MAX_DURATION_SECONDS: u64 = 315_576_000_000;
+
 /// The most attempts a policy may ask for; more is silently capped (gRFC A6).
 pub const MAX_ATTEMPTS_CAP: u32 = 5;
 
@@ -227,7 +230,8 @@ fn method_config(
         }
     }
     if let Some(timeout) = entry.get("timeout") {
-        config.timeout = Some(duration(&format!("{path}.timeout"), timeout)?);
+        let field = format!("{path}.timeout");
+        config.timeout = Some(positive(&field, duration(&field, timeout)?)?);
     }
     let retry = entry.get("retryPolicy");
     let hedging = entry.get("hedgingPolicy");
@@ -353,17 +357,18 @@ fn retry_throttling(value: &Value) -> Result<RetryThrottling, ConfigError> {
             format!("must be above 0 and at most 1000, got {max_tokens}"),
         ));
     }
-    let token_ratio = number("tokenRatio")?;
+    let given = number("tokenRatio")?;
+    // A6: up to three decimal places are honoured; what is left must still refill.
+    let token_ratio = (given * 1000.0).trunc() / 1000.0;
     if !(token_ratio > 0.0 && token_ratio.is_finite()) {
         return Err(error(
             "retryThrottling.tokenRatio",
-            format!("must be above 0, got {token_ratio}"),
+            format!("must be at least 0.001 (three decimals are honoured), got {given}"),
         ));
     }
     Ok(RetryThrottling {
         max_tokens,
-        // A6: up to three decimal places are honoured.
-        token_ratio: (token_ratio * 1000.0).trunc() / 1000.0,
+        token_ratio,
     })
 }
 
@@ -388,6 +393,12 @@ fn duration(path: &str, value: &Value) -> Result<Duration, ConfigError> {
     })?;
     let (whole, fraction) = seconds.split_once('.').unwrap_or((seconds, ""));
     let digits = |s: &str| s.bytes().all(|b| b.is_ascii_digit());
+    // grpc-go also takes a bare fraction (".01s"), as in its own retry example.
+    let whole = if whole.is_empty() && !fraction.is_empty() {
+        "0"
+    } else {
+        whole
+    };
     if whole.is_empty() || !digits(whole) || !digits(fraction) || fraction.len() > 9 {
         return Err(error(
             path,
@@ -398,7 +409,14 @@ fn duration(path: &str, value: &Value) -> Result<Duration, ConfigError> {
     }
     let whole: u64 = whole
         .parse()
-        .map_err(|_| error(path, format!("{text:?} is too long")))?;
+        .ok()
+        .filter(|&w| w <= MAX_DURATION_SECONDS)
+        .ok_or_else(|| {
+            error(
+                path,
+                format!("{text:?} is longer than a protobuf Duration (10,000 years)"),
+            )
+        })?;
     let nanos: u32 = if fraction.is_empty() {
         0
     } else {
@@ -630,9 +648,19 @@ mod tests {
             "methodConfig[1].name[0]"
         );
         assert_eq!(refused(r#"{"methodConfig": "#).field, "(document)");
+        for ratio in ["0", "0.0004"] {
+            assert_eq!(
+                refused(&format!(
+                    r#"{{"retryThrottling": {{"maxTokens": 10, "tokenRatio": {ratio}}}}}"#
+                ))
+                .field,
+                "retryThrottling.tokenRatio",
+                "{ratio}"
+            );
+        }
         assert_eq!(
-            refused(r#"{"retryThrottling": {"maxTokens": 10, "tokenRatio": 0}}"#).field,
-            "retryThrottling.tokenRatio"
+            refused(r#"{"methodConfig": [{"name": [{"service": "s"}], "timeout": "0s"}]}"#).field,
+            "methodConfig[0].timeout"
         );
         assert_eq!(
             refused(&retry_with("retrychainJitter", serde_json::json!("wobbly"))).field,
@@ -672,7 +700,22 @@ mod tests {
         assert_eq!(d("1s"), Ok(Duration::from_secs(1)));
         assert_eq!(d("0.010s"), Ok(Duration::from_millis(10)));
         assert_eq!(d("1.000000001s"), Ok(Duration::new(1, 1)));
-        for bad in ["1", "1ms", "s", ".5s", "-1s", "1.0000000001s", "1e3s", ""] {
+        assert_eq!(
+            d(".01s"),
+            Ok(Duration::from_millis(10)),
+            "grpc-go's own spelling"
+        );
+        for bad in [
+            "1",
+            "1ms",
+            "s",
+            ".s",
+            "-1s",
+            "1.0000000001s",
+            "1e3s",
+            "",
+            "315576000001s",
+        ] {
             assert!(d(bad).is_err(), "{bad}");
         }
     }

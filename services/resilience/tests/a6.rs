@@ -526,3 +526,84 @@ async fn our_retry_budget_can_stand_in_for_the_throttle() {
     assert_eq!(server.seen().len(), 3, "no token left: no retry");
     assert_eq!(budget.tokens(), 0.0);
 }
+
+#[tokio::test(start_paused = true)]
+async fn the_layer_ends_a_call_at_its_deadline_even_if_the_server_does_not() {
+    // The server takes 10 s and ignores grpc-timeout; the call's deadline is 1 s.
+    let server = slow(vec![(10_000, None)]);
+    let layer = RetryLayer::new(config(&policy(3), ""));
+    let mut client = PaymentsClient::new(tower::Layer::layer(
+        &layer,
+        PaymentsServer::new(server.clone()),
+    ));
+    let mut request = Request::new(ChargeRequest::default());
+    request.set_timeout(Duration::from_secs(1));
+    let start = Instant::now();
+    let status = client
+        .charge(request)
+        .await
+        .expect_err("the deadline passes");
+    assert_eq!(status.code(), Code::DeadlineExceeded);
+    assert_eq!(start.elapsed(), Duration::from_secs(1));
+
+    // With no grpc-timeout, the method config's `timeout` is the deadline.
+    let server = slow(vec![(10_000, None)]);
+    let layer = RetryLayer::new(
+        ServiceConfig::parse(
+            r#"{"methodConfig": [{"name": [{"service": "retrychain.v1.Payments"}], "timeout": "0.5s",
+                "retryPolicy": {"maxAttempts": 2, "initialBackoff": "0.1s", "maxBackoff": "0.1s",
+                                "backoffMultiplier": 1, "retryableStatusCodes": ["UNAVAILABLE"]}}]}"#,
+        )
+        .unwrap(),
+    );
+    let mut client = PaymentsClient::new(tower::Layer::layer(
+        &layer,
+        PaymentsServer::new(server.clone()),
+    ));
+    let start = Instant::now();
+    let status = client
+        .charge(ChargeRequest::default())
+        .await
+        .expect_err("the configured timeout passes");
+    assert_eq!(status.code(), Code::DeadlineExceeded);
+    assert_eq!(start.elapsed(), Duration::from_millis(500));
+}
+
+/// A transport that never reaches a server: every call fails with a connection reset.
+#[derive(Debug, Clone, Default)]
+struct Unreachable {
+    calls: Arc<Mutex<u32>>,
+}
+
+impl tower::Service<http::Request<tonic::body::Body>> for Unreachable {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = std::io::Error;
+    type Future = std::future::Ready<Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: http::Request<tonic::body::Body>) -> Self::Future {
+        *self.calls.lock().unwrap() += 1;
+        std::future::ready(Err(std::io::Error::from(
+            std::io::ErrorKind::ConnectionReset,
+        )))
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_that_reaches_no_server_is_unavailable_and_retried() {
+    let transport = Unreachable::default();
+    let layer = RetryLayer::new(config(&policy(3), ""));
+    let mut client = PaymentsClient::new(tower::Layer::layer(&layer, transport.clone()));
+    let status = client
+        .charge(ChargeRequest::default())
+        .await
+        .expect_err("no server");
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert_eq!(*transport.calls.lock().unwrap(), 3);
+}
