@@ -1223,17 +1223,7 @@ async fn retry_load_cannot_be_raised_from_outside() {
 
     // Drain some of the edge's budget, then ResetStats: the tokens stay where they were.
     for _ in 0..4 {
-        let _ = chain
-            .edge()
-            .await
-            .charge(charge(
-                &new_account(),
-                500,
-                None,
-                Duration::from_secs(10),
-                &[],
-            ))
-            .await;
+        let _ = chain.charge_new_account(&[]).await;
     }
     let drained = chain.stats(EDGE).await.budget_tokens;
     assert!(drained < 10.0, "retries spent tokens: {drained}");
@@ -1259,18 +1249,7 @@ async fn retry_load_cannot_be_raised_from_outside() {
 async fn the_edge_stops_clients_retrying_on_top() {
     let chain = Chain::spawn(Options::default()).await;
     chain.fail_processor().await;
-    let status = chain
-        .edge()
-        .await
-        .charge(charge(
-            &new_account(),
-            500,
-            None,
-            Duration::from_secs(10),
-            &[],
-        ))
-        .await
-        .expect_err("fails");
+    let status = chain.charge_new_account(&[]).await.expect_err("fails");
     assert_eq!(status.code(), Code::Unavailable);
     assert_eq!(
         status_header(&status, "grpc-retry-pushback-ms").as_deref(),
@@ -1281,15 +1260,7 @@ async fn the_edge_stops_clients_retrying_on_top() {
 
     chain.reset_stats().await;
     let status = chain
-        .edge()
-        .await
-        .charge(charge(
-            &new_account(),
-            500,
-            None,
-            Duration::from_secs(10),
-            &[("grpc-previous-rpc-attempts", "1")],
-        ))
+        .charge_new_account(&[("grpc-previous-rpc-attempts", "1")])
         .await
         .expect_err("fails");
     assert_eq!(status.code(), Code::Unavailable);
@@ -1310,18 +1281,7 @@ async fn the_edge_stops_clients_retrying_on_top() {
             },
         )
         .await;
-    let status = chain
-        .edge()
-        .await
-        .charge(charge(
-            &new_account(),
-            500,
-            None,
-            Duration::from_secs(10),
-            &[],
-        ))
-        .await
-        .expect_err("fails");
+    let status = chain.charge_new_account(&[]).await.expect_err("fails");
     assert_eq!(status.code(), Code::FailedPrecondition);
     assert_eq!(status_header(&status, "grpc-retry-pushback-ms"), None);
 }

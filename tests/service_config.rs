@@ -86,18 +86,7 @@ async fn only_the_configured_codes_are_retried() {
     );
     let chain = Chain::spawn(edge_with(&config)).await;
     chain.fail_processor().await; // UNAVAILABLE: not in the list
-    chain
-        .edge()
-        .await
-        .charge(charge(
-            &new_account(),
-            500,
-            None,
-            Duration::from_secs(10),
-            &[],
-        ))
-        .await
-        .expect_err("fails");
+    chain.charge_new_account(&[]).await.expect_err("fails");
     assert_eq!(chain.stats(LEDGER).await.downstream_attempts, 1);
 }
 

@@ -397,6 +397,24 @@ impl Chain {
         self.services[i].log()
     }
 
+    /// One Charge of 500 cents for a fresh account through the edge, with no key (the edge
+    /// makes one), a 10 s deadline and `metadata`.
+    pub async fn charge_new_account(
+        &self,
+        metadata: &[(&'static str, &str)],
+    ) -> Result<Response<ChargeReply>, Status> {
+        self.edge()
+            .await
+            .charge(charge(
+                &new_account(),
+                500,
+                None,
+                Duration::from_secs(10),
+                metadata,
+            ))
+            .await
+    }
+
     /// Makes the ledger's processor fail every call, UNAVAILABLE: the outage that retries
     /// multiply.
     pub async fn fail_processor(&self) {

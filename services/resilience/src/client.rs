@@ -330,6 +330,42 @@ async fn buffer(shared: &Arc<Shared>, mut body: Body) -> Result<Buffered, Body> 
     })
 }
 
+/// A call ready to be attempted again and again.
+struct Prepared {
+    /// `/package.Service/Method`, for the observer.
+    path: String,
+    /// The request's head, copied into each attempt.
+    parts: http::request::Parts,
+    /// The request's body, replayed by each attempt.
+    body: Buffered,
+    /// When the call ends.
+    deadline: Option<tokio::time::Instant>,
+}
+
+/// Buffers a call for replay. A call over the buffer limits comes back as the request to
+/// send once, unretried (already reported to the observer as its only attempt).
+async fn prepare(
+    shared: &Arc<Shared>,
+    request: http::Request<Body>,
+    timeout: Option<std::time::Duration>,
+) -> Result<Prepared, http::Request<Body>> {
+    let path = request.uri().path().to_owned();
+    let (parts, body) = request.into_parts();
+    let deadline = deadline_of(&parts, timeout);
+    match buffer(shared, body).await {
+        Ok(body) => Ok(Prepared {
+            path,
+            parts,
+            body,
+            deadline,
+        }),
+        Err(whole) => {
+            shared.observer.attempt(&path, 0);
+            Err(http::Request::from_parts(parts, whole))
+        }
+    }
+}
+
 /// A body of `prefix`, then whatever `rest` still yields.
 fn chain(prefix: Bytes, rest: Body) -> Body {
     let first = futures::stream::once(async move { Ok(http_body::Frame::data(prefix)) });
@@ -397,16 +433,14 @@ where
     S::Error: Into<BoxError>,
     ResBody: Default,
 {
-    let path = request.uri().path().to_owned();
-    let (parts, body) = request.into_parts();
-    let deadline = deadline_of(&parts, timeout);
-    let body = match buffer(&shared, body).await {
-        Ok(body) => body,
-        Err(whole) => {
-            // Over the limits: once, as it is.
-            shared.observer.attempt(&path, 0);
-            return inner.call(http::Request::from_parts(parts, whole)).await;
-        }
+    let Prepared {
+        path,
+        parts,
+        body,
+        deadline,
+    } = match prepare(&shared, request, timeout).await {
+        Ok(call) => call,
+        Err(once) => return inner.call(once).await,
     };
     let backoff = Backoff::new(policy.jitter, policy.initial_backoff, policy.max_backoff)
         .with_multiplier(policy.backoff_multiplier);
@@ -573,15 +607,16 @@ where
 {
     use futures::{StreamExt, stream::FuturesUnordered};
 
-    let path = request.uri().path().to_owned();
-    let (parts, body) = request.into_parts();
-    let deadline = deadline_of(&parts, timeout);
-    let body = match buffer(&shared, body).await {
-        Ok(body) => body,
-        Err(whole) => {
-            shared.observer.attempt(&path, 0);
+    let Prepared {
+        path,
+        parts,
+        body,
+        deadline,
+    } = match prepare(&shared, request, timeout).await {
+        Ok(call) => call,
+        Err(once) => {
             let mut inner = inner;
-            return inner.call(http::Request::from_parts(parts, whole)).await;
+            return inner.call(once).await;
         }
     };
     if let Some(throttle) = &shared.throttle {
