@@ -646,19 +646,11 @@ async fn replies_lost_at_every_hop_still_charge_each_of_1000_keys_once() {
 /// returned mid-BEGIN would be), and the pool keeps serving with every charge whole.
 #[tokio::test]
 async fn charges_cut_off_at_any_point_leak_no_transaction() {
-    use retrychain_ledger::{InFlight, KeyStore, StoreOptions};
+    use retrychain_ledger::InFlight;
     use retrychain_node::{AccountId, AmountCents, IdempotencyKey};
 
     let url = database().await;
-    let store = KeyStore::connect(
-        &url,
-        StoreOptions {
-            pool_size: 2,
-            acquire_timeout: Duration::from_millis(500),
-        },
-    )
-    .await
-    .unwrap();
+    let store = key_store(&url, 2).await;
     let account = AccountId::parse(&new_account()).unwrap();
     let deadline = || resilience::Deadline::after(Duration::from_secs(5));
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
@@ -749,7 +741,7 @@ async fn charges_cut_off_at_any_point_leak_no_transaction() {
 /// one of them: the first failure makes the store ping idle connections before use.
 #[tokio::test]
 async fn after_a_restart_only_the_first_charge_meets_a_broken_connection() {
-    use retrychain_ledger::{InFlight, KeyStore, StoreOptions};
+    use retrychain_ledger::{InFlight, KeyStore};
     use retrychain_node::{AccountId, AmountCents, IdempotencyKey};
 
     let _one = ONE_AT_A_TIME.lock().await;
@@ -757,15 +749,7 @@ async fn after_a_restart_only_the_first_charge_meets_a_broken_connection() {
         .await
         .unwrap()
         .expect("a throwaway Postgres");
-    let store = KeyStore::connect(
-        &cluster.url("postgres"),
-        StoreOptions {
-            pool_size: 6,
-            acquire_timeout: Duration::from_millis(500),
-        },
-    )
-    .await
-    .unwrap();
+    let store = key_store(&cluster.url("postgres"), 6).await;
     let account = AccountId::parse(&new_account()).unwrap();
     let charge = |store: KeyStore| {
         let account = account.clone();
@@ -814,6 +798,19 @@ async fn after_a_restart_only_the_first_charge_meets_a_broken_connection() {
         "{failures} of 6 charges met a broken connection"
     );
     drop(cluster);
+}
+
+/// The ledger's key store in this process, on `url`, with `pool_size` connections.
+async fn key_store(url: &str, pool_size: u32) -> retrychain_ledger::KeyStore {
+    retrychain_ledger::KeyStore::connect(
+        url,
+        retrychain_ledger::StoreOptions {
+            pool_size,
+            acquire_timeout: Duration::from_millis(500),
+        },
+    )
+    .await
+    .unwrap()
 }
 
 /// The same through the wire: deadlines from 1 ms to 60 ms against a ledger whose

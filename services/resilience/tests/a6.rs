@@ -273,46 +273,77 @@ async fn methods_without_a_retry_policy_pass_through() {
     assert_eq!(server.seen().len(), 1);
 }
 
-/// A server that sends response headers (committing the call) and only then fails, in
-/// its trailers.
-#[derive(Debug, Clone, Default)]
-struct FailsAfterHeaders {
+/// A transport that answers every call the same scripted way, counting calls: for
+/// answers a tonic server would never give (headers, then a failure in the trailers) and
+/// for calls that reach no server at all.
+struct Fake<E> {
     calls: Arc<Mutex<u32>>,
+    answer: fn() -> Result<http::Response<tonic::body::Body>, E>,
 }
 
-impl tower::Service<http::Request<tonic::body::Body>> for FailsAfterHeaders {
-    type Response = http::Response<tonic::body::Body>;
-    type Error = std::convert::Infallible;
-    type Future = std::future::Ready<Result<Self::Response, Self::Error>>;
+// By hand: the derive would ask `E: Clone`, and io::Error is not.
+impl<E> Clone for Fake<E> {
+    fn clone(&self) -> Self {
+        Self {
+            calls: Arc::clone(&self.calls),
+            answer: self.answer,
+        }
+    }
+}
 
-    fn poll_ready(
-        &mut self,
-        _: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Result<(), Self::Error>> {
+impl<E> Fake<E> {
+    fn new(answer: fn() -> Result<http::Response<tonic::body::Body>, E>) -> Self {
+        Self {
+            calls: Arc::default(),
+            answer,
+        }
+    }
+
+    fn calls(&self) -> u32 {
+        *self.calls.lock().unwrap()
+    }
+}
+
+impl<E> tower::Service<http::Request<tonic::body::Body>> for Fake<E> {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = E;
+    type Future = std::future::Ready<Result<Self::Response, E>>;
+
+    fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), E>> {
         std::task::Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, _: http::Request<tonic::body::Body>) -> Self::Future {
         *self.calls.lock().unwrap() += 1;
-        let mut trailers = http::HeaderMap::new();
-        trailers.insert("grpc-status", "14".parse().unwrap());
-        trailers.insert("grpc-message", "failed%20after%20headers".parse().unwrap());
-        let frames: Vec<Result<http_body::Frame<bytes::Bytes>, Status>> =
-            vec![Ok(http_body::Frame::trailers(trailers))];
-        let body = tonic::body::Body::new(http_body_util::StreamBody::new(futures::stream::iter(
-            frames,
-        )));
-        let response = http::Response::builder()
-            .header("content-type", "application/grpc")
-            .body(body)
-            .unwrap();
-        std::future::ready(Ok(response))
+        std::future::ready((self.answer)())
     }
+}
+
+/// Response headers (committing the call), and only then a failure, in the trailers.
+fn headers_then_unavailable() -> Result<http::Response<tonic::body::Body>, std::convert::Infallible>
+{
+    let mut trailers = http::HeaderMap::new();
+    trailers.insert("grpc-status", "14".parse().unwrap());
+    trailers.insert("grpc-message", "failed%20after%20headers".parse().unwrap());
+    let frames: Vec<Result<http_body::Frame<bytes::Bytes>, Status>> =
+        vec![Ok(http_body::Frame::trailers(trailers))];
+    let body = tonic::body::Body::new(http_body_util::StreamBody::new(futures::stream::iter(
+        frames,
+    )));
+    Ok(http::Response::builder()
+        .header("content-type", "application/grpc")
+        .body(body)
+        .unwrap())
+}
+
+/// No server: the connection is reset.
+fn connection_reset() -> Result<http::Response<tonic::body::Body>, std::io::Error> {
+    Err(std::io::Error::from(std::io::ErrorKind::ConnectionReset))
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_call_is_committed_once_response_headers_arrive() {
-    let server = FailsAfterHeaders::default();
+    let server = Fake::new(headers_then_unavailable);
     let layer = RetryLayer::new(config(&policy(5), ""));
     let mut client = PaymentsClient::new(tower::Layer::layer(&layer, server.clone()));
     let status = client
@@ -569,35 +600,9 @@ async fn the_layer_ends_a_call_at_its_deadline_even_if_the_server_does_not() {
     assert_eq!(start.elapsed(), Duration::from_millis(500));
 }
 
-/// A transport that never reaches a server: every call fails with a connection reset.
-#[derive(Debug, Clone, Default)]
-struct Unreachable {
-    calls: Arc<Mutex<u32>>,
-}
-
-impl tower::Service<http::Request<tonic::body::Body>> for Unreachable {
-    type Response = http::Response<tonic::body::Body>;
-    type Error = std::io::Error;
-    type Future = std::future::Ready<Result<Self::Response, Self::Error>>;
-
-    fn poll_ready(
-        &mut self,
-        _: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Result<(), Self::Error>> {
-        std::task::Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, _: http::Request<tonic::body::Body>) -> Self::Future {
-        *self.calls.lock().unwrap() += 1;
-        std::future::ready(Err(std::io::Error::from(
-            std::io::ErrorKind::ConnectionReset,
-        )))
-    }
-}
-
 #[tokio::test(start_paused = true)]
 async fn a_call_that_reaches_no_server_is_unavailable_and_retried() {
-    let transport = Unreachable::default();
+    let transport = Fake::new(connection_reset);
     let layer = RetryLayer::new(config(&policy(3), ""));
     let mut client = PaymentsClient::new(tower::Layer::layer(&layer, transport.clone()));
     let status = client
@@ -605,5 +610,5 @@ async fn a_call_that_reaches_no_server_is_unavailable_and_retried() {
         .await
         .expect_err("no server");
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
-    assert_eq!(*transport.calls.lock().unwrap(), 3);
+    assert_eq!(transport.calls(), 3);
 }
