@@ -16,7 +16,10 @@ use std::{
     time::Instant,
 };
 
-use resilience::{RetryLayer, ServiceConfig, client::ClientObserver};
+use resilience::{
+    RetryLayer, ServiceConfig,
+    client::{AttemptInfo, ClientObserver, Refusal},
+};
 use retrychain_proto::v1::{
     Account, ChargeReply, ChargeRequest, GetAccountRequest,
     payments_client::PaymentsClient,
@@ -70,16 +73,20 @@ impl Payments for Flaky {
 struct Print(Instant);
 
 impl ClientObserver for Print {
-    fn attempt(&self, path: &str, previous: u32) {
+    fn attempt(&self, path: &str, attempt: &AttemptInfo) {
+        let why = match attempt.retry_of {
+            Some(code) => format!(", a retry of {code:?}"),
+            None => String::new(),
+        };
         println!(
-            "  layer:  {path} attempt {} at {:?}",
-            previous + 1,
+            "  layer:  {path} attempt {} at {:?}{why}",
+            attempt.previous + 1,
             self.0.elapsed()
         );
     }
 
-    fn refused(&self, path: &str, reason: &'static str) {
-        println!("  layer:  {path} retry refused by the {reason}");
+    fn refused(&self, path: &str, reason: Refusal) {
+        println!("  layer:  {path} retry refused by the {}", reason.as_str());
     }
 }
 

@@ -15,16 +15,28 @@
 //! client (grpc-go, grpc-java, gRPC core) obeys a negative pushback by not retrying, and one
 //! that retries anyway gets a single attempt per retry instead of another round.
 //!
-//! Every call gets a strictly shorter deadline than the one received (the retry executor
-//! computes it per attempt), the same idempotency key, and the same trace id.
+//! A hop is a tonic client with layers: the handler validates, builds the downstream call
+//! and relays the answer; the [`Downstream`] stack does the rest — every call gets a
+//! strictly shorter deadline than the one received, the same idempotency key, the same
+//! trace id, and the retry policy of the request's [`Plan`].
 
-use std::sync::Arc;
+use std::{
+    sync::Arc,
+    task::{Context, Poll},
+};
 
-use resilience::{Backoff, Retry, RetryError, RetryPolicy, Throttle};
+use resilience::{
+    Backoff, ForwardHeadersLayer, PropagateDeadlineLayer, RetryLayer, ServiceConfig, Throttle,
+    classify::{PUSHBACK_HEADER, RETRYABLE},
+    client::RetryService,
+    propagate::{ForwardHeaders, PropagateDeadline},
+    service_config::RetryPolicyConfig,
+};
 use retrychain_node::{
-    AccountId, AmountCents, IdempotencyKey, Node, RetryMode, RpcScope, TraceContext,
+    AccountId, AmountCents, IdempotencyKey, Node, RetryMode, RpcScope,
     faults::{FaultLayer, Faulty},
     metadata::{self, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, RETRY_MODE, TRACE_ID, TRACEPARENT},
+    telemetry::{InjectTrace, InjectTraceLayer},
 };
 use retrychain_proto::v1::{
     Account, ChargeReply, ChargeRequest, GetAccountRequest, payments_client::PaymentsClient,
@@ -32,21 +44,72 @@ use retrychain_proto::v1::{
 };
 use tonic::{
     Request, Response, Status,
-    metadata::{Ascii, MetadataMap, MetadataValue},
+    metadata::{MetadataMap, MetadataValue},
     transport::Channel,
 };
-use tower::{Layer, util::Either};
+use tower::{Layer, ServiceBuilder, ServiceExt, util::Either};
 
-/// The client stack under a hop's downstream calls, outermost first: fault injection
-/// ([`FaultLayer`], only in a service started with `--fault-injection`), then the channel.
-/// The retry executor sits above it, driving one call through the stack per attempt.
-pub type Downstream = Either<Faulty<Channel>, Channel>;
+/// A hop's downstream client stack, outermost first — where every retry decision of the
+/// chain is made:
+///
+/// 1. [`ForwardHeaders`]: the `idempotency-key` (and, where honoured, `x-retry-mode`) of
+///    the request being served go on every call, unless the handler set them.
+/// 2. [`PropagateDeadline`]: the call's `grpc-timeout` is the served request's time left
+///    less the margin; with too little left, no call is made (DEADLINE_EXCEEDED).
+/// 3. [`ByPlan`]: the [`RetryLayer`] of the request's [`Plan`] retries the call, sending
+///    each attempt the time left and counting it in the node's Stats.
+/// 4. [`InjectTrace`]: while exporting traces, each attempt is its server's parent.
+/// 5. [`FaultLayer`], only in a service started with `--fault-injection`.
+/// 6. The channel: one HTTP/2 connection shared by all calls.
+pub type Downstream = ForwardHeaders<PropagateDeadline<ByPlan<RetryService<InjectTrace<Faults>>>>>;
 
-fn downstream_stack(node: &Arc<Node>, channel: Channel) -> Downstream {
-    if node.fault_injection {
-        Either::Left(FaultLayer::new(Arc::clone(node)).layer(channel))
-    } else {
-        Either::Right(channel)
+/// The fault layer, when the service has one.
+pub type Faults = Either<Faulty<Channel>, Channel>;
+
+/// Which retry policy a downstream call goes out under. The handler puts it in the call's
+/// extensions; [`ByPlan`] reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Plan {
+    /// Retries without a budget (`every-layer`).
+    EveryLayer,
+    /// Budgeted retries at the edge; one attempt at a relay (`edge-only`).
+    EdgeOnly,
+    /// One attempt: the edge's answer to a caller that retries on its own.
+    Single,
+}
+
+/// Sends each call through the retry service of its [`Plan`] (one attempt when it names
+/// none). The three share the layers below them, and so the connection.
+#[derive(Debug, Clone)]
+pub struct ByPlan<S> {
+    /// For [`Plan::EveryLayer`].
+    every_layer: S,
+    /// For [`Plan::EdgeOnly`].
+    edge_only: S,
+    /// For [`Plan::Single`].
+    single: S,
+}
+
+impl<S, B> tower::Service<http::Request<B>> for ByPlan<S>
+where
+    S: tower::Service<http::Request<B>> + Clone,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = tower::util::Oneshot<S, http::Request<B>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // Readiness is the chosen service's, awaited in `call` (`oneshot`).
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        let service = match request.extensions().get::<Plan>() {
+            Some(Plan::EveryLayer) => &self.every_layer,
+            Some(Plan::EdgeOnly) => &self.edge_only,
+            Some(Plan::Single) | None => &self.single,
+        };
+        service.clone().oneshot(request)
     }
 }
 
@@ -79,6 +142,57 @@ pub struct HopRetryConfig {
     pub min_attempt: std::time::Duration,
 }
 
+/// Builds the [`Downstream`] stack over `channel`.
+fn downstream(
+    node: &Arc<Node>,
+    role: Role,
+    retry: &HopRetryConfig,
+    channel: Channel,
+) -> Downstream {
+    let faults = if node.fault_injection {
+        Either::Left(FaultLayer::new(Arc::clone(node)).layer(channel))
+    } else {
+        Either::Right(channel)
+    };
+    let below = InjectTraceLayer.layer(faults);
+    let observer: Arc<dyn resilience::client::ClientObserver> = Arc::clone(node) as _;
+    let retrying = |max_attempts: u32, throttle: Option<&Arc<dyn Throttle>>| {
+        let policy = RetryPolicyConfig::new(
+            max_attempts,
+            retry.backoff,
+            retry
+                .retryable
+                .clone()
+                .unwrap_or_else(|| RETRYABLE.to_vec()),
+        );
+        let mut layer = RetryLayer::new(ServiceConfig::retry_every_method(policy))
+            .min_attempt(retry.min_attempt)
+            .annotate_failures(&node.name)
+            .observer(observer.clone());
+        if let Some(throttle) = throttle {
+            layer = layer.throttle(Arc::clone(throttle));
+        }
+        // The edge is the one retrying layer: a client that retries on top of it is told
+        // not to (gRFC A6: a negative pushback means "do not retry").
+        if role == Role::Edge {
+            layer = layer.refuse_caller_retries();
+        }
+        layer.layer(below.clone())
+    };
+    let plans = ByPlan {
+        every_layer: retrying(retry.max_attempts, None),
+        edge_only: match role {
+            Role::Edge => retrying(retry.max_attempts, retry.budget.as_ref()),
+            Role::Relay => retrying(1, None),
+        },
+        single: retrying(1, None),
+    };
+    ServiceBuilder::new()
+        .layer(ForwardHeadersLayer)
+        .layer(PropagateDeadlineLayer::new(retry.margin, retry.min_attempt).observer(observer))
+        .service(plans)
+}
+
 /// Forwards `Payments` to the next service.
 #[derive(Debug, Clone)]
 pub struct Hop {
@@ -88,106 +202,42 @@ pub struct Hop {
     role: Role,
     /// The configured mode.
     mode: RetryMode,
-    /// The downstream service; one HTTP/2 connection shared by all calls.
+    /// The downstream service, under the [`Downstream`] stack.
     downstream: PaymentsClient<Downstream>,
-    /// The executor for `every-layer`: retries without a budget.
-    every_layer: Arc<Retry>,
-    /// The executor for `edge-only`: budgeted retries at the edge, one attempt elsewhere.
-    edge_only: Arc<Retry>,
-    /// One attempt: the edge's answer to a caller that retries on its own.
-    single: Arc<Retry>,
-}
-
-/// What a hop passes on with each downstream call, encoded once per request and cloned
-/// (cheaply: the values are shared bytes) into each attempt.
-struct Forward {
-    /// The idempotency key (absent only on GetAccount).
-    key: Option<MetadataValue<Ascii>>,
-    /// The mode for this request.
-    mode: RetryMode,
-    /// Whether to send `x-retry-mode` on.
-    pass_mode: bool,
-    /// This hop's `traceparent` for its downstream.
-    traceparent: Option<MetadataValue<Ascii>>,
-}
-
-impl Forward {
-    fn new(
-        key: Option<&IdempotencyKey>,
-        mode: RetryMode,
-        pass_mode: bool,
-        trace: &TraceContext,
-    ) -> Self {
-        Self {
-            key: key.and_then(|key| MetadataValue::try_from(key.as_str()).ok()),
-            mode,
-            pass_mode,
-            traceparent: MetadataValue::try_from(trace.traceparent()).ok(),
-        }
-    }
-
-    fn request<T>(&self, message: T, attempt: &resilience::Attempt) -> Request<T> {
-        let mut request = Request::new(message);
-        let metadata = request.metadata_mut();
-        if let Some(key) = &self.key {
-            metadata.insert(IDEMPOTENCY_KEY, key.clone());
-        }
-        if self.pass_mode {
-            metadata.insert(RETRY_MODE, MetadataValue::from_static(self.mode.as_str()));
-        }
-        // Exporting traces, the parent of the downstream's span is this attempt's span;
-        // otherwise this hop's own trace context.
-        if !retrychain_node::telemetry::inject_current(metadata)
-            && let Some(traceparent) = &self.traceparent
-        {
-            metadata.insert(TRACEPARENT, traceparent.clone());
-        }
-        attempt.apply(&mut request);
-        request
-    }
 }
 
 impl Hop {
-    /// A hop in `role` forwarding to `downstream`.
-    pub fn new(node: Arc<Node>, role: Role, retry: HopRetryConfig, downstream: Channel) -> Self {
-        let every_layer = RetryPolicy {
-            max_attempts: retry.max_attempts,
-            backoff: retry.backoff,
-            budget: None,
-            retryable: retry.retryable.clone(),
-            margin: retry.margin,
-            min_attempt: retry.min_attempt,
-        };
-        let single = RetryPolicy::single_attempt(retry.backoff, retry.margin, retry.min_attempt);
-        let edge_only = match role {
-            Role::Edge => RetryPolicy {
-                budget: retry.budget.clone(),
-                ..every_layer.clone()
-            },
-            Role::Relay => single.clone(),
-        };
+    /// A hop in `role` forwarding to `channel`.
+    pub fn new(node: Arc<Node>, role: Role, retry: HopRetryConfig, channel: Channel) -> Self {
         Self {
             role,
             mode: retry.mode,
-            downstream: PaymentsClient::new(downstream_stack(&node, downstream)),
-            every_layer: Arc::new(Retry::new(every_layer).with_label(&node.name)),
-            edge_only: Arc::new(Retry::new(edge_only).with_label(&node.name)),
-            single: Arc::new(Retry::new(single).with_label(&node.name)),
+            downstream: PaymentsClient::new(downstream(&node, role, &retry, channel)),
             node,
         }
     }
 
-    /// Reads key and retry mode from the incoming call, per role.
-    fn forward<T>(
+    /// The downstream call for `message`: the request's [`Plan`], and what the edge adds
+    /// that the incoming request lacks (the key it made; edge-only for a retrying caller).
+    /// Everything else the caller sent travels by the stack's propagation layers.
+    fn outgoing<T, U>(
         &self,
         request: &Request<T>,
         scope: &RpcScope,
         key_required: bool,
-    ) -> Result<Forward, Status> {
+        message: U,
+    ) -> Result<Request<U>, Status> {
         let incoming = request.metadata();
+        let mut outgoing = Request::new(message);
         let key = match (metadata::idempotency_key(incoming)?, self.role) {
             (Some(key), _) => Some(key),
-            (None, Role::Edge) if key_required => Some(IdempotencyKey::generate()),
+            (None, Role::Edge) if key_required => {
+                let key = IdempotencyKey::generate();
+                if let Ok(value) = MetadataValue::try_from(key.as_str()) {
+                    outgoing.metadata_mut().insert(IDEMPOTENCY_KEY, value);
+                }
+                Some(key)
+            }
             (None, Role::Relay) if key_required => {
                 return Err(Status::invalid_argument(
                     "idempotency-key is required (the edge adds one when a client sends none)",
@@ -201,84 +251,58 @@ impl Hop {
                 scope.echo_key(key);
             }
         }
+        let caller_retries = self.role == Role::Edge && scope.caller_previous_attempts > 0;
         // A service without the override neither reads the header nor passes it on.
-        let (mode, pass_mode) = match self.node.requested_retry_mode(incoming)? {
+        let mode = match self.node.requested_retry_mode(incoming)? {
             // A caller retrying on its own gets one attempt from the edge, and no retries
             // below it either: an honoured every-layer would make each of its retries 81
             // bottom calls.
-            Some(_) if self.role == Role::Edge && scope.caller_previous_attempts > 0 => {
-                (RetryMode::EdgeOnly, true)
+            Some(_) if caller_retries => {
+                outgoing.metadata_mut().insert(
+                    RETRY_MODE,
+                    MetadataValue::from_static(RetryMode::EdgeOnly.as_str()),
+                );
+                RetryMode::EdgeOnly
             }
-            Some(mode) => (mode, true),
-            None => (self.mode, false),
+            Some(mode) => mode,
+            None => self.mode,
         };
-        Ok(Forward::new(key.as_ref(), mode, pass_mode, &scope.trace))
-    }
-
-    fn executor(&self, mode: RetryMode, scope: &RpcScope) -> &Retry {
-        if self.role == Role::Edge && scope.caller_previous_attempts > 0 {
-            return &self.single;
+        let plan = match mode {
+            _ if caller_retries => Plan::Single,
+            RetryMode::EveryLayer => Plan::EveryLayer,
+            RetryMode::EdgeOnly => Plan::EdgeOnly,
+        };
+        outgoing.extensions_mut().insert(plan);
+        // This hop's trace context; while exporting, each attempt's span replaces it.
+        if let Ok(traceparent) = MetadataValue::try_from(scope.trace.traceparent()) {
+            outgoing.metadata_mut().insert(TRACEPARENT, traceparent);
         }
-        match mode {
-            RetryMode::EveryLayer => &self.every_layer,
-            RetryMode::EdgeOnly => &self.edge_only,
+        Ok(outgoing)
+    }
+}
+
+/// Relays the downstream's answer: its reply, or its failure, with the metadata that
+/// travels back up the chain. A pushback is for whoever retries next, whichever layer that
+/// is — the edge's own "do not retry" included.
+fn relay<T>(answer: Result<Response<T>, Status>) -> Result<Response<T>, Status> {
+    match answer {
+        Ok(response) => {
+            let (downstream_metadata, reply, _) = response.into_parts();
+            let mut response = Response::new(reply);
+            copy_relayed(&downstream_metadata, response.metadata_mut());
+            Ok(response)
         }
-    }
-
-    /// Whether this hop's failure answer tells its caller not to retry: at the edge, when
-    /// the edge was the retrying layer for this call (it retried, or a retry was refused).
-    /// An edge configured never to retry (`--max-attempts 1`) leaves retrying to its caller.
-    fn refuse_caller_retries(&self, error: &RetryError) -> bool {
-        self.role == Role::Edge && error.retries_were_spent()
-    }
-
-    /// Sends a call downstream under the request's retry mode and relays the answer.
-    async fn relay<Req, Rep, F, Fut>(
-        &self,
-        scope: &RpcScope,
-        forward: &Forward,
-        message: Req,
-        call: F,
-    ) -> Result<Response<Rep>, Status>
-    where
-        Req: Clone,
-        F: Fn(PaymentsClient<Downstream>, Request<Req>) -> Fut,
-        Fut: Future<Output = Result<Response<Rep>, Status>>,
-    {
-        let result = self
-            .executor(forward.mode, scope)
-            .run_detailed(scope.deadline, &self.node.counters, |attempt| {
-                let request = forward.request(message.clone(), &attempt);
-                call(self.downstream.clone(), request)
-            })
-            .await;
-        match result {
-            Ok(response) => {
-                let (downstream_metadata, reply, _) = response.into_parts();
-                let mut response = Response::new(reply);
-                copy_relayed(&downstream_metadata, response.metadata_mut());
-                Ok(response)
+        Err(status) => {
+            let mut metadata = MetadataMap::new();
+            copy_relayed(status.metadata(), &mut metadata);
+            if let Some(value) = status.metadata().get(PUSHBACK_HEADER) {
+                metadata.insert(PUSHBACK_HEADER, value.clone());
             }
-            Err(error) => {
-                let refuse = self.refuse_caller_retries(&error);
-                let status = error.status;
-                let mut metadata = MetadataMap::new();
-                copy_relayed(status.metadata(), &mut metadata);
-                let pushback = resilience::classify::PUSHBACK_HEADER;
-                if refuse {
-                    // The edge was the one retrying layer; a client on top must not be
-                    // another (gRFC A6: a negative pushback means "do not retry").
-                    metadata.insert(pushback, MetadataValue::from(-1));
-                } else if let Some(value) = status.metadata().get(pushback) {
-                    // A pushback is for whoever retries next, whichever layer that is.
-                    metadata.insert(pushback, value.clone());
-                }
-                Err(Status::with_metadata(
-                    status.code(),
-                    status.message().to_owned(),
-                    metadata,
-                ))
-            }
+            Err(Status::with_metadata(
+                status.code(),
+                status.message().to_owned(),
+                metadata,
+            ))
         }
     }
 }
@@ -302,18 +326,11 @@ impl Payments for Hop {
         let scope = RpcScope::begin(&self.node, "Charge", &request);
         scope
             .run(async {
-                let forward = self.forward(&request, &scope, true)?;
-                let message = request.into_inner();
+                let outgoing = self.outgoing(&request, &scope, true, request.get_ref().clone())?;
                 // Bad input fails here, not five hops down (and is never retried).
-                AccountId::parse(&message.account_id)?;
-                AmountCents::parse(message.amount_cents)?;
-                self.relay(
-                    &scope,
-                    &forward,
-                    message,
-                    |mut client, request| async move { client.charge(request).await },
-                )
-                .await
+                AccountId::parse(&outgoing.get_ref().account_id)?;
+                AmountCents::parse(outgoing.get_ref().amount_cents)?;
+                relay(self.downstream.clone().charge(outgoing).await)
             })
             .await
     }
@@ -325,16 +342,9 @@ impl Payments for Hop {
         let scope = RpcScope::begin(&self.node, "GetAccount", &request);
         scope
             .run(async {
-                let forward = self.forward(&request, &scope, false)?;
-                let message = request.into_inner();
-                AccountId::parse(&message.account_id)?;
-                self.relay(
-                    &scope,
-                    &forward,
-                    message,
-                    |mut client, request| async move { client.get_account(request).await },
-                )
-                .await
+                let outgoing = self.outgoing(&request, &scope, false, request.get_ref().clone())?;
+                AccountId::parse(&outgoing.get_ref().account_id)?;
+                relay(self.downstream.clone().get_account(outgoing).await)
             })
             .await
     }

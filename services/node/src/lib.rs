@@ -16,7 +16,7 @@
 
 use std::{sync::Arc, time::Duration};
 
-use resilience::Throttle;
+use resilience::{Throttle, client::ClientObserver};
 use retrychain_proto::v1::Stats;
 
 pub mod control;
@@ -111,5 +111,32 @@ impl Node {
     /// The counters as `Control.GetStats` returns them.
     pub fn stats(&self) -> Stats {
         self.counters.snapshot(&self.name, self.budget.as_ref())
+    }
+
+    /// The headers of a request that its handler's downstream calls carry on
+    /// (`resilience::propagate`): the idempotency key, and `x-retry-mode` only where the
+    /// override is allowed — a service without it neither reads nor passes it on.
+    pub fn carried_headers(&self) -> Vec<http::HeaderName> {
+        let mut names = vec![http::HeaderName::from_static(metadata::IDEMPOTENCY_KEY)];
+        if self.allow_retry_mode_override {
+            names.push(http::HeaderName::from_static(metadata::RETRY_MODE));
+        }
+        names
+    }
+}
+
+/// A node observes its downstream calls into its counters, so a client stack can report
+/// to it (`Arc<Node>` as the retry layer's observer).
+impl ClientObserver for Node {
+    fn attempt(&self, path: &str, attempt: &resilience::client::AttemptInfo) {
+        ClientObserver::attempt(&self.counters, path, attempt);
+    }
+
+    fn refused(&self, path: &str, reason: resilience::client::Refusal) {
+        ClientObserver::refused(&self.counters, path, reason);
+    }
+
+    fn call_finished(&self, path: &str, attempts: u32) {
+        ClientObserver::call_finished(&self.counters, path, attempts);
     }
 }

@@ -7,7 +7,7 @@
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
-use resilience::DeadlineLayer;
+use resilience::{CarryHeadersLayer, DeadlineLayer};
 use retrychain_proto::{
     FILE_DESCRIPTOR_SET,
     v1::{
@@ -133,8 +133,10 @@ pub enum ServeError {
 /// 1. `DeadlineLayer`: every request gets its deadline (or `node.default_deadline`), capped
 ///    at `node.max_deadline`; a malformed `grpc-timeout` is INVALID_ARGUMENT; the handler
 ///    answers DEADLINE_EXCEEDED `reserve` before the deadline, before tonic itself would
-///    answer CANCELLED.
-/// 2. The services: health (for `retrychain health` and container checks), reflection v1
+///    answer CANCELLED. The deadline stays with the handler's task, for the client
+///    layers of its downstream calls (`resilience::propagate`).
+/// 2. `CarryHeadersLayer`: the headers those calls carry on ([`Node::carried_headers`]).
+/// 3. The services: health (for `retrychain health` and container checks), reflection v1
 ///    and v1alpha (grpcurl 1.8.6 speaks only v1alpha), Payments.
 ///
 /// The admin stack: `GET /metrics` (Prometheus, HTTP/1.1), health, reflection, Control.
@@ -187,6 +189,7 @@ where
 
     let public = Server::builder()
         .layer(DeadlineLayer::new(node.default_deadline, reserve).with_max(node.max_deadline))
+        .layer(CarryHeadersLayer::new(node.carried_headers()))
         .add_service(health_service.clone())
         .add_service(reflection_v1(&[PAYMENTS])?)
         .add_service(reflection_v1alpha(&[PAYMENTS])?)

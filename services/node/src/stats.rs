@@ -15,7 +15,10 @@ use prometheus_client::{
     encoding::EncodeLabelSet,
     metrics::{counter::Counter, family::Family, histogram::Histogram},
 };
-use resilience::{Attempt, RetryObserver, Throttle};
+use resilience::{
+    Attempt, RetryObserver, Throttle,
+    client::{AttemptInfo, ClientObserver, Refusal},
+};
 use retrychain_proto::v1::Stats;
 
 /// A monotonic count with a resettable baseline; see the module docs.
@@ -212,6 +215,38 @@ impl RetryObserver for Counters {
     }
 
     fn call_finished(&self, attempts: u32) {
+        if attempts > 0 {
+            self.attempts_per_call.observe(f64::from(attempts));
+        }
+    }
+}
+
+/// The retry layer's report, counted as the executor's is: one path to the same Stats.
+impl ClientObserver for Counters {
+    fn attempt(&self, _path: &str, attempt: &AttemptInfo) {
+        self.downstream_attempts.inc();
+        if attempt.previous > 0 {
+            self.retries.inc();
+            let reason = attempt.retry_of.map_or("UNKNOWN", crate::faults::code_name);
+            self.retry_reasons
+                .get_or_create(&ReasonLabels { reason })
+                .inc();
+        }
+        if let Some(timeout) = attempt.timeout {
+            self.last_outgoing_timeout_ms
+                .store(timeout.as_millis() as u64, Ordering::Relaxed);
+        }
+    }
+
+    fn refused(&self, _path: &str, reason: Refusal) {
+        match reason {
+            Refusal::Throttle => self.budget_denied.inc(),
+            Refusal::Deadline => self.deadline_denied.inc(),
+            Refusal::Pushback => {}
+        }
+    }
+
+    fn call_finished(&self, _path: &str, attempts: u32) {
         if attempts > 0 {
             self.attempts_per_call.observe(f64::from(attempts));
         }

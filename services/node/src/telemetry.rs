@@ -23,7 +23,7 @@ use opentelemetry::{
     trace::{TraceContextExt, TracerProvider as _},
 };
 use opentelemetry_sdk::{propagation::TraceContextPropagator, trace::SdkTracerProvider};
-use tonic::metadata::{MetadataKey, MetadataMap, MetadataValue};
+use tonic::metadata::MetadataMap;
 use tracing::Span;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 use tracing_subscriber::{EnvFilter, Layer, layer::SubscriberExt, util::SubscriberInitExt};
@@ -225,18 +225,53 @@ pub fn continue_trace(span: &Span, metadata: &MetadataMap) -> Option<String> {
         .then(|| span_context.trace_id().to_string())
 }
 
-/// Writes the current span's `traceparent` into `metadata` (the downstream's parent is
-/// this attempt); `false` when not exporting, and the caller sends its own.
-pub fn inject_current(metadata: &mut MetadataMap) -> bool {
-    if !exporting() {
-        return false;
+/// A client layer that writes the current span's `traceparent` into each outgoing call
+/// while exporting, so the server's span is the child of the caller's attempt span. Placed
+/// below a retry layer, every attempt is its own parent. Not exporting, it leaves the
+/// request as it is (its `traceparent`, if any, was set by the caller).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct InjectTraceLayer;
+
+impl<S> tower::Layer<S> for InjectTraceLayer {
+    type Service = InjectTrace<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        InjectTrace { inner }
     }
-    let context = Span::current().context();
-    if !context.span().span_context().is_valid() {
-        return false;
+}
+
+/// The service [`InjectTraceLayer`] makes.
+#[derive(Debug, Clone)]
+pub struct InjectTrace<S> {
+    /// Where calls go.
+    inner: S,
+}
+
+impl<S, B> tower::Service<http::Request<B>> for InjectTrace<S>
+where
+    S: tower::Service<http::Request<B>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
     }
-    TraceContextPropagator::new().inject_context(&context, &mut MetadataInjector(metadata));
-    true
+
+    fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
+        if exporting() {
+            let context = Span::current().context();
+            if context.span().span_context().is_valid() {
+                TraceContextPropagator::new()
+                    .inject_context(&context, &mut HeaderInjector(request.headers_mut()));
+            }
+        }
+        self.inner.call(request)
+    }
 }
 
 struct MetadataExtractor<'a>(&'a MetadataMap);
@@ -257,13 +292,13 @@ impl Extractor for MetadataExtractor<'_> {
     }
 }
 
-struct MetadataInjector<'a>(&'a mut MetadataMap);
+struct HeaderInjector<'a>(&'a mut http::HeaderMap);
 
-impl Injector for MetadataInjector<'_> {
+impl Injector for HeaderInjector<'_> {
     fn set(&mut self, key: &str, value: String) {
         if let (Ok(key), Ok(value)) = (
-            MetadataKey::from_bytes(key.as_bytes()),
-            MetadataValue::try_from(value),
+            http::HeaderName::from_bytes(key.as_bytes()),
+            http::HeaderValue::try_from(value),
         ) {
             self.0.insert(key, value);
         }

@@ -14,11 +14,16 @@ pub const PUSHBACK_HEADER: &str = "grpc-retry-pushback-ms";
 /// only while the overall deadline still has room, which the executor checks separately.
 /// Everything else fails the same way again and would only add load.
 pub fn is_retryable(code: Code) -> bool {
-    matches!(
-        code,
-        Code::Unavailable | Code::ResourceExhausted | Code::Aborted | Code::DeadlineExceeded
-    )
+    RETRYABLE.contains(&code)
 }
+
+/// The codes [`is_retryable`] accepts, as a retry policy's `retryableStatusCodes`.
+pub const RETRYABLE: [Code; 4] = [
+    Code::Unavailable,
+    Code::ResourceExhausted,
+    Code::Aborted,
+    Code::DeadlineExceeded,
+];
 
 /// Gives a failure the client made itself from a broken connection the code it stands for.
 ///

@@ -60,6 +60,7 @@ use http_body_util::BodyExt;
 use rand::{SeedableRng, rngs::SmallRng};
 use tonic::{Code, Status, body::Body};
 use tower::{Layer, Service, ServiceExt};
+use tracing::Instrument;
 
 use crate::{
     backoff::Backoff,
@@ -77,18 +78,56 @@ pub const DEFAULT_PER_CALL_LIMIT: usize = 1 << 20;
 /// (grpc-java's default).
 pub const DEFAULT_PER_CHANNEL_LIMIT: usize = 16 << 20;
 
+/// An attempt the layer is about to send, as its observer is told of it.
+#[derive(Debug, Clone, Copy)]
+pub struct AttemptInfo {
+    /// Attempts sent before this one for the same call (its `grpc-previous-rpc-attempts`).
+    pub previous: u32,
+    /// On a retry, or a hedge sent after a failure: the code of that failure.
+    pub retry_of: Option<Code>,
+    /// The `grpc-timeout` it carries, when the call has a deadline.
+    pub timeout: Option<std::time::Duration>,
+}
+
+/// Why a retry (or a call) was not made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// The throttle (A6's `retryThrottling`, or a retry budget) had too few tokens.
+    Throttle,
+    /// The deadline left no room for it.
+    Deadline,
+    /// The server's pushback said not to retry.
+    Pushback,
+}
+
+impl Refusal {
+    /// A short name, for logs and metric labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Refusal::Throttle => "throttle",
+            Refusal::Deadline => "deadline",
+            Refusal::Pushback => "pushback",
+        }
+    }
+}
+
 /// What the layer reports, for counters and logs.
 pub trait ClientObserver: Send + Sync {
-    /// An attempt is starting (`previous` attempts came before it).
-    fn attempt(&self, path: &str, previous: u32);
-    /// A retry was refused, and why (`"throttle"`, `"deadline"`, `"pushback"`).
-    fn refused(&self, path: &str, reason: &'static str);
+    /// An attempt is starting.
+    fn attempt(&self, path: &str, attempt: &AttemptInfo);
+    /// A retry (or a call) was refused, and why.
+    fn refused(&self, path: &str, reason: Refusal);
+    /// A retried call ended after `attempts` attempts, whatever its outcome: an
+    /// attempts-per-call histogram (as gRFC A96's per-call retry metrics).
+    fn call_finished(&self, path: &str, attempts: u32) {
+        let _ = (path, attempts);
+    }
 }
 
 /// Observes nothing.
 impl ClientObserver for () {
-    fn attempt(&self, _: &str, _: u32) {}
-    fn refused(&self, _: &str, _: &'static str) {}
+    fn attempt(&self, _: &str, _: &AttemptInfo) {}
+    fn refused(&self, _: &str, _: Refusal) {}
 }
 
 /// Retries unary gRPC calls per a service config; see the module docs.
@@ -113,6 +152,14 @@ struct Shared {
     rng: Mutex<SmallRng>,
     /// Who is told.
     observer: Arc<dyn ClientObserver>,
+    /// The least time left worth starting a retry with.
+    min_attempt: std::time::Duration,
+    /// Whether a call this layer retried, or wanted to retry, fails with a negative
+    /// pushback.
+    refuse_caller_retries: bool,
+    /// Who this layer is in annotated failure messages (`"edge: "`); `None`: messages
+    /// are the server's.
+    label: Option<String>,
 }
 
 impl std::fmt::Debug for RetryLayer {
@@ -139,6 +186,9 @@ impl RetryLayer {
                 buffered: AtomicUsize::new(0),
                 rng: Mutex::new(rand::make_rng()),
                 observer: Arc::new(()),
+                min_attempt: std::time::Duration::ZERO,
+                refuse_caller_retries: false,
+                label: None,
             }),
         }
     }
@@ -157,6 +207,9 @@ impl RetryLayer {
                 buffered: AtomicUsize::new(0),
                 rng: Mutex::new(rand::make_rng()),
                 observer: Arc::clone(&s.observer),
+                min_attempt: s.min_attempt,
+                refuse_caller_retries: s.refuse_caller_retries,
+                label: s.label.clone(),
             });
         }
         if let Some(shared) = Arc::get_mut(&mut self.shared) {
@@ -190,6 +243,34 @@ impl RetryLayer {
     /// Reports attempts and refusals to `observer`.
     pub fn observer(self, observer: Arc<dyn ClientObserver>) -> Self {
         self.edit(|s| s.observer = observer)
+    }
+
+    /// Starts no retry with less than `min_attempt` of the call's deadline left after its
+    /// backoff: an attempt that cannot finish only adds load.
+    pub fn min_attempt(self, min_attempt: std::time::Duration) -> Self {
+        self.edit(|s| s.min_attempt = min_attempt)
+    }
+
+    /// Makes this layer the one retrying layer of the calls it retries: a call that it
+    /// retried, or would have retried but the throttle, the deadline or a pushback
+    /// refused, fails with `grpc-retry-pushback-ms: -1`. A service that relays that
+    /// answer tells its own caller — a gRFC A6 client — not to retry on top, which would
+    /// multiply the load this layer already put on the servers below.
+    pub fn refuse_caller_retries(self) -> Self {
+        self.edit(|s| s.refuse_caller_retries = true)
+    }
+
+    /// Ends the message of a call that failed after retries (or a refused retry) with the
+    /// attempts made and why they stopped — `[edge: 3 attempts, stopped by the retry
+    /// budget]` for `who = "edge"` — so the caller can tell the layer's verdict from the
+    /// server's. Off by default: a gRFC A6 client returns the server's status as it is.
+    pub fn annotate_failures(self, who: &str) -> Self {
+        let label = if who.is_empty() {
+            String::new()
+        } else {
+            format!("{who}: ")
+        };
+        self.edit(|s| s.label = Some(label))
     }
 }
 
@@ -360,7 +441,14 @@ async fn prepare(
             deadline,
         }),
         Err(whole) => {
-            shared.observer.attempt(&path, 0);
+            shared.observer.attempt(
+                &path,
+                &AttemptInfo {
+                    previous: 0,
+                    retry_of: None,
+                    timeout: None,
+                },
+            );
             Err(http::Request::from_parts(parts, whole))
         }
     }
@@ -420,6 +508,76 @@ fn deadline_exceeded<B: Default>() -> http::Response<B> {
     Status::deadline_exceeded("the call's deadline passed before an answer").into_http()
 }
 
+/// Why a retried call stopped without success.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    /// The failure is not in `retryableStatusCodes`.
+    NotRetryable,
+    /// `maxAttempts` were made.
+    MaxAttempts,
+    /// The throttle refused a retry.
+    Throttle,
+    /// The deadline left no room for a retry, or passed during an attempt.
+    Deadline,
+    /// The server's pushback said not to retry.
+    Pushback,
+}
+
+impl Stop {
+    /// Whether the layer was the retrying layer for the call: it retried, or would have
+    /// but was refused. A caller that retried too would multiply the load.
+    fn spent(self, attempts: u32) -> bool {
+        match self {
+            Stop::NotRetryable => false,
+            Stop::MaxAttempts => attempts > 1,
+            Stop::Throttle | Stop::Deadline | Stop::Pushback => true,
+        }
+    }
+
+    fn describe(self, max_attempts: u32) -> String {
+        match self {
+            Stop::NotRetryable => "not retryable".to_owned(),
+            Stop::MaxAttempts => format!("max attempts ({max_attempts}) reached"),
+            Stop::Throttle => "stopped by the retry budget".to_owned(),
+            Stop::Deadline => "the deadline left no room for another attempt".to_owned(),
+            Stop::Pushback => "the server's pushback said not to retry".to_owned(),
+        }
+    }
+}
+
+/// The answer of a retried call that failed for good, told the way the layer was set up:
+/// its message naming the attempts and why they stopped (`annotate_failures`), and a
+/// negative pushback where this layer was the retrying one (`refuse_caller_retries`).
+fn failed_answer<B: Default>(
+    shared: &Shared,
+    response: http::Response<B>,
+    stop: Stop,
+    attempts: u32,
+    max_attempts: u32,
+) -> http::Response<B> {
+    if max_attempts <= 1 || !(stop != Stop::NotRetryable || attempts > 1) {
+        return response; // nothing was retried or refused: the answer is the server's
+    }
+    let mut response = match (&shared.label, Status::from_header_map(response.headers())) {
+        (Some(label), Some(status)) => {
+            let plural = if attempts == 1 { "" } else { "s" };
+            let message = format!(
+                "{} [{label}{attempts} attempt{plural}, {}]",
+                status.message(),
+                stop.describe(max_attempts)
+            );
+            Status::with_metadata(status.code(), message, status.metadata().clone()).into_http()
+        }
+        _ => response,
+    };
+    if shared.refuse_caller_retries && stop.spent(attempts) {
+        response
+            .headers_mut()
+            .insert(PUSHBACK_HEADER, http::HeaderValue::from_static("-1"));
+    }
+    response
+}
+
 async fn retrying<S, ResBody>(
     mut inner: S,
     shared: Arc<Shared>,
@@ -449,63 +607,76 @@ where
         throttle.first_attempt(); // a budget's refund; nothing for A6's throttle
     }
     let mut previous: u32 = 0;
-    loop {
-        let mut attempt = http::Request::from_parts(
-            parts.clone(),
-            Body::new(http_body_util::Full::new(body.bytes.clone())),
+    let mut retry_of = None;
+    // The failed answer to give, and why; a success returns from inside.
+    let (answer, stop) = loop {
+        let attempt = attempt_request(&parts, &body, previous, deadline);
+        let left = deadline.map(|d| d.saturating_duration_since(tokio::time::Instant::now()));
+        shared.observer.attempt(
+            &path,
+            &AttemptInfo {
+                previous,
+                retry_of,
+                timeout: left,
+            },
         );
-        if previous > 0 {
-            attempt
-                .headers_mut()
-                .insert(PREVIOUS_ATTEMPTS_HEADER, http::HeaderValue::from(previous));
-        }
-        if let Some(deadline) = deadline {
-            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            if let Ok(value) = http::HeaderValue::from_str(&format_grpc_timeout(left)) {
-                attempt.headers_mut().insert(TIMEOUT_HEADER, value);
-            }
-        }
-        shared.observer.attempt(&path, previous);
+        // The attempt's span: a client span in a trace, the parent of the server's span
+        // (layers below this one inject it into the request when exporting).
+        let span = tracing::info_span!(
+            "attempt",
+            otel.kind = "client",
+            otel.status_code = tracing::field::Empty,
+            attempt = previous + 1,
+            retry_of = retry_of.map(|code: Code| format!("{code:?}")),
+            timeout_ms = left.map(|left| left.as_millis() as u64),
+            outcome = tracing::field::Empty,
+        );
         let call = async {
             match inner.ready().await {
                 Ok(ready) => ready.call(attempt).await,
                 Err(error) => Err(error),
             }
-        };
+        }
+        .instrument(span.clone());
+        previous += 1;
         // The deadline is enforced here too: a server that ignores grpc-timeout, or a
         // network gone silent, must not hold the call past it.
         let result = match deadline {
             Some(deadline) => match tokio::time::timeout_at(deadline, call).await {
                 Ok(result) => result,
-                Err(_) => return Ok(deadline_exceeded()),
+                Err(_) => {
+                    span.record("outcome", "DeadlineExceeded");
+                    break (Ok(deadline_exceeded()), Stop::Deadline);
+                }
             },
             None => call.await,
         };
-        previous += 1;
         let (status, answer) = match judge(result) {
             Verdict::Committed(answer) => {
+                span.record("outcome", "OK");
                 if let Some(throttle) = &shared.throttle {
                     throttle.attempt_succeeded();
                 }
+                shared.observer.call_finished(&path, previous);
                 return answer;
             }
             Verdict::Failed { status, answer } => (status, answer),
         };
-        let give_back = |answer: Option<Result<http::Response<ResBody>, S::Error>>| {
-            answer.unwrap_or_else(|| unreachable!("a failed attempt always has its answer"))
-        };
+        span.record("outcome", format!("{:?}", status.code()));
+        span.record("otel.status_code", "ERROR");
+        let answer =
+            answer.unwrap_or_else(|| unreachable!("a failed attempt always has its answer"));
         if !policy.retryable_status_codes.contains(&status.code()) {
-            return give_back(answer);
+            break (answer, Stop::NotRetryable);
         }
         if let Some(throttle) = &shared.throttle {
             throttle.attempt_failed();
         }
         if previous >= policy.max_attempts {
-            return give_back(answer);
+            break (answer, Stop::MaxAttempts);
         }
         let wait = match answer
             .as_ref()
-            .and_then(|a| a.as_ref().ok())
             .map(|response| pushback_of(response.headers()))
             .unwrap_or(Pushback::Absent)
         {
@@ -522,26 +693,41 @@ where
                 wait
             }
             Pushback::DoNotRetry => {
-                shared.observer.refused(&path, "pushback");
-                return give_back(answer);
+                shared.observer.refused(&path, Refusal::Pushback);
+                break (answer, Stop::Pushback);
             }
         };
         // The deadline first: a budget's token is not to be spent on a retry that could
-        // not happen anyway.
-        if let Some(deadline) = deadline
-            && tokio::time::Instant::now() + wait >= deadline
-        {
-            shared.observer.refused(&path, "deadline");
-            return give_back(answer);
+        // not happen anyway. The call then fails DEADLINE_EXCEEDED, as it would have had
+        // the retry been made (grpc-go's answer), keeping the last failure in its message
+        // and metadata.
+        if let Some(deadline) = deadline {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if left <= wait + shared.min_attempt {
+                shared.observer.refused(&path, Refusal::Deadline);
+                let status = Status::with_metadata(
+                    Code::DeadlineExceeded,
+                    format!(
+                        "last failure {:?}: {}; a retry after {wait:?} would not fit in the {left:?} left",
+                        status.code(),
+                        status.message(),
+                    ),
+                    status.metadata().clone(),
+                );
+                break (Ok(status.into_http()), Stop::Deadline);
+            }
         }
         if let Some(throttle) = &shared.throttle
             && !throttle.try_retry()
         {
-            shared.observer.refused(&path, "throttle");
-            return give_back(answer);
+            shared.observer.refused(&path, Refusal::Throttle);
+            break (answer, Stop::Throttle);
         }
+        retry_of = Some(status.code());
         tokio::time::sleep(wait).await;
-    }
+    };
+    shared.observer.call_finished(&path, previous);
+    answer.map(|response| failed_answer(&shared, response, stop, previous, policy.max_attempts))
 }
 
 /// Attempt number `previous + 1` of a buffered call: the same request, marked with
@@ -632,6 +818,7 @@ where
     let mut running = FuturesUnordered::new();
     let mut sent: u32 = 0;
     let mut last_failure = None;
+    let mut last_failure_code = None;
     let mut next_hedge = Some(tokio::time::Instant::now());
     loop {
         // Send the hedge that is due, without waiting on a timer for one due now (the
@@ -643,9 +830,14 @@ where
                 sent > 0 && deadline.is_some_and(|d| tokio::time::Instant::now() >= d);
             let throttled = sent > 0 && shared.throttle.as_ref().is_some_and(|t| !t.try_retry());
             if past_deadline || throttled {
-                shared
-                    .observer
-                    .refused(&path, if throttled { "throttle" } else { "deadline" });
+                shared.observer.refused(
+                    &path,
+                    if throttled {
+                        Refusal::Throttle
+                    } else {
+                        Refusal::Deadline
+                    },
+                );
                 if running.is_empty()
                     && let Some(failure) = last_failure
                 {
@@ -653,7 +845,15 @@ where
                 }
             } else {
                 let attempt = attempt_request(&parts, &body, sent, deadline);
-                shared.observer.attempt(&path, sent);
+                shared.observer.attempt(
+                    &path,
+                    &AttemptInfo {
+                        previous: sent,
+                        retry_of: last_failure_code,
+                        timeout: deadline
+                            .map(|d| d.saturating_duration_since(tokio::time::Instant::now())),
+                    },
+                );
                 sent += 1;
                 let inner = inner.clone();
                 running.push(async move { inner.oneshot(attempt).await });
@@ -698,6 +898,7 @@ where
                             .map(|response| pushback_of(response.headers()))
                             .unwrap_or(Pushback::Absent);
                         last_failure = answer;
+                        last_failure_code = Some(status.code());
                         if sent < policy.max_attempts {
                             next_hedge = match pushback {
                                 // A6: a non-fatal failure sends the next hedge at once…
@@ -705,7 +906,7 @@ where
                                 // …or after the server's pushback, or never.
                                 Pushback::RetryAfter(wait) => Some(tokio::time::Instant::now() + wait),
                                 Pushback::DoNotRetry => {
-                                    shared.observer.refused(&path, "pushback");
+                                    shared.observer.refused(&path, Refusal::Pushback);
                                     None
                                 }
                             };

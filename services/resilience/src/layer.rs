@@ -9,6 +9,12 @@
 //! that answers first keeps the status honest and can put its own metadata (trace id, the
 //! key the edge made) on the answer. The layer sets no timer of its own: the handler's
 //! guard (`RpcScope::run` in retrychain-node) is the one place the deadline is enforced.
+//!
+//! The handler's task also carries the deadline ([`IncomingDeadline::current`]), so a
+//! client layer below the handler ([`PropagateDeadlineLayer`]) hands every downstream call
+//! a shorter one without the handler passing it along.
+//!
+//! [`PropagateDeadlineLayer`]: crate::propagate::PropagateDeadlineLayer
 
 use std::{
     future::Future,
@@ -17,6 +23,7 @@ use std::{
     time::Duration,
 };
 
+use tokio::task::futures::TaskLocalFuture;
 use tonic::Status;
 use tower::{Layer, Service};
 
@@ -38,6 +45,19 @@ pub struct IncomingDeadline {
     /// A handler that answers DEADLINE_EXCEEDED itself at this point can still stamp its own
     /// metadata (trace id, the key the edge made) on the answer.
     pub answer_by: Deadline,
+}
+
+tokio::task_local! {
+    /// The deadline of the request whose handler runs on this task.
+    static CURRENT: IncomingDeadline;
+}
+
+impl IncomingDeadline {
+    /// The deadline of the request being served on this task, if a [`DeadlineLayer`] is
+    /// above it: what a client layer reads to propagate it.
+    pub fn current() -> Option<IncomingDeadline> {
+        CURRENT.try_with(|incoming| *incoming).ok()
+    }
 }
 
 /// Applies deadlines to every request of a server; see the module docs.
@@ -93,12 +113,13 @@ pub struct EnforceDeadline<S> {
 }
 
 pin_project_lite::pin_project! {
-    /// The future of [`EnforceDeadline`]: the inner service's (`Inner`), or an immediate
-    /// refusal of a malformed `grpc-timeout` (`Refused`, taken when polled).
+    /// The future of [`EnforceDeadline`]: the inner service's, run with the request's
+    /// deadline in the task (`Inner`), or an immediate refusal of a malformed
+    /// `grpc-timeout` (`Refused`, taken when polled).
     #[project = ResponseProj]
     #[allow(missing_docs)] // the variants' fields are described above; the macro takes no field docs
     pub enum ResponseFuture<F, B> {
-        Inner { #[pin] future: F },
+        Inner { #[pin] future: TaskLocalFuture<IncomingDeadline, F> },
         Refused { response: Option<http::Response<B>> },
     }
 }
@@ -153,14 +174,16 @@ where
             timeout = timeout.min(max);
         }
         let deadline = Deadline::after(timeout);
-        request.extensions_mut().insert(IncomingDeadline {
+        let incoming = IncomingDeadline {
             deadline,
             received,
             timeout,
             answer_by: deadline.earlier_by(self.config.reserve),
-        });
+        };
+        request.extensions_mut().insert(incoming);
+        let future = CURRENT.sync_scope(incoming, || self.inner.call(request));
         ResponseFuture::Inner {
-            future: self.inner.call(request),
+            future: CURRENT.scope(incoming, future),
         }
     }
 }

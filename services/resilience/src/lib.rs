@@ -17,6 +17,8 @@
 //!   throttling, timeouts as data), parsed and validated.
 //! - [`layer`]: [`DeadlineLayer`], the tower layer that gives each server request its
 //!   deadline and answers DEADLINE_EXCEEDED (never CANCELLED) when it is spent.
+//! - [`propagate`]: the client layers that hand every downstream call the served
+//!   request's deadline, shortened, and its chosen headers.
 
 pub mod backoff;
 pub mod budget;
@@ -24,6 +26,7 @@ pub mod classify;
 pub mod client;
 pub mod deadline;
 pub mod layer;
+pub mod propagate;
 pub mod retry;
 pub mod service_config;
 pub mod throttle;
@@ -34,6 +37,7 @@ pub use classify::{Pushback, is_retryable, pushback, set_pushback};
 pub use client::RetryLayer;
 pub use deadline::{Deadline, NoRoom, format_grpc_timeout, parse_grpc_timeout};
 pub use layer::{DeadlineLayer, IncomingDeadline};
+pub use propagate::{CarryHeadersLayer, ForwardHeadersLayer, PropagateDeadlineLayer};
 pub use retry::{Attempt, Retry, RetryError, RetryObserver, RetryPolicy, StopReason};
 pub use service_config::{ConfigError, ServiceConfig};
 pub use throttle::{A6Throttle, Throttle};

@@ -81,7 +81,8 @@ pub enum CallPolicy {
     Hedging(HedgingPolicy),
 }
 
-/// `retryPolicy`.
+/// `retryPolicy`. Parsed, `max_attempts` is at most 5 (gRFC A6); built in code, it is what
+/// the program says.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RetryPolicyConfig {
     /// Attempts in all, first included: 2 to 5.
@@ -96,6 +97,21 @@ pub struct RetryPolicyConfig {
     pub retryable_status_codes: Vec<Code>,
     /// The jitter formula (extension; A6's is full jitter).
     pub jitter: BackoffKind,
+}
+
+impl RetryPolicyConfig {
+    /// Up to `max_attempts` attempts, waiting as `backoff` says between them, retrying
+    /// the failures whose code is in `retryable`.
+    pub fn new(max_attempts: u32, backoff: crate::Backoff, retryable: Vec<Code>) -> Self {
+        Self {
+            max_attempts,
+            initial_backoff: backoff.base,
+            max_backoff: backoff.cap,
+            backoff_multiplier: backoff.multiplier,
+            retryable_status_codes: retryable,
+            jitter: backoff.kind,
+        }
+    }
 }
 
 /// `hedgingPolicy`.
@@ -160,6 +176,22 @@ impl ServiceConfig {
             config.retry_throttling = Some(retry_throttling(throttling)?);
         }
         Ok(config)
+    }
+
+    /// A config that retries every method under `policy`, without throttling: what a
+    /// program builds from its own flags.
+    pub fn retry_every_method(policy: RetryPolicyConfig) -> Self {
+        Self {
+            method_configs: vec![MethodConfig {
+                names: vec![MethodName {
+                    service: None,
+                    method: None,
+                }],
+                timeout: None,
+                policy: Some(CallPolicy::Retry(policy)),
+            }],
+            retry_throttling: None,
+        }
     }
 
     /// The settings for `service`/`method`: an exact match first, then the service's,

@@ -1,6 +1,7 @@
 //! gRFC A6 conformance of [`RetryLayer`], on paused time, against tonic servers called in
 //! process (the generated `PaymentsServer` is itself a tower service: no sockets, so time
-//! can be paused and every wait checked to the millisecond).
+//! can be paused and every wait checked to the millisecond); then the layer's extensions
+//! for a service in a chain, and the propagation layers above it.
 
 #![allow(clippy::unwrap_used, missing_docs)] // tests: a panic is the failure report
 
@@ -25,6 +26,7 @@ struct Seen {
     at: Instant,
     previous_attempts: Option<String>,
     timeout: Option<String>,
+    key: Option<String>,
 }
 
 /// A server that answers from a script (then OK) and remembers every call.
@@ -63,6 +65,7 @@ impl Payments for Scripted {
             at: Instant::now(),
             previous_attempts: text("grpc-previous-rpc-attempts"),
             timeout: text("grpc-timeout"),
+            key: text("idempotency-key"),
         });
         match self.script.lock().unwrap().pop_front() {
             Some(status) => Err(status),
@@ -246,9 +249,12 @@ async fn each_attempt_gets_the_time_left_and_none_starts_past_the_deadline() {
         amount_cents: 1,
     });
     request.set_timeout(Duration::from_secs(1));
-    client.charge(request).await.expect_err("fails");
+    let status = client.charge(request).await.expect_err("fails");
     let seen = server.seen();
-    // Attempts at 0, 0.4 and 0.8 s; one at 1.2 s would be past the deadline.
+    // Attempts at 0, 0.4 and 0.8 s; one at 1.2 s would be past the deadline, so the call
+    // ends as grpc-go's would once the deadline passed: DEADLINE_EXCEEDED.
+    assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+    assert!(status.message().contains("Unavailable: down"), "{status:?}");
     assert_eq!(seen.len(), 3);
     let timeouts: Vec<Duration> = seen
         .iter()
@@ -394,6 +400,7 @@ impl Payments for Slow {
                 .get("grpc-previous-rpc-attempts")
                 .map(|v| v.to_str().unwrap().to_owned()),
             timeout: None,
+            key: None,
         });
         let (delay, outcome) = self
             .script
@@ -611,4 +618,205 @@ async fn a_call_that_reaches_no_server_is_unavailable_and_retried() {
         .expect_err("no server");
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
     assert_eq!(transport.calls(), 3);
+}
+
+// ---- Extensions for a service in a chain ----
+
+/// Up to 3 attempts 100 ms apart, as the layer of a service that is the one retrying layer.
+fn one_retrying_layer() -> RetryLayer {
+    RetryLayer::new(config(&policy(3), ""))
+        .refuse_caller_retries()
+        .annotate_failures("edge")
+}
+
+fn pushback_of(status: &Status) -> Option<&str> {
+    status
+        .metadata()
+        .get("grpc-retry-pushback-ms")
+        .map(|v| v.to_str().unwrap())
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_layer_that_retried_tells_its_caller_not_to_retry_and_says_why() {
+    let server = Scripted::failing(unavailable(3));
+    let status = charge(&mut client_of(one_retrying_layer(), &server))
+        .await
+        .expect_err("3 failures");
+    assert_eq!(status.code(), Code::Unavailable);
+    assert_eq!(pushback_of(&status), Some("-1"));
+    assert_eq!(
+        status.message(),
+        "down [edge: 3 attempts, max attempts (3) reached]"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_throttled_retry_also_refuses_the_callers_retries() {
+    let server = Scripted::failing(unavailable(3));
+    let budget = Arc::new(resilience::RetryBudget::new(0.0, 0.0));
+    let layer = one_retrying_layer().throttle(budget);
+    let status = charge(&mut client_of(layer, &server))
+        .await
+        .expect_err("no retry allowed");
+    assert_eq!(server.seen().len(), 1);
+    assert_eq!(pushback_of(&status), Some("-1"));
+    assert!(
+        status
+            .message()
+            .ends_with("[edge: 1 attempt, stopped by the retry budget]"),
+        "{status:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failure_not_retried_is_the_servers_answer_unchanged() {
+    let server = Scripted::failing(vec![with_pushback(Status::not_found("no"), "50")]);
+    let status = charge(&mut client_of(one_retrying_layer(), &server))
+        .await
+        .expect_err("not retryable");
+    assert_eq!(status.message(), "no");
+    assert_eq!(
+        pushback_of(&status),
+        Some("50"),
+        "the server's pushback travels on"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_retry_starts_with_less_than_min_attempt_left() {
+    let server = Scripted::failing(unavailable(10));
+    let layer = RetryLayer::new(config(&policy(5), "")).min_attempt(Duration::from_millis(150));
+    let mut request = Request::new(ChargeRequest::default());
+    request.set_timeout(Duration::from_millis(400));
+    let status = client_of(layer, &server)
+        .charge(request)
+        .await
+        .expect_err("fails");
+    // After the failures at 0 and 0.1 s, 0.4 and 0.3 s are left: room for the 0.1 s wait
+    // and 0.15 s of attempt. After the one at 0.2 s, 0.2 s is not (without the minimum, a
+    // fourth attempt would start at 0.3 s with 0.1 s left).
+    assert_eq!(server.seen().len(), 3);
+    assert_eq!(status.code(), Code::DeadlineExceeded);
+}
+
+// ---- Propagation: a server's handler calls downstream through the client layers ----
+
+/// A service in the middle: its handler calls `downstream` as the handler of a hop does,
+/// setting only what it adds itself.
+#[derive(Clone)]
+struct Middle {
+    downstream: Scripted,
+    /// An idempotency key the handler sets on its call, as the edge does with one it made.
+    own_key: Option<&'static str>,
+}
+
+#[tonic::async_trait]
+impl Payments for Middle {
+    async fn charge(
+        &self,
+        request: Request<ChargeRequest>,
+    ) -> Result<Response<ChargeReply>, Status> {
+        let stack = tower::ServiceBuilder::new()
+            .layer(resilience::ForwardHeadersLayer)
+            .layer(resilience::PropagateDeadlineLayer::new(
+                Duration::from_millis(20),
+                Duration::from_millis(30),
+            ))
+            .service(PaymentsServer::new(self.downstream.clone()));
+        let mut outgoing = Request::new(request.into_inner());
+        if let Some(key) = self.own_key {
+            outgoing
+                .metadata_mut()
+                .insert("idempotency-key", key.parse().unwrap());
+        }
+        PaymentsClient::new(stack).charge(outgoing).await
+    }
+
+    async fn get_account(
+        &self,
+        _: Request<GetAccountRequest>,
+    ) -> Result<Response<Account>, Status> {
+        Err(Status::unimplemented("not in this test"))
+    }
+}
+
+/// Calls `middle` as a server would run it: its deadline and carried headers in the task.
+async fn call_middle(middle: Middle, timeout: Duration) -> Result<Response<ChargeReply>, Status> {
+    let server = tower::ServiceBuilder::new()
+        .layer(resilience::DeadlineLayer::new(
+            Duration::from_secs(10),
+            Duration::from_millis(10),
+        ))
+        .layer(resilience::CarryHeadersLayer::new([
+            http::HeaderName::from_static("idempotency-key"),
+        ]))
+        .service(PaymentsServer::new(middle));
+    let mut request = Request::new(ChargeRequest::default());
+    request.set_timeout(timeout);
+    let metadata = request.metadata_mut();
+    metadata.insert("idempotency-key", "from-the-caller".parse().unwrap());
+    PaymentsClient::new(server).charge(request).await
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_downstream_gets_the_time_left_less_the_margin_and_the_carried_headers() {
+    let downstream = Scripted::default();
+    let middle = Middle {
+        downstream: downstream.clone(),
+        own_key: None,
+    };
+    call_middle(middle, Duration::from_secs(1)).await.unwrap();
+    let seen = downstream.seen();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(
+        seen[0].timeout.as_deref(),
+        Some("980000u"),
+        "1 s less the 20 ms margin"
+    );
+    assert_eq!(seen[0].key.as_deref(), Some("from-the-caller"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_header_the_handler_sets_is_not_overwritten() {
+    let downstream = Scripted::default();
+    let middle = Middle {
+        downstream: downstream.clone(),
+        own_key: Some("made-here"),
+    };
+    call_middle(middle, Duration::from_secs(1)).await.unwrap();
+    assert_eq!(downstream.seen()[0].key.as_deref(), Some("made-here"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_call_goes_downstream_without_room_for_it() {
+    let downstream = Scripted::default();
+    let middle = Middle {
+        downstream: downstream.clone(),
+        own_key: None,
+    };
+    // 45 ms less the 20 ms margin leaves 25 ms, under the 30 ms an attempt needs.
+    let status = call_middle(middle, Duration::from_millis(45))
+        .await
+        .expect_err("no room");
+    assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+    assert!(downstream.seen().is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_made_outside_a_request_goes_out_as_it_is() {
+    let downstream = Scripted::default();
+    let stack = tower::ServiceBuilder::new()
+        .layer(resilience::ForwardHeadersLayer)
+        .layer(resilience::PropagateDeadlineLayer::new(
+            Duration::from_millis(20),
+            Duration::from_millis(30),
+        ))
+        .service(PaymentsServer::new(downstream.clone()));
+    PaymentsClient::new(stack)
+        .charge(ChargeRequest::default())
+        .await
+        .unwrap();
+    let seen = downstream.seen();
+    assert_eq!(seen[0].timeout, None);
+    assert_eq!(seen[0].key, None);
 }
