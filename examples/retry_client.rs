@@ -16,10 +16,7 @@ use std::{
     time::Instant,
 };
 
-use resilience::{
-    RetryLayer, ServiceConfig,
-    client::{AttemptInfo, ClientObserver, Refusal},
-};
+use resilience::{AttemptInfo, Refusal, RetryLayer, RetryObserver, ServiceConfig};
 use retrychain_proto::v1::{
     Account, ChargeReply, ChargeRequest, GetAccountRequest,
     payments_client::PaymentsClient,
@@ -72,7 +69,7 @@ impl Payments for Flaky {
 /// Prints what the layer does.
 struct Print(Instant);
 
-impl ClientObserver for Print {
+impl RetryObserver for Print {
     fn attempt(&self, path: &str, attempt: &AttemptInfo) {
         let why = match attempt.retry_of {
             Some(code) => format!(", a retry of {code:?}"),

@@ -155,7 +155,7 @@ fn downstream(
         Either::Right(channel)
     };
     let below = InjectTraceLayer.layer(faults);
-    let observer: Arc<dyn resilience::client::ClientObserver> = Arc::clone(node) as _;
+    let observer: Arc<dyn resilience::RetryObserver> = Arc::clone(node) as _;
     let retrying = |max_attempts: u32, throttle: Option<&Arc<dyn Throttle>>| {
         let policy = RetryPolicyConfig::new(
             max_attempts,

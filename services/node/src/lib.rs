@@ -4,7 +4,7 @@
 //!
 //! - [`domain`]: `IdempotencyKey`, `AccountId`, `AmountCents` — parsed, never re-checked.
 //! - [`metadata`]: the contract's metadata keys, [`RetryMode`], W3C [`TraceContext`].
-//! - [`stats`]: [`Counters`], which are also the retry executor's observer.
+//! - [`stats`]: [`Counters`], which are also the retry loops' observer.
 //! - [`metrics`]: the same counters (and a few gauges) as Prometheus metrics on the admin
 //!   port's `/metrics`.
 //! - [`faults`]: [`FaultSwitch`], the fault knobs on a service's downstream call.
@@ -16,7 +16,7 @@
 
 use std::{sync::Arc, time::Duration};
 
-use resilience::{Throttle, client::ClientObserver};
+use resilience::{RetryObserver, Throttle};
 use retrychain_proto::v1::Stats;
 
 pub mod control;
@@ -127,16 +127,16 @@ impl Node {
 
 /// A node observes its downstream calls into its counters, so a client stack can report
 /// to it (`Arc<Node>` as the retry layer's observer).
-impl ClientObserver for Node {
-    fn attempt(&self, path: &str, attempt: &resilience::client::AttemptInfo) {
-        ClientObserver::attempt(&self.counters, path, attempt);
+impl RetryObserver for Node {
+    fn attempt(&self, path: &str, attempt: &resilience::AttemptInfo) {
+        RetryObserver::attempt(&self.counters, path, attempt);
     }
 
-    fn refused(&self, path: &str, reason: resilience::client::Refusal) {
-        ClientObserver::refused(&self.counters, path, reason);
+    fn refused(&self, path: &str, reason: resilience::Refusal) {
+        RetryObserver::refused(&self.counters, path, reason);
     }
 
     fn call_finished(&self, path: &str, attempts: u32) {
-        ClientObserver::call_finished(&self.counters, path, attempts);
+        RetryObserver::call_finished(&self.counters, path, attempts);
     }
 }

@@ -15,10 +15,7 @@ use prometheus_client::{
     encoding::EncodeLabelSet,
     metrics::{counter::Counter, family::Family, histogram::Histogram},
 };
-use resilience::{
-    Attempt, RetryObserver, Throttle,
-    client::{AttemptInfo, ClientObserver, Refusal},
-};
+use resilience::{AttemptInfo, Refusal, RetryObserver, Throttle};
 use retrychain_proto::v1::Stats;
 
 /// A monotonic count with a resettable baseline; see the module docs.
@@ -192,37 +189,8 @@ impl Counters {
 }
 
 /// The retry executor reports straight into the counters.
+/// What the retry loops report (the hops' layer, the ledger's executor), counted.
 impl RetryObserver for Counters {
-    fn attempt_started(&self, attempt: &Attempt) {
-        self.downstream_attempts.inc();
-        if attempt.is_retry() {
-            self.retries.inc();
-            let reason = attempt.retry_of.map_or("UNKNOWN", crate::faults::code_name);
-            self.retry_reasons
-                .get_or_create(&ReasonLabels { reason })
-                .inc();
-        }
-        self.last_outgoing_timeout_ms
-            .store(attempt.timeout.as_millis() as u64, Ordering::Relaxed);
-    }
-
-    fn budget_denied(&self) {
-        self.budget_denied.inc();
-    }
-
-    fn deadline_denied(&self) {
-        self.deadline_denied.inc();
-    }
-
-    fn call_finished(&self, attempts: u32) {
-        if attempts > 0 {
-            self.attempts_per_call.observe(f64::from(attempts));
-        }
-    }
-}
-
-/// The retry layer's report, counted as the executor's is: one path to the same Stats.
-impl ClientObserver for Counters {
     fn attempt(&self, _path: &str, attempt: &AttemptInfo) {
         self.downstream_attempts.inc();
         if attempt.previous > 0 {

@@ -67,7 +67,9 @@ use crate::{
     classify::transport_failure_as_unavailable,
     classify::{PUSHBACK_HEADER, Pushback, parse_pushback},
     deadline::{format_grpc_timeout, parse_grpc_timeout},
+    observe::{AttemptInfo, Refusal, RetryObserver},
     retry::{PREVIOUS_ATTEMPTS_HEADER, TIMEOUT_HEADER},
+    rules::{Next, Retrying, StopReason},
     service_config::{CallPolicy, HedgingPolicy, MethodConfig, RetryPolicyConfig, ServiceConfig},
     throttle::{A6Throttle, Throttle},
 };
@@ -77,58 +79,6 @@ pub const DEFAULT_PER_CALL_LIMIT: usize = 1 << 20;
 /// The most request bytes all calls of a channel may hold buffered at once, by default
 /// (grpc-java's default).
 pub const DEFAULT_PER_CHANNEL_LIMIT: usize = 16 << 20;
-
-/// An attempt the layer is about to send, as its observer is told of it.
-#[derive(Debug, Clone, Copy)]
-pub struct AttemptInfo {
-    /// Attempts sent before this one for the same call (its `grpc-previous-rpc-attempts`).
-    pub previous: u32,
-    /// On a retry, or a hedge sent after a failure: the code of that failure.
-    pub retry_of: Option<Code>,
-    /// The `grpc-timeout` it carries, when the call has a deadline.
-    pub timeout: Option<std::time::Duration>,
-}
-
-/// Why a retry (or a call) was not made.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Refusal {
-    /// The throttle (A6's `retryThrottling`, or a retry budget) had too few tokens.
-    Throttle,
-    /// The deadline left no room for it.
-    Deadline,
-    /// The server's pushback said not to retry.
-    Pushback,
-}
-
-impl Refusal {
-    /// A short name, for logs and metric labels.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Refusal::Throttle => "throttle",
-            Refusal::Deadline => "deadline",
-            Refusal::Pushback => "pushback",
-        }
-    }
-}
-
-/// What the layer reports, for counters and logs.
-pub trait ClientObserver: Send + Sync {
-    /// An attempt is starting.
-    fn attempt(&self, path: &str, attempt: &AttemptInfo);
-    /// A retry (or a call) was refused, and why.
-    fn refused(&self, path: &str, reason: Refusal);
-    /// A retried call ended after `attempts` attempts, whatever its outcome: an
-    /// attempts-per-call histogram (as gRFC A96's per-call retry metrics).
-    fn call_finished(&self, path: &str, attempts: u32) {
-        let _ = (path, attempts);
-    }
-}
-
-/// Observes nothing.
-impl ClientObserver for () {
-    fn attempt(&self, _: &str, _: &AttemptInfo) {}
-    fn refused(&self, _: &str, _: Refusal) {}
-}
 
 /// Retries unary gRPC calls per a service config; see the module docs.
 #[derive(Clone)]
@@ -151,14 +101,14 @@ struct Shared {
     /// Jitter.
     rng: Mutex<SmallRng>,
     /// Who is told.
-    observer: Arc<dyn ClientObserver>,
+    observer: Arc<dyn RetryObserver>,
     /// The least time left worth starting a retry with.
     min_attempt: std::time::Duration,
     /// Whether a call this layer retried, or wanted to retry, fails with a negative
     /// pushback.
     refuse_caller_retries: bool,
-    /// Who this layer is in annotated failure messages (`"edge: "`); `None`: messages
-    /// are the server's.
+    /// Who this layer is in annotated failure messages (`"edge"`); `None`: messages are
+    /// the server's.
     label: Option<String>,
 }
 
@@ -241,7 +191,7 @@ impl RetryLayer {
     }
 
     /// Reports attempts and refusals to `observer`.
-    pub fn observer(self, observer: Arc<dyn ClientObserver>) -> Self {
+    pub fn observer(self, observer: Arc<dyn RetryObserver>) -> Self {
         self.edit(|s| s.observer = observer)
     }
 
@@ -265,12 +215,8 @@ impl RetryLayer {
     /// budget]` for `who = "edge"` — so the caller can tell the layer's verdict from the
     /// server's. Off by default: a gRFC A6 client returns the server's status as it is.
     pub fn annotate_failures(self, who: &str) -> Self {
-        let label = if who.is_empty() {
-            String::new()
-        } else {
-            format!("{who}: ")
-        };
-        self.edit(|s| s.label = Some(label))
+        let who = who.to_owned();
+        self.edit(|s| s.label = Some(who))
     }
 }
 
@@ -508,69 +454,27 @@ fn deadline_exceeded<B: Default>() -> http::Response<B> {
     Status::deadline_exceeded("the call's deadline passed before an answer").into_http()
 }
 
-/// Why a retried call stopped without success.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Stop {
-    /// The failure is not in `retryableStatusCodes`.
-    NotRetryable,
-    /// `maxAttempts` were made.
-    MaxAttempts,
-    /// The throttle refused a retry.
-    Throttle,
-    /// The deadline left no room for a retry, or passed during an attempt.
-    Deadline,
-    /// The server's pushback said not to retry.
-    Pushback,
-}
-
-impl Stop {
-    /// Whether the layer was the retrying layer for the call: it retried, or would have
-    /// but was refused. A caller that retried too would multiply the load.
-    fn spent(self, attempts: u32) -> bool {
-        match self {
-            Stop::NotRetryable => false,
-            Stop::MaxAttempts => attempts > 1,
-            Stop::Throttle | Stop::Deadline | Stop::Pushback => true,
-        }
-    }
-
-    fn describe(self, max_attempts: u32) -> String {
-        match self {
-            Stop::NotRetryable => "not retryable".to_owned(),
-            Stop::MaxAttempts => format!("max attempts ({max_attempts}) reached"),
-            Stop::Throttle => "stopped by the retry budget".to_owned(),
-            Stop::Deadline => "the deadline left no room for another attempt".to_owned(),
-            Stop::Pushback => "the server's pushback said not to retry".to_owned(),
-        }
-    }
-}
-
 /// The answer of a retried call that failed for good, told the way the layer was set up:
 /// its message naming the attempts and why they stopped (`annotate_failures`), and a
 /// negative pushback where this layer was the retrying one (`refuse_caller_retries`).
 fn failed_answer<B: Default>(
     shared: &Shared,
     response: http::Response<B>,
-    stop: Stop,
+    stop: StopReason,
     attempts: u32,
     max_attempts: u32,
 ) -> http::Response<B> {
-    if max_attempts <= 1 || !(stop != Stop::NotRetryable || attempts > 1) {
+    if !stop.is_the_loops_verdict(attempts, max_attempts) {
         return response; // nothing was retried or refused: the answer is the server's
     }
     let mut response = match (&shared.label, Status::from_header_map(response.headers())) {
-        (Some(label), Some(status)) => {
-            let plural = if attempts == 1 { "" } else { "s" };
-            let message = format!(
-                "{} [{label}{attempts} attempt{plural}, {}]",
-                status.message(),
-                stop.describe(max_attempts)
-            );
+        (Some(who), Some(status)) => {
+            let message = stop.annotate(status.message(), who, attempts, max_attempts);
             Status::with_metadata(status.code(), message, status.metadata().clone()).into_http()
         }
         _ => response,
     };
-    if shared.refuse_caller_retries && stop.spent(attempts) {
+    if shared.refuse_caller_retries && stop.retries_were_spent(attempts) {
         response
             .headers_mut()
             .insert(PUSHBACK_HEADER, http::HeaderValue::from_static("-1"));
@@ -602,14 +506,16 @@ where
     };
     let backoff = Backoff::new(policy.jitter, policy.initial_backoff, policy.max_backoff)
         .with_multiplier(policy.backoff_multiplier);
-    let mut schedule = backoff.schedule();
-    if let Some(throttle) = &shared.throttle {
-        throttle.first_attempt(); // a budget's refund; nothing for A6's throttle
-    }
-    let mut previous: u32 = 0;
+    let mut retrying = Retrying::start(
+        policy.max_attempts,
+        &policy.retryable_status_codes,
+        backoff,
+        shared.throttle.as_deref(),
+    );
     let mut retry_of = None;
     // The failed answer to give, and why; a success returns from inside.
     let (answer, stop) = loop {
+        let previous = retrying.attempts;
         let attempt = attempt_request(&parts, &body, previous, deadline);
         let left = deadline.map(|d| d.saturating_duration_since(tokio::time::Instant::now()));
         shared.observer.attempt(
@@ -638,7 +544,7 @@ where
             }
         }
         .instrument(span.clone());
-        previous += 1;
+        retrying.attempts += 1;
         // The deadline is enforced here too: a server that ignores grpc-timeout, or a
         // network gone silent, must not hold the call past it.
         let result = match deadline {
@@ -646,7 +552,7 @@ where
                 Ok(result) => result,
                 Err(_) => {
                     span.record("outcome", "DeadlineExceeded");
-                    break (Ok(deadline_exceeded()), Stop::Deadline);
+                    break (Ok(deadline_exceeded()), StopReason::NoRoom);
                 }
             },
             None => call.await,
@@ -654,10 +560,8 @@ where
         let (status, answer) = match judge(result) {
             Verdict::Committed(answer) => {
                 span.record("outcome", "OK");
-                if let Some(throttle) = &shared.throttle {
-                    throttle.attempt_succeeded();
-                }
-                shared.observer.call_finished(&path, previous);
+                retrying.succeeded();
+                shared.observer.call_finished(&path, retrying.attempts);
                 return answer;
             }
             Verdict::Failed { status, answer } => (status, answer),
@@ -666,68 +570,48 @@ where
         span.record("otel.status_code", "ERROR");
         let answer =
             answer.unwrap_or_else(|| unreachable!("a failed attempt always has its answer"));
-        if !policy.retryable_status_codes.contains(&status.code()) {
-            break (answer, Stop::NotRetryable);
-        }
-        if let Some(throttle) = &shared.throttle {
-            throttle.attempt_failed();
-        }
-        if previous >= policy.max_attempts {
-            break (answer, Stop::MaxAttempts);
-        }
-        let wait = match answer
+        let pushback = answer
             .as_ref()
             .map(|response| pushback_of(response.headers()))
-            .unwrap_or(Pushback::Absent)
-        {
-            Pushback::Absent => {
-                let mut rng = shared
-                    .rng
-                    .lock()
-                    .unwrap_or_else(|poisoned| poisoned.into_inner());
-                schedule.next_delay(&mut *rng)
-            }
-            Pushback::RetryAfter(wait) => {
-                // As grpc-go and grpc-java: after a server's pushback, backoff starts over.
-                schedule = backoff.schedule();
-                wait
-            }
-            Pushback::DoNotRetry => {
-                shared.observer.refused(&path, Refusal::Pushback);
-                break (answer, Stop::Pushback);
-            }
+            .unwrap_or(Pushback::Absent);
+        let room = |wait| {
+            deadline.is_none_or(|deadline| {
+                deadline.saturating_duration_since(tokio::time::Instant::now())
+                    > wait + shared.min_attempt
+            })
         };
-        // The deadline first: a budget's token is not to be spent on a retry that could
-        // not happen anyway. The call then fails DEADLINE_EXCEEDED, as it would have had
-        // the retry been made (grpc-go's answer), keeping the last failure in its message
-        // and metadata.
-        if let Some(deadline) = deadline {
-            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            if left <= wait + shared.min_attempt {
+        match retrying.after_failure(status.code(), pushback, room, &shared.rng) {
+            Next::RetryAfter(wait) => {
+                retry_of = Some(status.code());
+                tokio::time::sleep(wait).await;
+            }
+            Next::NoRoom { wait } => {
                 shared.observer.refused(&path, Refusal::Deadline);
+                // The call fails DEADLINE_EXCEEDED, as it would have had the retry been
+                // made (grpc-go's answer), keeping the last failure in its message and
+                // metadata.
                 let status = Status::with_metadata(
                     Code::DeadlineExceeded,
                     format!(
-                        "last failure {:?}: {}; a retry after {wait:?} would not fit in the {left:?} left",
+                        "last failure {:?}: {}; a retry after {wait:?} would not fit before the deadline",
                         status.code(),
                         status.message(),
                     ),
                     status.metadata().clone(),
                 );
-                break (Ok(status.into_http()), Stop::Deadline);
+                break (Ok(status.into_http()), StopReason::NoRoom);
+            }
+            Next::Stop(reason) => {
+                if let Some(refusal) = reason.refusal() {
+                    shared.observer.refused(&path, refusal);
+                }
+                break (answer, reason);
             }
         }
-        if let Some(throttle) = &shared.throttle
-            && !throttle.try_retry()
-        {
-            shared.observer.refused(&path, Refusal::Throttle);
-            break (answer, Stop::Throttle);
-        }
-        retry_of = Some(status.code());
-        tokio::time::sleep(wait).await;
     };
-    shared.observer.call_finished(&path, previous);
-    answer.map(|response| failed_answer(&shared, response, stop, previous, policy.max_attempts))
+    shared.observer.call_finished(&path, retrying.attempts);
+    let max_attempts = policy.max_attempts;
+    answer.map(|response| failed_answer(&shared, response, stop, retrying.attempts, max_attempts))
 }
 
 /// Attempt number `previous + 1` of a buffered call: the same request, marked with

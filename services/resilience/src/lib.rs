@@ -10,7 +10,11 @@
 //! - [`classify`]: which status codes are retryable; `grpc-retry-pushback-ms`.
 //! - [`throttle`]: [`Throttle`], what limits retries across calls: our [`RetryBudget`] or
 //!   gRFC A6's [`A6Throttle`].
-//! - [`retry`]: [`Retry`], the executor that runs attempts under a [`RetryPolicy`].
+//! - [`rules`]: the decision after a failed attempt (retryable? attempts left? pushback,
+//!   backoff, deadline room, throttle), shared by both retry loops.
+//! - [`observe`]: [`RetryObserver`], what both loops report, for counters and logs.
+//! - [`retry`]: [`Retry`], the executor that runs attempts of any async call under a
+//!   [`RetryPolicy`] (the ledger's processor, the simulations).
 //! - [`client`]: [`RetryLayer`], gRFC A6 retries as a tower layer over any tonic client
 //!   (a `Channel`), configured by a service config.
 //! - [`service_config`]: [`ServiceConfig`], the gRPC service config JSON (retry policy,
@@ -26,8 +30,10 @@ pub mod classify;
 pub mod client;
 pub mod deadline;
 pub mod layer;
+pub mod observe;
 pub mod propagate;
 pub mod retry;
+pub mod rules;
 pub mod service_config;
 pub mod throttle;
 
@@ -37,7 +43,9 @@ pub use classify::{Pushback, is_retryable, pushback, set_pushback};
 pub use client::RetryLayer;
 pub use deadline::{Deadline, NoRoom, format_grpc_timeout, parse_grpc_timeout};
 pub use layer::{DeadlineLayer, IncomingDeadline};
+pub use observe::{AttemptInfo, Refusal, RetryObserver};
 pub use propagate::{CarryHeadersLayer, ForwardHeadersLayer, PropagateDeadlineLayer};
-pub use retry::{Attempt, Retry, RetryError, RetryObserver, RetryPolicy, StopReason};
+pub use retry::{Attempt, Retry, RetryPolicy};
+pub use rules::StopReason;
 pub use service_config::{ConfigError, ServiceConfig};
 pub use throttle::{A6Throttle, Throttle};

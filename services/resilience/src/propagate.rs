@@ -36,9 +36,9 @@ use tonic::Status;
 use tower::{Layer, Service};
 
 use crate::{
-    client::{ClientObserver, Refusal},
     deadline::{format_grpc_timeout, parse_grpc_timeout},
     layer::IncomingDeadline,
+    observe::{Refusal, RetryObserver},
     retry::TIMEOUT_HEADER,
 };
 
@@ -55,7 +55,7 @@ pub struct PropagateDeadlineLayer {
     /// The shortest call worth sending.
     min_attempt: Duration,
     /// Told of calls refused for lack of time.
-    observer: Arc<dyn ClientObserver>,
+    observer: Arc<dyn RetryObserver>,
 }
 
 impl std::fmt::Debug for PropagateDeadlineLayer {
@@ -79,7 +79,7 @@ impl PropagateDeadlineLayer {
     }
 
     /// Reports calls refused for lack of time to `observer`.
-    pub fn observer(mut self, observer: Arc<dyn ClientObserver>) -> Self {
+    pub fn observer(mut self, observer: Arc<dyn RetryObserver>) -> Self {
         self.observer = observer;
         self
     }

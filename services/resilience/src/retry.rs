@@ -24,8 +24,10 @@ use tracing::Instrument;
 
 use crate::{
     backoff::Backoff,
-    classify::{Pushback, is_retryable, pushback, transport_failure_as_unavailable},
+    classify::{RETRYABLE, pushback, transport_failure_as_unavailable},
     deadline::{Deadline, format_grpc_timeout},
+    observe::{AttemptInfo, Refusal, RetryObserver},
+    rules::{Next, Retrying, StopReason},
     throttle::Throttle,
 };
 
@@ -44,7 +46,7 @@ pub struct RetryPolicy {
     pub backoff: Backoff,
     /// The token bucket retries draw on; `None` limits retries by `max_attempts` alone.
     pub budget: Option<Arc<dyn Throttle>>,
-    /// The codes worth another attempt; `None`: the contract's set ([`is_retryable`]). A
+    /// The codes worth another attempt; `None`: the contract's set ([`crate::is_retryable`]). A
     /// service config's `retryableStatusCodes` sets it, and then exactly those are retried.
     pub retryable: Option<Vec<Code>>,
     /// Taken off the remaining time for each attempt's deadline, so the attempt fails while
@@ -66,28 +68,6 @@ impl RetryPolicy {
             min_attempt,
         }
     }
-}
-
-/// Where the executor reports what it did, for a service's `Stats`.
-pub trait RetryObserver: Send + Sync {
-    /// An attempt is about to be made (`attempt.is_retry()` for the second and later).
-    fn attempt_started(&self, attempt: &Attempt);
-    /// A retry was not made because the budget was empty.
-    fn budget_denied(&self);
-    /// An attempt was not made because the deadline left no room.
-    fn deadline_denied(&self);
-    /// The call ended after `attempts` attempts (success or not), for an attempts-per-call
-    /// histogram (as gRFC A96's per-call retry metrics).
-    fn call_finished(&self, attempts: u32) {
-        let _ = attempts;
-    }
-}
-
-/// Observes nothing; for callers that keep no counters.
-impl RetryObserver for () {
-    fn attempt_started(&self, _: &Attempt) {}
-    fn budget_denied(&self) {}
-    fn deadline_denied(&self) {}
 }
 
 /// One attempt of a call.
@@ -126,69 +106,6 @@ impl Attempt {
         } else {
             metadata.remove(PREVIOUS_ATTEMPTS_HEADER);
         }
-    }
-}
-
-/// Why the executor gave up.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StopReason {
-    /// The failure is not worth retrying.
-    NotRetryable,
-    /// `max_attempts` were made.
-    MaxAttempts,
-    /// The retry budget was empty.
-    BudgetExhausted,
-    /// The deadline left no room for another attempt (or the backoff before it).
-    NoRoom,
-    /// The server's pushback said not to retry.
-    PushbackRefused,
-}
-
-impl StopReason {
-    fn describe(&self, policy: &RetryPolicy) -> String {
-        match self {
-            StopReason::NotRetryable => "not retryable".to_owned(),
-            StopReason::MaxAttempts => format!("max attempts ({}) reached", policy.max_attempts),
-            StopReason::BudgetExhausted => "stopped by the retry budget".to_owned(),
-            StopReason::NoRoom => "the deadline left no room for another attempt".to_owned(),
-            StopReason::PushbackRefused => "the server's pushback said not to retry".to_owned(),
-        }
-    }
-}
-
-/// A call that failed for good: the status to return, and how retrying ended.
-#[derive(Debug)]
-pub struct RetryError {
-    /// The last failure, its message naming the attempts and the stop reason when retries
-    /// were allowed.
-    pub status: Status,
-    /// Attempts made (0 when the deadline left no room for the first).
-    pub attempts: u32,
-    /// Why no further attempt was made.
-    pub reason: StopReason,
-    /// The policy's attempt limit: 1 means this caller never retries.
-    pub max_attempts: u32,
-}
-
-impl RetryError {
-    /// Whether this caller retried, or would have but was refused (budget, deadline,
-    /// pushback): then it was the retrying layer for this call, and a layer above that
-    /// retried too would multiply load.
-    pub fn retries_were_spent(&self) -> bool {
-        if self.max_attempts <= 1 {
-            return false;
-        }
-        match self.reason {
-            StopReason::NotRetryable => false,
-            StopReason::MaxAttempts => self.attempts > 1,
-            StopReason::BudgetExhausted | StopReason::NoRoom | StopReason::PushbackRefused => true,
-        }
-    }
-}
-
-impl From<RetryError> for Status {
-    fn from(error: RetryError) -> Self {
-        error.status
     }
 }
 
@@ -242,77 +159,50 @@ impl Retry {
         &self,
         deadline: Deadline,
         observer: &dyn RetryObserver,
-        call: F,
+        mut call: F,
     ) -> Result<T, Status>
     where
         F: FnMut(Attempt) -> Fut,
         Fut: Future<Output = Result<T, Status>>,
     {
-        self.run_detailed(deadline, observer, call)
-            .await
-            .map_err(|error| error.status)
-    }
-
-    /// [`Retry::run`], telling on failure how many attempts were made and why retrying
-    /// stopped: a caller that is itself the one retrying layer uses that to tell *its*
-    /// caller not to retry on top (a negative `grpc-retry-pushback-ms`).
-    pub async fn run_detailed<T, F, Fut>(
-        &self,
-        deadline: Deadline,
-        observer: &dyn RetryObserver,
-        call: F,
-    ) -> Result<T, RetryError>
-    where
-        F: FnMut(Attempt) -> Fut,
-        Fut: Future<Output = Result<T, Status>>,
-    {
-        let mut made = 0;
-        let result = self.attempts(deadline, observer, call, &mut made).await;
-        observer.call_finished(made);
-        result
-    }
-
-    /// The loop of [`Retry::run_detailed`]; `number` counts the attempts made.
-    async fn attempts<T, F, Fut>(
-        &self,
-        deadline: Deadline,
-        observer: &dyn RetryObserver,
-        mut call: F,
-        number: &mut u32,
-    ) -> Result<T, RetryError>
-    where
-        F: FnMut(Attempt) -> Fut,
-        Fut: Future<Output = Result<T, Status>>,
-    {
         let policy = &self.policy;
-        let mut schedule = policy.backoff.schedule();
-        if let Some(budget) = &policy.budget {
-            budget.first_attempt();
-        }
+        let mut retrying = Retrying::start(
+            policy.max_attempts,
+            policy.retryable.as_deref().unwrap_or(&RETRYABLE),
+            policy.backoff,
+            policy.budget.as_deref(),
+        );
         let mut retry_of = None;
         let mut waited = Duration::ZERO;
-        loop {
+        let result = loop {
             let timeout = match deadline.downstream_timeout(policy.margin, policy.min_attempt) {
                 Ok(timeout) => timeout,
                 Err(no_room) => {
-                    observer.deadline_denied();
+                    observer.refused(&self.label, Refusal::Deadline);
                     let status = Status::deadline_exceeded(format!(
                         "no attempt started: {:?} left of the deadline, an attempt needs more than {:?}",
                         no_room.remaining, no_room.needed
                     ));
-                    return Err(self.stopped(status, *number, StopReason::NoRoom));
+                    break Err(self.stopped(status, retrying.attempts, StopReason::NoRoom));
                 }
             };
-            *number += 1;
-            let number = *number;
+            retrying.attempts += 1;
+            let number = retrying.attempts;
             let attempt = Attempt {
                 number,
                 timeout,
                 retry_of,
             };
-            observer.attempt_started(&attempt);
-            // The attempt's span: a client span in a trace (OpenTelemetry), the parent of the
-            // downstream's server span — the call is built inside it, so propagation sees it.
+            observer.attempt(
+                &self.label,
+                &AttemptInfo {
+                    previous: number - 1,
+                    retry_of,
+                    timeout: Some(timeout),
+                },
+            );
+            // The attempt's span: a client span in a trace (OpenTelemetry), the parent of
+            // what the call does — it is built inside it.
             let span = tracing::info_span!(
                 "attempt",
                 otel.kind = "client",
@@ -332,10 +222,8 @@ impl Retry {
             let status = match answer {
                 Ok(Ok(value)) => {
                     span.record("outcome", "OK");
-                    if let Some(budget) = &policy.budget {
-                        budget.attempt_succeeded();
-                    }
-                    return Ok(value);
+                    retrying.succeeded();
+                    break Ok(value);
                 }
                 Ok(Err(status)) => status,
                 Err(_) => Status::deadline_exceeded(format!(
@@ -356,112 +244,64 @@ impl Retry {
             span.record("outcome", format!("{:?}", status.code()));
             span.record("otel.status_code", "ERROR");
 
-            let retryable = match &policy.retryable {
-                Some(codes) => codes.contains(&status.code()),
-                None => is_retryable(status.code()),
-            };
-            if !retryable {
-                return Err(if number > 1 {
-                    self.stopped(status, number, StopReason::NotRetryable)
-                } else {
-                    RetryError {
-                        status,
-                        attempts: number,
-                        reason: StopReason::NotRetryable,
-                        max_attempts: policy.max_attempts,
+            let room = |wait| deadline.has_room_after(wait, policy.margin, policy.min_attempt);
+            match retrying.after_failure(status.code(), pushback(&status), room, &self.rng) {
+                Next::RetryAfter(wait) => {
+                    tracing::info!(
+                        attempt = number,
+                        code = ?status.code(),
+                        wait_ms = wait.as_secs_f64() * 1e3,
+                        remaining_ms = deadline.remaining().as_millis() as u64,
+                        "attempt failed, retrying"
+                    );
+                    tokio::time::sleep(wait).await;
+                    retry_of = Some(status.code());
+                    waited = wait;
+                }
+                Next::NoRoom { wait } => {
+                    observer.refused(&self.label, Refusal::Deadline);
+                    // DEADLINE_EXCEEDED, as the contract asks when the deadline stops the
+                    // call; the last failure's code and message stay in the message and its
+                    // metadata (a pushback, say) stays on the status.
+                    let status = Status::with_metadata(
+                        Code::DeadlineExceeded,
+                        format!(
+                            "last failure {:?}: {}; a retry after {wait:?} would not fit in the {:?} left",
+                            status.code(),
+                            status.message(),
+                            deadline.remaining()
+                        ),
+                        status.metadata().clone(),
+                    );
+                    break Err(self.stopped(status, number, StopReason::NoRoom));
+                }
+                Next::Stop(reason) => {
+                    if let Some(refusal) = reason.refusal() {
+                        observer.refused(&self.label, refusal);
                     }
-                });
-            }
-            if let Some(budget) = &policy.budget {
-                budget.attempt_failed();
-            }
-            if number >= policy.max_attempts {
-                return Err(self.stopped(status, number, StopReason::MaxAttempts));
-            }
-            let wait = match pushback(&status) {
-                Pushback::Absent => schedule.next_delay(&mut *self.lock_rng()),
-                Pushback::RetryAfter(wait) => {
-                    // As grpc-go and grpc-java: after a server's pushback, backoff starts over.
-                    schedule = policy.backoff.schedule();
-                    wait
+                    break Err(self.stopped(status, number, reason));
                 }
-                Pushback::DoNotRetry => {
-                    return Err(self.stopped(status, number, StopReason::PushbackRefused));
-                }
-            };
-            if !deadline.has_room_after(wait, policy.margin, policy.min_attempt) {
-                observer.deadline_denied();
-                // DEADLINE_EXCEEDED, as the contract asks when the deadline stops the call;
-                // the last failure's code and message stay in the message and its metadata
-                // (a pushback, say) stays on the status.
-                let status = Status::with_metadata(
-                    Code::DeadlineExceeded,
-                    format!(
-                        "last failure {:?}: {}; a retry after {wait:?} would not fit in the {:?} left",
-                        status.code(),
-                        status.message(),
-                        deadline.remaining()
-                    ),
-                    status.metadata().clone(),
-                );
-                return Err(self.stopped(status, number, StopReason::NoRoom));
             }
-            if let Some(budget) = &policy.budget
-                && !budget.try_retry()
-            {
-                observer.budget_denied();
-                return Err(self.stopped(status, number, StopReason::BudgetExhausted));
-            }
-            tracing::info!(
-                attempt = number,
-                code = ?status.code(),
-                wait_ms = wait.as_secs_f64() * 1e3,
-                remaining_ms = deadline.remaining().as_millis() as u64,
-                "attempt failed, retrying"
-            );
-            tokio::time::sleep(wait).await;
-            retry_of = Some(status.code());
-            waited = wait;
-        }
+        };
+        observer.call_finished(&self.label, retrying.attempts);
+        result
     }
 
     /// The status to return when retrying stops: the last failure, its message extended by
-    /// how many attempts were made and why they stopped (left as it was when the policy
-    /// never allowed a retry, so a single-attempt relay passes failures through unchanged).
-    fn stopped(&self, status: Status, attempts: u32, reason: StopReason) -> RetryError {
-        if self.policy.max_attempts <= 1 && reason != StopReason::NoRoom {
-            // Nothing was retried: the caller's own outcome line says all there is.
-            return RetryError {
-                status,
-                attempts,
-                reason,
-                max_attempts: self.policy.max_attempts,
-            };
+    /// how many attempts were made and why they stopped (left as it was when nothing was
+    /// retried, so a single-attempt relay passes failures through unchanged).
+    fn stopped(&self, status: Status, attempts: u32, reason: StopReason) -> Status {
+        if !reason.is_the_loops_verdict(attempts, self.policy.max_attempts) {
+            return status;
         }
         tracing::info!(attempts, ?reason, code = ?status.code(), "giving up");
-        let plural = if attempts == 1 { "" } else { "s" };
-        let who = if self.label.is_empty() {
-            String::new()
-        } else {
-            format!("{}: ", self.label)
-        };
-        let message = format!(
-            "{} [{who}{attempts} attempt{plural}, {}]",
+        let message = reason.annotate(
             status.message(),
-            reason.describe(&self.policy)
-        );
-        RetryError {
-            status: Status::with_metadata(status.code(), message, status.metadata().clone()),
+            &self.label,
             attempts,
-            reason,
-            max_attempts: self.policy.max_attempts,
-        }
-    }
-
-    fn lock_rng(&self) -> std::sync::MutexGuard<'_, SmallRng> {
-        self.rng
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            self.policy.max_attempts,
+        );
+        Status::with_metadata(status.code(), message, status.metadata().clone())
     }
 }
 
@@ -472,7 +312,10 @@ mod tests {
     use tokio::time::Instant;
 
     use super::*;
-    use crate::{backoff::BackoffKind, classify::set_pushback};
+    use crate::{
+        backoff::BackoffKind,
+        classify::{Pushback, set_pushback},
+    };
 
     #[derive(Default)]
     struct Counts {
@@ -483,17 +326,19 @@ mod tests {
     }
 
     impl RetryObserver for Counts {
-        fn attempt_started(&self, attempt: &Attempt) {
+        fn attempt(&self, _: &str, attempt: &AttemptInfo) {
             self.attempts.fetch_add(1, Ordering::Relaxed);
-            if attempt.is_retry() {
+            if attempt.previous > 0 {
                 self.retries.fetch_add(1, Ordering::Relaxed);
             }
         }
-        fn budget_denied(&self) {
-            self.budget_denied.fetch_add(1, Ordering::Relaxed);
-        }
-        fn deadline_denied(&self) {
-            self.deadline_denied.fetch_add(1, Ordering::Relaxed);
+        fn refused(&self, _: &str, reason: Refusal) {
+            let count = match reason {
+                Refusal::Throttle => &self.budget_denied,
+                Refusal::Deadline => &self.deadline_denied,
+                Refusal::Pushback => return,
+            };
+            count.fetch_add(1, Ordering::Relaxed);
         }
     }
 
