@@ -72,7 +72,7 @@ impl Payments for BareForwarder {
         &self,
         request: Request<ChargeRequest>,
     ) -> Result<Response<ChargeReply>, Status> {
-        let reply = self.downstream.clone().charge(request.into_inner()).await?;
+        let reply = self.downstream.clone().charge(pass_on(request)).await?;
         Ok(Response::new(reply.into_inner()))
     }
 
@@ -83,10 +83,18 @@ impl Payments for BareForwarder {
         let reply = self
             .downstream
             .clone()
-            .get_account(request.into_inner())
+            .get_account(pass_on(request))
             .await?;
         Ok(Response::new(reply.into_inner()))
     }
+}
+
+/// The call to make downstream: the message and its metadata as they came (tonic drops
+/// the transport's own headers when it sends them), so a key and a deadline reach the
+/// ledger of a bare chain unchanged.
+fn pass_on<T>(request: Request<T>) -> Request<T> {
+    let (metadata, _, message) = request.into_parts();
+    Request::from_parts(metadata, tonic::Extensions::default(), message)
 }
 
 /// Serves `service` on `listener` until the process ends.

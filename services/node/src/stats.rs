@@ -188,7 +188,6 @@ impl Counters {
     }
 }
 
-/// The retry executor reports straight into the counters.
 /// What the retry loops report (the hops' layer, the ledger's executor), counted.
 impl RetryObserver for Counters {
     fn attempt(&self, _path: &str, attempt: &AttemptInfo) {

@@ -11,7 +11,7 @@ pub const PUSHBACK_HEADER: &str = "grpc-retry-pushback-ms";
 ///
 /// UNAVAILABLE and ABORTED are transient by definition; RESOURCE_EXHAUSTED is overload, worth
 /// retrying only after the server's pushback; DEADLINE_EXCEEDED of one attempt is retryable
-/// only while the overall deadline still has room, which the executor checks separately.
+/// only while the overall deadline still has room, which the retry loops check separately.
 /// Everything else fails the same way again and would only add load.
 pub fn is_retryable(code: Code) -> bool {
     RETRYABLE.contains(&code)

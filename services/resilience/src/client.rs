@@ -32,9 +32,12 @@
 //!   attempt fails; a success is credited when the call commits (its trailers are the
 //!   caller's to read).
 //! - **Marked**: every retry carries `grpc-previous-rpc-attempts`.
-//! - **Deadline**: the call's `grpc-timeout` (or the method config's `timeout`, whichever
-//!   is shorter) bounds it: each attempt is sent the time left, no attempt starts and no
-//!   backoff sleeps past it, and a call still unanswered then ends DEADLINE_EXCEEDED.
+//! - **Deadline**: the call's `grpc-timeout` (or the method config's `timeout`, or a
+//!   [`CallDeadline`] from a layer above, whichever ends first) bounds it: each attempt is
+//!   sent the time left, no attempt starts and no backoff sleeps past it, and a call still
+//!   unanswered then ends DEADLINE_EXCEEDED (also when the channel's own timer reports it
+//!   as CANCELLED). A retry the deadline leaves no room for ends the call
+//!   DEADLINE_EXCEEDED too, as it would have ended had the retry been made.
 //!
 //! A method with a `hedgingPolicy` is hedged instead: the first attempt at once, another
 //! every `hedgingDelay` up to `maxAttempts` (at once after a non-fatal failure, or after
@@ -426,11 +429,22 @@ enum Verdict<R> {
     Failed { status: Status, answer: Option<R> },
 }
 
+/// A CANCELLED answer once the call's deadline has passed is the deadline's doing: a tonic
+/// `Channel` enforces the `grpc-timeout` it sends with a timer of its own, which reports
+/// CANCELLED — a code no caller should retry or see for a deadline.
 fn judge<B: Default, E: Into<BoxError>>(
     result: Result<http::Response<B>, E>,
+    deadline: Option<tokio::time::Instant>,
 ) -> Verdict<Result<http::Response<B>, E>> {
+    let deadline_passed = || deadline.is_some_and(|d| tokio::time::Instant::now() >= d);
     match result {
         Ok(response) => match Status::from_header_map(response.headers()) {
+            Some(status) if status.code() == Code::Cancelled && deadline_passed() => {
+                Verdict::Failed {
+                    status: Status::deadline_exceeded(status.message().to_owned()),
+                    answer: Some(Ok(deadline_exceeded())),
+                }
+            }
             Some(status) if status.code() != Code::Ok => Verdict::Failed {
                 status,
                 answer: Some(Ok(response)),
@@ -441,6 +455,12 @@ fn judge<B: Default, E: Into<BoxError>>(
         // is UNAVAILABLE, a reset stream CANCELLED, …), answered as a gRPC response.
         Err(error) => {
             let status = transport_failure_as_unavailable(Status::from_error(error.into()));
+            if status.code() == Code::Cancelled && deadline_passed() {
+                return Verdict::Failed {
+                    status: Status::deadline_exceeded(status.message().to_owned()),
+                    answer: Some(Ok(deadline_exceeded())),
+                };
+            }
             Verdict::Failed {
                 answer: Some(Ok(status.clone().into_http())),
                 status,
@@ -474,7 +494,7 @@ fn failed_answer<B: Default>(
         }
         _ => response,
     };
-    if shared.refuse_caller_retries && stop.retries_were_spent(attempts) {
+    if shared.refuse_caller_retries && stop.retries_were_spent(attempts, max_attempts) {
         response
             .headers_mut()
             .insert(PUSHBACK_HEADER, http::HeaderValue::from_static("-1"));
@@ -550,14 +570,11 @@ where
         let result = match deadline {
             Some(deadline) => match tokio::time::timeout_at(deadline, call).await {
                 Ok(result) => result,
-                Err(_) => {
-                    span.record("outcome", "DeadlineExceeded");
-                    break (Ok(deadline_exceeded()), StopReason::NoRoom);
-                }
+                Err(_) => Ok(deadline_exceeded()),
             },
             None => call.await,
         };
-        let (status, answer) = match judge(result) {
+        let (status, answer) = match judge(result, deadline) {
             Verdict::Committed(answer) => {
                 span.record("outcome", "OK");
                 retrying.succeeded();
@@ -640,22 +657,33 @@ fn attempt_request(
     attempt
 }
 
-/// The call's deadline: its `grpc-timeout`, or the method config's `timeout`, whichever
-/// ends first.
+/// An absolute deadline for a call, put in its request's extensions by a layer above
+/// ([`PropagateDeadlineLayer`](crate::PropagateDeadlineLayer)). The relative `grpc-timeout`
+/// alone would start counting again after any wait between the two layers (a busy channel,
+/// say); the layer uses whichever ends first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallDeadline(pub tokio::time::Instant);
+
+/// The call's deadline: its [`CallDeadline`], its `grpc-timeout`, or the method config's
+/// `timeout`, whichever ends first.
 fn deadline_of(
     parts: &http::request::Parts,
     configured: Option<std::time::Duration>,
 ) -> Option<tokio::time::Instant> {
+    let now = tokio::time::Instant::now();
     let sent = parts
         .headers
         .get(TIMEOUT_HEADER)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| parse_grpc_timeout(v).ok());
-    let timeout = match (sent, configured) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    }?;
-    tokio::time::Instant::now().checked_add(timeout)
+    [
+        parts.extensions.get::<CallDeadline>().map(|d| d.0),
+        sent.and_then(|timeout| now.checked_add(timeout)),
+        configured.and_then(|timeout| now.checked_add(timeout)),
+    ]
+    .into_iter()
+    .flatten()
+    .min()
 }
 
 /// gRFC A6 hedging: the first attempt now, another every `hedgingDelay` (at once after a
@@ -761,7 +789,7 @@ where
         tokio::select! {
             biased;
             Some(result) = running.next(), if !running.is_empty() => {
-                match judge(result) {
+                match judge(result, deadline) {
                     Verdict::Committed(answer) => {
                         if let Some(throttle) = &shared.throttle {
                             throttle.attempt_succeeded();

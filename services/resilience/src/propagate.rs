@@ -36,6 +36,7 @@ use tonic::Status;
 use tower::{Layer, Service};
 
 use crate::{
+    client::CallDeadline,
     deadline::{format_grpc_timeout, parse_grpc_timeout},
     layer::IncomingDeadline,
     observe::{Refusal, RetryObserver},
@@ -148,6 +149,11 @@ where
         {
             request.headers_mut().insert(TIMEOUT_HEADER, value);
         }
+        // The same deadline as an instant, for a retry layer below: time spent waiting for
+        // the channel between here and there still counts.
+        request.extensions_mut().insert(CallDeadline(
+            incoming.deadline.earlier_by(self.layer.margin).instant(),
+        ));
         Either::Right(self.inner.call(request))
     }
 }

@@ -1,16 +1,11 @@
-//! The retry executor: one logical call, several attempts, under a policy.
+//! The retry executor: one logical call, several attempts, under a policy — for calls that
+//! are not gRPC requests through a tower stack (the ledger's in-process processor, the
+//! simulations). gRPC clients use [`RetryLayer`](crate::RetryLayer); both loops make the
+//! same decision after a failure ([`crate::rules`]).
 //!
-//! # Why a loop over attempts and not `tower::retry`
-//!
-//! tower's retry middleware retries a *service call*: it needs to clone the request, and a
-//! tonic request is an HTTP request with a streaming body, which cannot be cloned without
-//! buffering it. More to the point, each attempt is a *different* request: it carries a
-//! freshly computed, shorter `grpc-timeout` and a `grpc-previous-rpc-attempts` count. So
-//! [`Retry::run`] takes a closure that builds and sends one attempt from the (cheaply
-//! cloned) message, and owns what the retry decision needs in one place: classification,
-//! pushback, backoff, budget and the deadline. tower carries the cross-cutting server side:
-//! [`crate::DeadlineLayer`] turns the incoming `grpc-timeout` into a [`Deadline`] and
-//! answers DEADLINE_EXCEEDED when it is spent.
+//! [`Retry::run`] takes a closure that makes one attempt, given its [`Attempt`]: its number,
+//! the time it may take (the deadline less the margin, so it fails while the caller can
+//! still react) and the failure it retries.
 
 use std::{
     future::Future,
@@ -57,7 +52,7 @@ pub struct RetryPolicy {
 }
 
 impl RetryPolicy {
-    /// A policy that tries exactly once (hop2..ledger in `edge-only` mode).
+    /// A policy that tries exactly once (the ledger's processor in `edge-only` mode).
     pub fn single_attempt(backoff: Backoff, margin: Duration, min_attempt: Duration) -> Self {
         Self {
             max_attempts: 1,

@@ -34,9 +34,13 @@ pub enum StopReason {
 }
 
 impl StopReason {
-    /// Whether the loop was the retrying layer for its call: it retried, or would have but
-    /// was refused. A caller that retried too would multiply the load below.
-    pub fn retries_were_spent(self, attempts: u32) -> bool {
+    /// Whether the loop was the retrying layer for its call: retries were allowed and it
+    /// retried, or would have but was refused. A caller that retried too would multiply the
+    /// load below.
+    pub fn retries_were_spent(self, attempts: u32, max_attempts: u32) -> bool {
+        if max_attempts <= 1 {
+            return false;
+        }
         match self {
             StopReason::NotRetryable => false,
             StopReason::MaxAttempts => attempts > 1,

@@ -7,7 +7,7 @@
 //!   do): every failed attempt costs a token, every success earns `token_ratio`, and
 //!   retries are allowed only while more than half the tokens are left.
 //!
-//! The retry executor speaks only [`Throttle`]; a service config's `retryThrottling` picks
+//! Both retry loops speak only [`Throttle`]; a service config's `retryThrottling` picks
 //! the second, the command line's `--budget-*` flags the first.
 
 use std::sync::Mutex;

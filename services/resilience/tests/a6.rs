@@ -820,3 +820,48 @@ async fn a_call_made_outside_a_request_goes_out_as_it_is() {
     assert_eq!(seen[0].timeout, None);
     assert_eq!(seen[0].key, None);
 }
+
+// ---- Over a real channel ----
+
+/// Counts the deadline refusals it is told of.
+#[derive(Default)]
+struct DeadlineRefusals(std::sync::atomic::AtomicU32);
+
+impl resilience::RetryObserver for DeadlineRefusals {
+    fn attempt(&self, _: &str, _: &resilience::AttemptInfo) {}
+    fn refused(&self, _: &str, reason: resilience::Refusal) {
+        if reason == resilience::Refusal::Deadline {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+}
+
+#[tokio::test]
+async fn over_a_channel_a_silent_server_ends_the_call_deadline_exceeded_not_cancelled() {
+    // Whichever timer fires first — the layer's, or the Channel's own for the grpc-timeout
+    // it sends, which reports CANCELLED — the caller sees DEADLINE_EXCEEDED, and the
+    // retry the deadline refused is counted.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(PaymentsServer::new(slow(vec![(10_000, None)])))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
+        .unwrap()
+        .connect_lazy();
+    let refusals = Arc::new(DeadlineRefusals::default());
+    let layer = RetryLayer::new(config(
+        r#"{"maxAttempts": 3, "initialBackoff": "0.01s", "maxBackoff": "0.01s",
+             "backoffMultiplier": 1, "retryableStatusCodes": ["UNAVAILABLE", "DEADLINE_EXCEEDED"]}"#,
+        "",
+    ))
+    .observer(refusals.clone());
+    let mut client = PaymentsClient::new(tower::Layer::layer(&layer, channel));
+    let mut request = Request::new(ChargeRequest::default());
+    request.set_timeout(Duration::from_millis(300));
+    let status = client.charge(request).await.expect_err("no answer in time");
+    assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+    assert_eq!(refusals.0.load(std::sync::atomic::Ordering::Relaxed), 1);
+}
