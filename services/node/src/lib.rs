@@ -125,15 +125,25 @@ impl Node {
     }
 }
 
-/// A node observes its downstream calls into its counters, so a client stack can report
-/// to it (`Arc<Node>` as the retry layer's observer).
+/// A node observes its downstream calls into its counters and its log, so a client stack
+/// can report to it (`Arc<Node>` as the retry layer's observer): each retry and each
+/// refused attempt is a line in the request's span.
 impl RetryObserver for Node {
     fn attempt(&self, path: &str, attempt: &resilience::AttemptInfo) {
         RetryObserver::attempt(&self.counters, path, attempt);
+        if attempt.previous > 0 {
+            tracing::info!(
+                attempt = attempt.previous + 1,
+                retry_of = ?attempt.retry_of,
+                timeout_ms = attempt.timeout.map(|t| t.as_millis() as u64),
+                "retrying"
+            );
+        }
     }
 
     fn refused(&self, path: &str, reason: resilience::Refusal) {
         RetryObserver::refused(&self.counters, path, reason);
+        tracing::info!(reason = reason.as_str(), "downstream attempt refused");
     }
 
     fn call_finished(&self, path: &str, attempts: u32) {
