@@ -1,5 +1,6 @@
 //! The command line. Every flag can also be set through the environment variable named in
-//! `--help`, which is how docker-compose configures the services.
+//! `--help`, which is how docker-compose configures the services. A leaf: it imports none
+//! of its sibling modules (the experiments' flags come from their own crate).
 
 use std::{net::SocketAddr, time::Duration};
 
@@ -27,60 +28,15 @@ pub enum Command {
     /// Run the ledger: charges accounts through the processor, keys in Postgres.
     Ledger(LedgerArgs),
     /// Run the whole chain here: Postgres (unless DATABASE_URL), five services on 50051..50055.
-    Up(crate::up::UpArgs),
+    Up(UpArgs),
     /// Run the design notes' scenarios against a chain and print measured figures.
-    Demo(crate::demo::DemoArgs),
+    Demo(retrychain_experiments::demo::DemoArgs),
     /// Load a chain and report success, amplification, throughput and latency.
-    Storm(crate::storm::StormArgs),
+    Storm(retrychain_experiments::storm::StormArgs),
     /// Run the design notes' simulations on the project's own backoff and budget code.
-    Sim(crate::sim::SimArgs),
+    Sim(retrychain_experiments::sim::SimArgs),
     /// Exit 0 when the service at --addr reports SERVING (for container health checks).
-    Health(crate::health::HealthArgs),
-}
-
-/// `--retry-mode` values.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum ModeArg {
-    /// Every service retries its downstream call (3^5 = 243 bottom calls for one request).
-    EveryLayer,
-    /// Only the edge retries, with backoff and the retry budget.
-    EdgeOnly,
-}
-
-impl From<ModeArg> for RetryMode {
-    fn from(mode: ModeArg) -> Self {
-        match mode {
-            ModeArg::EveryLayer => RetryMode::EveryLayer,
-            ModeArg::EdgeOnly => RetryMode::EdgeOnly,
-        }
-    }
-}
-
-/// `--backoff` values.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum BackoffArg {
-    /// Full jitter: U(0, e).
-    Full,
-    /// Equal jitter: e/2 + U(0, e/2).
-    Equal,
-    /// Decorrelated jitter: min(cap, U(base, previous × 3)).
-    Decorrelated,
-    /// Capped exponential, no jitter.
-    Exponential,
-    /// No wait.
-    None,
-}
-
-impl From<BackoffArg> for BackoffKind {
-    fn from(arg: BackoffArg) -> Self {
-        match arg {
-            BackoffArg::Full => BackoffKind::Full,
-            BackoffArg::Equal => BackoffKind::Equal,
-            BackoffArg::Decorrelated => BackoffKind::Decorrelated,
-            BackoffArg::Exponential => BackoffKind::Exponential,
-            BackoffArg::None => BackoffKind::None,
-        }
-    }
+    Health(HealthArgs),
 }
 
 /// `--log-format` values.
@@ -123,14 +79,14 @@ pub struct ServiceArgs {
     #[arg(long, env = "RETRYCHAIN_NAME")]
     pub name: Option<String>,
     /// Where retries happen when a request does not say.
-    #[arg(long, env = "RETRYCHAIN_RETRY_MODE", value_enum, default_value_t = ModeArg::EdgeOnly)]
-    pub retry_mode: ModeArg,
+    #[arg(long, env = "RETRYCHAIN_RETRY_MODE", value_enum, default_value_t = RetryMode::EdgeOnly)]
+    pub retry_mode: RetryMode,
     /// Attempts per call (first included) wherever this service retries.
     #[arg(long, env = "RETRYCHAIN_MAX_ATTEMPTS", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
     pub max_attempts: u32,
     /// Backoff between attempts.
-    #[arg(long, env = "RETRYCHAIN_BACKOFF", value_enum, default_value_t = BackoffArg::Full)]
-    pub backoff: BackoffArg,
+    #[arg(long, env = "RETRYCHAIN_BACKOFF", value_enum, default_value_t = BackoffKind::Full)]
+    pub backoff: BackoffKind,
     /// First exponential backoff step, in ms.
     #[arg(long, env = "RETRYCHAIN_BACKOFF_BASE_MS", default_value_t = 10)]
     pub backoff_base_ms: u64,
@@ -182,7 +138,7 @@ impl ServiceArgs {
     /// The backoff the flags describe.
     pub fn backoff(&self) -> Backoff {
         Backoff::new(
-            self.backoff.into(),
+            self.backoff,
             Duration::from_millis(self.backoff_base_ms),
             Duration::from_millis(self.backoff_cap_ms),
         )
@@ -244,4 +200,36 @@ pub struct LedgerArgs {
     /// answers UNAVAILABLE at once instead of holding the chain until its deadline.
     #[arg(long, env = "RETRYCHAIN_DB_ACQUIRE_TIMEOUT_MS", default_value_t = 250, value_parser = clap::value_parser!(u64).range(1..))]
     pub db_acquire_timeout_ms: u64,
+}
+
+/// Flags of `up`.
+#[derive(Debug, Clone, Args)]
+pub struct UpArgs {
+    /// Postgres URL for the ledger; unset: a throwaway cluster from the binaries on PATH.
+    #[arg(long, env = "DATABASE_URL")]
+    pub database_url: Option<String>,
+    /// The retry mode of all five services.
+    #[arg(long, env = "RETRYCHAIN_RETRY_MODE", value_enum, default_value_t = RetryMode::EdgeOnly)]
+    pub retry_mode: RetryMode,
+    /// The edge's port; hop2, hop3, hop4 and the ledger take the next four.
+    #[arg(long, env = "RETRYCHAIN_BASE_PORT", default_value_t = 50051)]
+    pub base_port: u16,
+    /// Log format of the services.
+    #[arg(long, env = "RETRYCHAIN_LOG_FORMAT", value_enum, default_value_t = LogFormatArg::Text)]
+    pub log_format: LogFormatArg,
+}
+
+/// Flags of `health`.
+#[derive(Debug, Clone, Args)]
+pub struct HealthArgs {
+    /// The service to ask, e.g. http://127.0.0.1:50051.
+    #[arg(
+        long,
+        env = "RETRYCHAIN_HEALTH_ADDR",
+        default_value = "http://127.0.0.1:50051"
+    )]
+    pub addr: String,
+    /// Give up after this many ms.
+    #[arg(long, default_value_t = 2000, env = "RETRYCHAIN_HEALTH_TIMEOUT_MS")]
+    pub timeout_ms: u64,
 }

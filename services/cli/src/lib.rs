@@ -3,28 +3,24 @@
 //!
 //! # Layout
 //!
-//! - [`config`]: the command line (clap, every flag also an environment variable).
+//! - [`config`]: the command line (clap, every flag also an environment variable); a leaf
+//!   module.
 //! - [`serve`]: `edge`, `relay`, `ledger` — start one service from its flags.
-//! - [`launch`]: starting services as child processes (for `up` and `demo`).
-//! - [`up`]: the whole chain on this machine.
-//! - [`demo`]: the design notes' scenarios measured on running services.
-//! - [`sim`]: the design notes' simulations on the resilience crate's own code.
-//! - [`storm`]: load against a chain: amplification, throughput, latency; [`chart`] draws it.
+//! - [`up`]: the whole chain on this machine (`retrychain-harness` starts and supervises it).
 //! - [`health`]: the container health check.
+//!
+//! `demo`, `storm` and `sim` run the experiments of `retrychain-experiments`, which return
+//! typed reports; this crate prints them, or their JSON.
 
 use std::process::ExitCode;
 
-pub mod chart;
 pub mod config;
-pub mod demo;
 pub mod health;
-pub mod launch;
 pub mod serve;
-pub mod sim;
-pub mod storm;
 pub mod up;
 
 use config::{Cli, Command};
+use retrychain_experiments::{demo, sim, storm};
 
 /// Runs the parsed command line.
 pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {

@@ -55,7 +55,7 @@ pub async fn hop(args: HopArgs, edge: bool) -> anyhow::Result<()> {
         Arc::clone(&node),
         role,
         HopRetryConfig {
-            mode: service.retry_mode.into(),
+            mode: service.retry_mode,
             max_attempts: policy.max_attempts,
             backoff: policy.backoff,
             budget,
@@ -66,7 +66,14 @@ pub async fn hop(args: HopArgs, edge: bool) -> anyhow::Result<()> {
         channel,
     );
     tracing::info!(%downstream, mode = %hop_mode(service), "forwarding");
-    retrychain_node::serve(listeners, node, hop, service.reserve(), shutdown_signal()).await?;
+    retrychain_node::serve(
+        listeners,
+        node,
+        hop,
+        service.reserve(),
+        retrychain_node::shutdown_signal(),
+    )
+    .await?;
     Ok(())
 }
 
@@ -105,7 +112,7 @@ pub async fn ledger(args: LedgerArgs) -> anyhow::Result<()> {
     let ledger = Ledger::new(
         Arc::clone(&node),
         store.clone(),
-        service.retry_mode.into(),
+        service.retry_mode,
         policies.retry,
         in_flight,
     );
@@ -118,7 +125,7 @@ pub async fn ledger(args: LedgerArgs) -> anyhow::Result<()> {
         node,
         ledger,
         service.reserve(),
-        shutdown_signal(),
+        retrychain_node::shutdown_signal(),
     )
     .await;
     retention.abort();
@@ -127,7 +134,7 @@ pub async fn ledger(args: LedgerArgs) -> anyhow::Result<()> {
 }
 
 fn hop_mode(service: &ServiceArgs) -> &'static str {
-    retrychain_node::RetryMode::from(service.retry_mode).as_str()
+    service.retry_mode.as_str()
 }
 
 /// How a service retries, from its flags or, with `--service-config`, from that document.
@@ -245,20 +252,4 @@ async fn bind(service: &ServiceArgs, default: &str) -> anyhow::Result<Listeners>
         .admin_listen
         .unwrap_or_else(|| default_admin_addr(public));
     Ok(Listeners::bind(public, admin).await?)
-}
-
-/// Completes on Ctrl-C or SIGTERM (what `docker stop` and `retrychain up` send).
-pub async fn shutdown_signal() {
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
-            }
-            Err(_) => std::future::pending().await,
-        }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = terminate => {}
-    }
 }

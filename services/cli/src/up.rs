@@ -6,30 +6,9 @@
 //! exits (a crash, a kill) is started again on the same ports while the others go on
 //! serving. Ctrl-C (or SIGTERM) stops them all and removes the throwaway cluster.
 
-use clap::Args;
-use retrychain_node::RetryMode;
+use retrychain_harness::{ChainOptions, LocalChain, Logs};
 
-use crate::{
-    config::{LogFormatArg, ModeArg},
-    launch::{ChainOptions, LocalChain, Logs},
-};
-
-/// Flags of `up`.
-#[derive(Debug, Clone, Args)]
-pub struct UpArgs {
-    /// Postgres URL for the ledger; unset: a throwaway cluster from the binaries on PATH.
-    #[arg(long, env = "DATABASE_URL")]
-    pub database_url: Option<String>,
-    /// The retry mode of all five services.
-    #[arg(long, env = "RETRYCHAIN_RETRY_MODE", value_enum, default_value_t = ModeArg::EdgeOnly)]
-    pub retry_mode: ModeArg,
-    /// The edge's port; hop2, hop3, hop4 and the ledger take the next four.
-    #[arg(long, env = "RETRYCHAIN_BASE_PORT", default_value_t = 50051)]
-    pub base_port: u16,
-    /// Log format of the services.
-    #[arg(long, env = "RETRYCHAIN_LOG_FORMAT", value_enum, default_value_t = LogFormatArg::Text)]
-    pub log_format: LogFormatArg,
-}
+use crate::config::{LogFormatArg, UpArgs};
 
 /// Runs the chain until Ctrl-C or SIGTERM, restarting services that exit.
 pub async fn run(args: UpArgs) -> anyhow::Result<()> {
@@ -42,14 +21,14 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     };
     // Listen for Ctrl-C and SIGTERM from the start: a signal while the chain is starting
     // must still stop what was started.
-    let interrupted = crate::serve::shutdown_signal();
+    let interrupted = retrychain_node::shutdown_signal();
     tokio::pin!(interrupted);
     let starting = LocalChain::start(ChainOptions {
         database_url: args.database_url.clone(),
         base_port: args.base_port,
         flags: vec![
             "--retry-mode".into(),
-            RetryMode::from(args.retry_mode).as_str().into(),
+            args.retry_mode.as_str().into(),
             "--log-format".into(),
             format.into(),
         ],

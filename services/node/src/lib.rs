@@ -33,7 +33,9 @@ pub use domain::{AccountId, AmountCents, IdempotencyKey, InvalidInput};
 pub use faults::FaultSwitch;
 pub use metadata::{RetryMode, TraceContext};
 pub use rpc::RpcScope;
-pub use server::{Listeners, READY_PREFIX, ReadyAddrs, ServeError, default_admin_addr, serve};
+pub use server::{
+    Listeners, READY_PREFIX, ReadyAddrs, ServeError, default_admin_addr, serve, shutdown_signal,
+};
 pub use stats::Counters;
 
 /// The state one service shares between its Payments handler and its Control service.

@@ -18,8 +18,9 @@ pub const TRACE_ID: &str = "trace-id";
 /// Response: `true` when the ledger replayed a saved reply instead of charging.
 pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 
-/// Where retries happen.
+/// Where retries happen. With the `clap` feature, also a `--retry-mode` value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum RetryMode {
     /// Every service retries its downstream call: load multiplies per layer (3^5 = 243).
     EveryLayer,

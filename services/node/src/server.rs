@@ -301,3 +301,19 @@ mod tests {
         assert_eq!(high.port(), 0);
     }
 }
+
+/// Completes on Ctrl-C or SIGTERM (what `docker stop` and `retrychain up` send).
+pub async fn shutdown_signal() {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = terminate => {}
+    }
+}

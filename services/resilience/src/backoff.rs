@@ -18,8 +18,10 @@ use std::{fmt, str::FromStr, time::Duration};
 
 use rand::{Rng, RngExt};
 
-/// Which backoff formula to use; see the module docs.
+/// Which backoff formula to use; see the module docs. With the `clap` feature, also a
+/// `--backoff` value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum BackoffKind {
     /// Retry at once.
     None,

@@ -23,7 +23,7 @@ use retrychain_proto::v1::{
 use serde::Serialize;
 use tonic::{Code, Request, Response, Status, metadata::MetadataValue, transport::Channel};
 
-use crate::launch::{ChainOptions, ChildService, Logs, ServiceAddr, connect, with_chain};
+use retrychain_harness::{ChainOptions, ChildService, Logs, ServiceAddr, connect, with_chain};
 
 /// Flags of `demo`.
 #[derive(Debug, Clone, Args)]

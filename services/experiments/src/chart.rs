@@ -5,8 +5,7 @@ use std::path::Path;
 
 use anyhow::Context;
 use plotters::prelude::*;
-
-use crate::storm::Sample;
+use serde::Serialize;
 
 /// A line of the chart: its label, its colour, and the value it plots.
 type Series = (&'static str, RGBColor, fn(&Sample) -> u64);
@@ -63,4 +62,17 @@ pub fn draw(path: &Path, samples: &[Sample]) -> anyhow::Result<()> {
         .context("drawing the legend")?;
     root.present().context("writing the SVG")?;
     Ok(())
+}
+
+/// One interval (about a second) of the run.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Sample {
+    /// Seconds since the start at the end of the interval.
+    pub second: f64,
+    /// Requests completed OK in that second.
+    pub ok: u64,
+    /// Requests failed in that second.
+    pub errors: u64,
+    /// Bottom calls in that second.
+    pub bottom_calls: u64,
 }

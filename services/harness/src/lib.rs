@@ -1,7 +1,7 @@
 //! Starting retrychain services as child processes of this binary: the whole chain (for
-//! `up` and `demo`) or a single extra service on a free port (the demo's own edges); and
-//! keeping them running (`up` restarts a service that exits, as docker-compose's
-//! `restart: unless-stopped` does).
+//! `up` and the experiments) or a single extra service on a free port (the demo's own
+//! edges); waiting until they serve; and keeping them running (`up` restarts a service that
+//! exits, as docker-compose's `restart: unless-stopped` does).
 
 use std::{process::Stdio, time::Duration};
 
@@ -13,8 +13,9 @@ use tokio::{
 };
 
 use retrychain_node::ReadyAddrs;
-
-use crate::health;
+use tonic_health::pb::{
+    HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
+};
 
 /// Where one service answers: Payments on `url`, Control on `admin_url`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -68,7 +69,7 @@ where
     F: FnOnce(Vec<ServiceAddr>) -> Fut,
     Fut: Future<Output = anyhow::Result<T>>,
 {
-    let interrupted = crate::serve::shutdown_signal();
+    let interrupted = retrychain_node::shutdown_signal();
     tokio::pin!(interrupted);
     let local = match external {
         Some(_) => None,
@@ -430,13 +431,28 @@ impl LocalChain {
     }
 }
 
+/// Whether the service at `addr` reports SERVING for the whole server (""), asked with
+/// the standard gRPC health check within `timeout`.
+pub async fn serving(addr: &str, timeout: Duration) -> anyhow::Result<bool> {
+    let channel = tonic::transport::Endpoint::from_shared(addr.to_owned())
+        .with_context(|| format!("address {addr:?}"))?
+        .connect_timeout(timeout)
+        .timeout(timeout)
+        .connect()
+        .await
+        .with_context(|| format!("connecting to {addr}"))?;
+    let response = HealthClient::new(channel)
+        .check(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .context("health check")?;
+    Ok(response.into_inner().status == ServingStatus::Serving as i32)
+}
+
 async fn wait_serving(service: &ChildService) -> anyhow::Result<()> {
-    let args = health::HealthArgs {
-        addr: service.addr.url.clone(),
-        timeout_ms: 500,
-    };
     for _ in 0..120 {
-        if let Ok(true) = health::check(&args).await {
+        if let Ok(true) = serving(&service.addr.url, Duration::from_millis(500)).await {
             return Ok(());
         }
         tokio::time::sleep(Duration::from_millis(250)).await;

@@ -28,10 +28,9 @@ use retrychain_proto::v1::{
 use serde::Serialize;
 use tonic::{Code, Request, metadata::MetadataValue, transport::Channel};
 
-use crate::{
-    config::{BackoffArg, ModeArg},
-    launch::{ChainOptions, Logs, ServiceAddr, connect, with_chain},
-};
+use retrychain_harness::{ChainOptions, Logs, ServiceAddr, connect, with_chain};
+
+use crate::chart::{self as chart, Sample};
 
 /// Flags of `storm`.
 #[derive(Debug, Clone, Args)]
@@ -62,7 +61,7 @@ pub struct StormArgs {
     pub requests: Option<u64>,
     /// Send `x-retry-mode` (honoured by services started with --allow-retry-mode-override).
     #[arg(long, value_enum, env = "RETRYCHAIN_STORM_RETRY_MODE")]
-    pub retry_mode: Option<ModeArg>,
+    pub retry_mode: Option<retrychain_node::RetryMode>,
     /// Ledger fault during the run: probability that a processor call fails.
     #[arg(long, default_value_t = 0.0, env = "RETRYCHAIN_STORM_FAIL_RATE")]
     pub fail_rate: f64,
@@ -82,8 +81,8 @@ pub struct StormArgs {
     #[arg(long, default_value_t = 1000, env = "RETRYCHAIN_STORM_ACCOUNTS")]
     pub accounts: u64,
     /// For a chain started here: backoff of its services.
-    #[arg(long, value_enum, default_value_t = BackoffArg::Full, env = "RETRYCHAIN_STORM_BACKOFF")]
-    pub backoff: BackoffArg,
+    #[arg(long, value_enum, default_value_t = resilience::BackoffKind::Full, env = "RETRYCHAIN_STORM_BACKOFF")]
+    pub backoff: resilience::BackoffKind,
     /// For a chain started here: Postgres URL (unset: a throwaway cluster).
     #[arg(long, env = "DATABASE_URL")]
     pub database_url: Option<String>,
@@ -143,19 +142,6 @@ pub struct Latency {
     pub max: f64,
 }
 
-/// One interval (about a second) of the run.
-#[derive(Debug, Clone, Copy, Serialize)]
-pub struct Sample {
-    /// Seconds since the start at the end of the interval.
-    pub second: f64,
-    /// Requests completed OK in that second.
-    pub ok: u64,
-    /// Requests failed in that second.
-    pub errors: u64,
-    /// Bottom calls in that second.
-    pub bottom_calls: u64,
-}
-
 /// Counters the workers share.
 #[derive(Debug, Default)]
 struct Tally {
@@ -186,10 +172,7 @@ pub async fn run(args: &StormArgs) -> anyhow::Result<StormReport> {
     let options = ChainOptions {
         database_url: args.database_url.clone(),
         base_port: args.base_port,
-        flags: vec![
-            "--backoff".into(),
-            format!("{:?}", args.backoff).to_lowercase(),
-        ],
+        flags: vec!["--backoff".into(), args.backoff.as_str().into()],
         logs: Logs::Discard,
     };
     let report = with_chain(external, options, |addrs| async move {
@@ -200,7 +183,7 @@ pub async fn run(args: &StormArgs) -> anyhow::Result<StormReport> {
         write_csv(path, &report.samples)?;
     }
     if let Some(path) = &args.svg {
-        crate::chart::draw(path, &report.samples)?;
+        chart::draw(path, &report.samples)?;
     }
     Ok(report)
 }
@@ -269,9 +252,7 @@ async fn measure(
     ));
     let run = format!("{:08x}", rand::random::<u32>());
 
-    let mode = args
-        .retry_mode
-        .map(|m| retrychain_node::RetryMode::from(m).as_str());
+    let mode = args.retry_mode.map(|m| m.as_str());
     let send = {
         let tally = Arc::clone(&tally);
         let client = PaymentsClient::new(edge.clone());
