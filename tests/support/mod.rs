@@ -445,7 +445,8 @@ impl Chain {
     }
 }
 
-/// A Charge request with an optional key, deadline and extra metadata.
+/// A Charge request with an optional key, deadline and extra metadata (sent as given:
+/// malformed values included, for the tests of how services refuse them).
 pub fn charge(
     account: &str,
     amount: i64,
@@ -453,16 +454,7 @@ pub fn charge(
     timeout: Duration,
     metadata: &[(&'static str, &str)],
 ) -> Request<ChargeRequest> {
-    let mut request = Request::new(ChargeRequest {
-        account_id: account.into(),
-        amount_cents: amount,
-    });
-    request.set_timeout(timeout);
-    if let Some(key) = key {
-        request
-            .metadata_mut()
-            .insert("idempotency-key", MetadataValue::try_from(key).unwrap());
-    }
+    let mut request = retrychain_harness::charge_request(account, amount, key, timeout, None);
     for (k, v) in metadata {
         request
             .metadata_mut()

@@ -154,14 +154,13 @@ pub async fn load(target: &str, requests: u64, concurrency: usize) -> anyhow::Re
         .map(|n| {
             let mut client = client.clone();
             async move {
-                let mut request = Request::new(ChargeRequest {
-                    account_id: format!("bench-{}", n % 100),
-                    amount_cents: 100,
-                });
-                request.set_timeout(Duration::from_secs(5));
-                if let Ok(key) = format!("bench-{n}").parse() {
-                    request.metadata_mut().insert("idempotency-key", key);
-                }
+                let request = retrychain_harness::charge_request(
+                    &format!("bench-{}", n % 100),
+                    100,
+                    Some(&format!("bench-{n}")),
+                    Duration::from_secs(5),
+                    None,
+                );
                 client.charge(request).await.is_err()
             }
         })

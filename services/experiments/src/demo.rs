@@ -15,15 +15,17 @@ use clap::Args;
 use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
 use resilience::{Backoff, BackoffKind, Deadline, Retry, RetryPolicy};
-use retrychain_node::metadata;
+use retrychain_node::{RetryMode, metadata};
 use retrychain_proto::v1::{
     ChargeReply, ChargeRequest, Faults, GetAccountRequest, GetStatsRequest, ResetStatsRequest,
     Stats, control_client::ControlClient, payments_client::PaymentsClient,
 };
 use serde::Serialize;
-use tonic::{Code, Request, Response, Status, metadata::MetadataValue, transport::Channel};
+use tonic::{Code, Request, Response, Status, transport::Channel};
 
-use retrychain_harness::{ChainOptions, ChildService, Logs, ServiceAddr, connect, with_chain};
+use retrychain_harness::{
+    ChainOptions, ChildService, Logs, ServiceAddr, charge_request, connect, with_chain,
+};
 
 /// Flags of `demo`.
 #[derive(Debug, Clone, Args)]
@@ -368,29 +370,14 @@ impl DemoEdge {
     }
 }
 
-/// A Charge request with a key, a deadline and an optional retry mode.
+/// A Charge under the demo's 30 s deadline.
 fn charge(
     account: &str,
     amount: i64,
     key: &str,
-    mode: Option<&'static str>,
+    mode: Option<RetryMode>,
 ) -> Request<ChargeRequest> {
-    let mut request = Request::new(ChargeRequest {
-        account_id: account.to_owned(),
-        amount_cents: amount,
-    });
-    request.set_timeout(T);
-    if let Ok(value) = MetadataValue::try_from(key) {
-        request
-            .metadata_mut()
-            .insert(metadata::IDEMPOTENCY_KEY, value);
-    }
-    if let Some(mode) = mode {
-        request
-            .metadata_mut()
-            .insert(metadata::RETRY_MODE, MetadataValue::from_static(mode));
-    }
-    request
+    charge_request(account, amount, Some(key), T, mode)
 }
 
 fn replayed(response: &Response<ChargeReply>) -> bool {
@@ -565,7 +552,7 @@ impl Target {
         )
         .await?;
         let mut counts = Vec::new();
-        for mode in ["every-layer", "edge-only"] {
+        for mode in [RetryMode::EveryLayer, RetryMode::EdgeOnly] {
             self.reset(1..5).await?;
             edge.reset().await?;
             let result = edge
@@ -573,7 +560,7 @@ impl Target {
                 .charge(charge(
                     &self.name("layered"),
                     100,
-                    &self.name(mode),
+                    &self.name(mode.as_str()),
                     Some(mode),
                 ))
                 .await;
@@ -622,7 +609,7 @@ impl Target {
                     let account = self.name("outage");
                     async move {
                         let result = client
-                            .charge(charge(&account, 100, &key, Some("edge-only")))
+                            .charge(charge(&account, 100, &key, Some(RetryMode::EdgeOnly)))
                             .await;
                         result.err().map(|status| status.code())
                     }
@@ -689,7 +676,8 @@ impl Target {
                     let outcome = retry
                         .run(deadline, &(), |attempt| {
                             let mut client = client.clone();
-                            let mut request = charge(&account, 100, &key, Some("edge-only"));
+                            let mut request =
+                                charge(&account, 100, &key, Some(RetryMode::EdgeOnly));
                             attempt.apply(&mut request);
                             async move { client.charge(request).await }
                         })

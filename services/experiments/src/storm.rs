@@ -20,15 +20,13 @@ use anyhow::Context;
 use clap::Args;
 use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressStyle};
-use retrychain_node::metadata;
 use retrychain_proto::v1::{
-    ChargeRequest, Faults, GetStatsRequest, control_client::ControlClient,
-    payments_client::PaymentsClient,
+    Faults, GetStatsRequest, control_client::ControlClient, payments_client::PaymentsClient,
 };
 use serde::Serialize;
-use tonic::{Code, Request, metadata::MetadataValue, transport::Channel};
+use tonic::{Code, transport::Channel};
 
-use retrychain_harness::{ChainOptions, Logs, ServiceAddr, connect, with_chain};
+use retrychain_harness::{ChainOptions, Logs, ServiceAddr, charge_request, connect, with_chain};
 
 use crate::chart::{self as chart, Sample};
 
@@ -252,7 +250,7 @@ async fn measure(
     ));
     let run = format!("{:08x}", rand::random::<u32>());
 
-    let mode = args.retry_mode.map(|m| m.as_str());
+    let mode = args.retry_mode;
     let send = {
         let tally = Arc::clone(&tally);
         let client = PaymentsClient::new(edge.clone());
@@ -261,21 +259,13 @@ async fn measure(
         move |n: u64| {
             let mut client = client.clone();
             let tally = Arc::clone(&tally);
-            let mut request = Request::new(ChargeRequest {
-                account_id: format!("storm-{}", n % accounts),
-                amount_cents: 100,
-            });
-            request.set_timeout(deadline);
-            if let Ok(key) = MetadataValue::try_from(format!("storm-{run}-{n}")) {
-                request
-                    .metadata_mut()
-                    .insert(metadata::IDEMPOTENCY_KEY, key);
-            }
-            if let Some(mode) = mode {
-                request
-                    .metadata_mut()
-                    .insert(metadata::RETRY_MODE, MetadataValue::from_static(mode));
-            }
+            let request = charge_request(
+                &format!("storm-{}", n % accounts),
+                100,
+                Some(&format!("storm-{run}-{n}")),
+                deadline,
+                mode,
+            );
             async move {
                 let sent = Instant::now();
                 let result = client.charge(request).await;
