@@ -204,9 +204,12 @@ async fn the_deadline_shrinks_at_every_hop_and_ends_in_deadline_exceeded() {
 
     println!("client saw {:?} after {elapsed:?}", status.code());
     assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+    // Not before the deadline; and at it, by the edge (its trace id on the answer), not by
+    // the client's own timer after the 5 s processor.
+    assert!(elapsed >= Duration::from_millis(1800), "{elapsed:?}");
     assert!(
-        elapsed >= Duration::from_millis(1800) && elapsed < Duration::from_secs(3),
-        "{elapsed:?}"
+        status_header(&status, "trace-id").is_some(),
+        "the edge answered: {status:?}"
     );
     let stats = chain.all_stats().await;
     let incoming: Vec<u64> = stats.iter().map(|s| s.last_incoming_timeout_ms).collect();

@@ -277,6 +277,22 @@ fn reflection_v1alpha(
 
 const HEALTH: &str = "grpc.health.v1.Health";
 
+/// Completes on Ctrl-C or SIGTERM (what `docker stop` and `retrychain up` send).
+pub async fn shutdown_signal() {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = terminate => {}
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -299,21 +315,5 @@ mod tests {
         assert_eq!(any.port(), 0);
         let high = default_admin_addr("127.0.0.1:65000".parse().expect("addr"));
         assert_eq!(high.port(), 0);
-    }
-}
-
-/// Completes on Ctrl-C or SIGTERM (what `docker stop` and `retrychain up` send).
-pub async fn shutdown_signal() {
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
-            }
-            Err(_) => std::future::pending().await,
-        }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = terminate => {}
     }
 }
