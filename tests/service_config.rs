@@ -120,7 +120,51 @@ fn an_invalid_config_is_refused_at_start_with_the_field_and_the_reason() {
     );
     let stderr = refused(
         r#"{"methodConfig": [{"name": [{"service": "retrychain.v1.Payments"}],
-            "hedgingPolicy": {"maxAttempts": 3, "hedgingDelay": "0.01s"}}]}"#,
+            "hedgingPolicy": {"maxAttempts": 3, "hedgingDelay": "1"}}]}"#,
     );
-    assert!(stderr.contains("do not hedge yet"), "{stderr}");
+    assert!(
+        stderr.contains("methodConfig[0].hedgingPolicy.hedgingDelay"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test]
+async fn a_hedging_policy_hedges_at_the_edge_and_the_key_makes_it_one_charge() {
+    let config = config_file(
+        r#"{"methodConfig": [{
+            "name": [{"service": "retrychain.v1.Payments", "method": "Charge"}],
+            "hedgingPolicy": {"maxAttempts": 2, "hedgingDelay": "0.05s"}
+        }]}"#,
+    );
+    let chain = Chain::spawn(edge_with(&config)).await;
+    // A slow processor: the first copy holds the key for 300 ms, so the hedge goes after
+    // 50 ms, reaches the ledger with the same key, waits for it, and replays its reply.
+    chain
+        .set_faults(
+            LEDGER,
+            retrychain_proto::v1::Faults {
+                delay_ms: 300,
+                ..faults()
+            },
+        )
+        .await;
+    let account = new_account();
+    chain
+        .edge()
+        .await
+        .charge(charge(&account, 500, None, Duration::from_secs(10), &[]))
+        .await
+        .expect("charged");
+
+    let stats = chain.all_stats().await;
+    assert_eq!(
+        stats[EDGE].downstream_attempts, 2,
+        "the first copy and one hedge"
+    );
+    assert_eq!(stats[LEDGER].requests_received, 2);
+    assert_eq!(
+        stats[LEDGER].executions, 1,
+        "one charge: both copies carry one key"
+    );
+    assert_eq!(chain.account(&account).await, Some((500, 1)));
 }

@@ -5,7 +5,7 @@ use std::{net::SocketAddr, sync::Arc, time::Duration};
 use anyhow::Context;
 use resilience::{
     A6Throttle, Backoff, RetryBudget, RetryPolicy, ServiceConfig, Throttle,
-    service_config::CallPolicy,
+    service_config::{CallPolicy, HedgingPolicy},
 };
 use retrychain_hop::{Hop, HopRetryConfig, Role};
 use retrychain_ledger::{InFlight, KeyStore, Ledger, StoreOptions, run_retention};
@@ -62,6 +62,7 @@ pub async fn hop(args: HopArgs, edge: bool) -> anyhow::Result<()> {
             retryable: policy.retryable,
             margin: policy.margin,
             min_attempt: policy.min_attempt,
+            hedging: policies.hedging,
         },
         channel,
     );
@@ -147,6 +148,9 @@ struct Policies {
     throttle: Option<Arc<dyn Throttle>>,
     /// The deadline of a call that carries none.
     default_deadline: Duration,
+    /// The config's `hedgingPolicy`: the edge hedges in `edge-only` mode; relays and the
+    /// ledger, which do not retry in that mode, keep their flags.
+    hedging: Option<HedgingPolicy>,
 }
 
 /// The method whose service config entry the services use: every call they make
@@ -164,6 +168,7 @@ impl Policies {
                 )) as Arc<dyn Throttle>
             }),
             default_deadline: Duration::from_millis(service.default_deadline_ms),
+            hedging: None,
         };
         let Some(path) = &service.service_config else {
             return Ok(policies);
@@ -201,11 +206,7 @@ impl Policies {
                         .with_multiplier(retry.backoff_multiplier);
                 policies.retry.retryable = Some(retry.retryable_status_codes.clone());
             }
-            Some(CallPolicy::Hedging(_)) => anyhow::bail!(
-                "--service-config {}: a hedgingPolicy for {service_name}/{method} is valid, but \
-                 retrychain's services do not hedge yet; use a retryPolicy",
-                path.display()
-            ),
+            Some(CallPolicy::Hedging(hedging)) => policies.hedging = Some(hedging.clone()),
         }
         Ok(policies)
     }

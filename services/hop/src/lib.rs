@@ -30,7 +30,7 @@ use resilience::{
     classify::{PUSHBACK_HEADER, RETRYABLE},
     client::RetryService,
     propagate::{ForwardHeaders, PropagateDeadline},
-    service_config::RetryPolicyConfig,
+    service_config::{CallPolicy, HedgingPolicy, RetryPolicyConfig},
 };
 use retrychain_node::{
     AccountId, AmountCents, IdempotencyKey, Node, RetryMode, RpcScope,
@@ -140,6 +140,9 @@ pub struct HopRetryConfig {
     pub margin: std::time::Duration,
     /// The shortest downstream attempt worth starting.
     pub min_attempt: std::time::Duration,
+    /// A service config's `hedgingPolicy`: the edge hedges instead of retrying in
+    /// `edge-only` mode (safe because every copy carries the same idempotency key).
+    pub hedging: Option<HedgingPolicy>,
 }
 
 /// Builds the [`Downstream`] stack over `channel`.
@@ -156,16 +159,8 @@ fn downstream(
     };
     let below = InjectTraceLayer.layer(faults);
     let observer: Arc<dyn resilience::RetryObserver> = Arc::clone(node) as _;
-    let retrying = |max_attempts: u32, throttle: Option<&Arc<dyn Throttle>>| {
-        let policy = RetryPolicyConfig::new(
-            max_attempts,
-            retry.backoff,
-            retry
-                .retryable
-                .clone()
-                .unwrap_or_else(|| RETRYABLE.to_vec()),
-        );
-        let mut layer = RetryLayer::new(ServiceConfig::retry_every_method(policy))
+    let retrying = |policy: CallPolicy, throttle: Option<&Arc<dyn Throttle>>| {
+        let mut layer = RetryLayer::new(ServiceConfig::every_method(policy))
             .min_attempt(retry.min_attempt)
             .annotate_failures(&node.name)
             .observer(observer.clone());
@@ -179,13 +174,26 @@ fn downstream(
         }
         layer.layer(below.clone())
     };
+    let retries = |max_attempts: u32| {
+        CallPolicy::Retry(RetryPolicyConfig::new(
+            max_attempts,
+            retry.backoff,
+            retry
+                .retryable
+                .clone()
+                .unwrap_or_else(|| RETRYABLE.to_vec()),
+        ))
+    };
     let plans = ByPlan {
-        every_layer: retrying(retry.max_attempts, None),
-        edge_only: match role {
-            Role::Edge => retrying(retry.max_attempts, retry.budget.as_ref()),
-            Role::Relay => retrying(1, None),
+        every_layer: retrying(retries(retry.max_attempts), None),
+        edge_only: match (role, &retry.hedging) {
+            (Role::Edge, Some(hedging)) => {
+                retrying(CallPolicy::Hedging(hedging.clone()), retry.budget.as_ref())
+            }
+            (Role::Edge, None) => retrying(retries(retry.max_attempts), retry.budget.as_ref()),
+            (Role::Relay, _) => retrying(retries(1), None),
         },
-        single: retrying(1, None),
+        single: retrying(retries(1), None),
     };
     ServiceBuilder::new()
         .layer(ForwardHeadersLayer)

@@ -686,16 +686,62 @@ fn deadline_of(
     .min()
 }
 
-/// gRFC A6 hedging: the first attempt now, another every `hedgingDelay` (at once after a
-/// non-fatal failure) up to `maxAttempts`, while the throttle allows; the first committed
-/// answer or fatal failure wins and the other attempts are dropped — cancelled, as the
-/// server sees it.
+/// gRFC A6 hedging ([`hedge_attempts`]), then the call's failure told as the layer was set
+/// up: after more than one attempt, the layer was the one sending copies, so its caller is
+/// told not to retry on top (`refuse_caller_retries`) and the message says so
+/// (`annotate_failures`).
 async fn hedging<S, ResBody>(
     inner: S,
     shared: Arc<Shared>,
     policy: HedgingPolicy,
     timeout: Option<std::time::Duration>,
     request: http::Request<Body>,
+) -> Result<http::Response<ResBody>, S::Error>
+where
+    S: Service<http::Request<Body>, Response = http::Response<ResBody>> + Clone + Send,
+    S::Future: Send,
+    S::Error: Into<BoxError>,
+    ResBody: Default,
+{
+    let path = request.uri().path().to_owned();
+    let max_attempts = policy.max_attempts;
+    let mut sent = 0;
+    let answer = hedge_attempts(
+        inner,
+        Arc::clone(&shared),
+        policy,
+        timeout,
+        request,
+        &mut sent,
+    )
+    .await;
+    shared.observer.call_finished(&path, sent);
+    answer.map(
+        |response| match Status::from_header_map(response.headers()) {
+            Some(status) if status.code() != Code::Ok => {
+                let stop = if sent > 1 {
+                    StopReason::MaxAttempts
+                } else {
+                    StopReason::NotRetryable
+                };
+                failed_answer(&shared, response, stop, sent, max_attempts)
+            }
+            _ => response,
+        },
+    )
+}
+
+/// gRFC A6 hedging: the first attempt now, another every `hedgingDelay` (at once after a
+/// non-fatal failure) up to `maxAttempts`, while the throttle allows; the first committed
+/// answer or fatal failure wins and the other attempts are dropped — cancelled, as the
+/// server sees it. `sent` counts the attempts made.
+async fn hedge_attempts<S, ResBody>(
+    inner: S,
+    shared: Arc<Shared>,
+    policy: HedgingPolicy,
+    timeout: Option<std::time::Duration>,
+    request: http::Request<Body>,
+    sent: &mut u32,
 ) -> Result<http::Response<ResBody>, S::Error>
 where
     S: Service<http::Request<Body>, Response = http::Response<ResBody>> + Clone + Send,
@@ -728,7 +774,6 @@ where
         fresh
     };
     let mut running = FuturesUnordered::new();
-    let mut sent: u32 = 0;
     let mut last_failure = None;
     let mut last_failure_code = None;
     let mut next_hedge = Some(tokio::time::Instant::now());
@@ -739,8 +784,8 @@ where
             next_hedge = None;
             // The first attempt always goes; hedges only while the deadline has room.
             let past_deadline =
-                sent > 0 && deadline.is_some_and(|d| tokio::time::Instant::now() >= d);
-            let throttled = sent > 0 && shared.throttle.as_ref().is_some_and(|t| !t.try_retry());
+                *sent > 0 && deadline.is_some_and(|d| tokio::time::Instant::now() >= d);
+            let throttled = *sent > 0 && shared.throttle.as_ref().is_some_and(|t| !t.try_retry());
             if past_deadline || throttled {
                 shared.observer.refused(
                     &path,
@@ -756,20 +801,20 @@ where
                     return failure;
                 }
             } else {
-                let attempt = attempt_request(&parts, &body, sent, deadline);
+                let attempt = attempt_request(&parts, &body, *sent, deadline);
                 shared.observer.attempt(
                     &path,
                     &AttemptInfo {
-                        previous: sent,
+                        previous: *sent,
                         retry_of: last_failure_code,
                         timeout: deadline
                             .map(|d| d.saturating_duration_since(tokio::time::Instant::now())),
                     },
                 );
-                sent += 1;
+                *sent += 1;
                 let inner = inner.clone();
                 running.push(async move { inner.oneshot(attempt).await });
-                if sent < policy.max_attempts {
+                if *sent < policy.max_attempts {
                     next_hedge = Some(tokio::time::Instant::now() + policy.hedging_delay);
                 }
             }
@@ -811,7 +856,7 @@ where
                             .unwrap_or(Pushback::Absent);
                         last_failure = answer;
                         last_failure_code = Some(status.code());
-                        if sent < policy.max_attempts {
+                        if *sent < policy.max_attempts {
                             next_hedge = match pushback {
                                 // A6: a non-fatal failure sends the next hedge at once…
                                 Pushback::Absent => Some(tokio::time::Instant::now()),

@@ -178,9 +178,9 @@ impl ServiceConfig {
         Ok(config)
     }
 
-    /// A config that retries every method under `policy`, without throttling: what a
-    /// program builds from its own flags.
-    pub fn retry_every_method(policy: RetryPolicyConfig) -> Self {
+    /// A config that gives every method `policy` (retries or hedging), without
+    /// throttling: what a program builds from its own flags.
+    pub fn every_method(policy: CallPolicy) -> Self {
         Self {
             method_configs: vec![MethodConfig {
                 names: vec![MethodName {
@@ -188,7 +188,7 @@ impl ServiceConfig {
                     method: None,
                 }],
                 timeout: None,
-                policy: Some(CallPolicy::Retry(policy)),
+                policy: Some(policy),
             }],
             retry_throttling: None,
         }

@@ -699,6 +699,36 @@ async fn no_retry_starts_with_less_than_min_attempt_left() {
     assert_eq!(status.code(), Code::DeadlineExceeded);
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_layer_that_hedged_tells_its_caller_not_to_retry() {
+    let layer = hedging(2, 10, r#""UNAVAILABLE""#, "")
+        .refuse_caller_retries()
+        .annotate_failures("edge");
+    let both_fail = slow(vec![
+        (5, Some(Status::unavailable("busy"))),
+        (5, Some(Status::unavailable("busy"))),
+    ]);
+    let status = PaymentsClient::new(tower::Layer::layer(&layer, PaymentsServer::new(both_fail)))
+        .charge(ChargeRequest::default())
+        .await
+        .expect_err("both copies fail");
+    assert_eq!(pushback_of(&status), Some("-1"), "{status:?}");
+    assert!(
+        status
+            .message()
+            .ends_with("[edge: 2 attempts, max attempts (2) reached]")
+    );
+
+    // A fatal failure of the first copy, before any hedge: the server's answer as it was.
+    let fatal = slow(vec![(5, Some(Status::invalid_argument("bad")))]);
+    let status = PaymentsClient::new(tower::Layer::layer(&layer, PaymentsServer::new(fatal)))
+        .charge(ChargeRequest::default())
+        .await
+        .expect_err("fatal");
+    assert_eq!(status.message(), "bad");
+    assert_eq!(pushback_of(&status), None);
+}
+
 // ---- Propagation: a server's handler calls downstream through the client layers ----
 
 /// A service in the middle: its handler calls `downstream` as the handler of a hop does,
