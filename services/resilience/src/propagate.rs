@@ -160,7 +160,7 @@ where
 
 tokio::task_local! {
     /// The carried headers of the request whose handler runs on this task.
-    static CARRIED: HeaderMap;
+    static CARRIED: Arc<HeaderMap>;
 }
 
 /// The server half of header propagation: keeps the named headers of each request in its
@@ -206,7 +206,7 @@ where
 {
     type Response = S::Response;
     type Error = S::Error;
-    type Future = TaskLocalFuture<HeaderMap, S::Future>;
+    type Future = TaskLocalFuture<Arc<HeaderMap>, S::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
@@ -219,7 +219,9 @@ where
                 carried.append(name.clone(), value.clone());
             }
         }
-        let future = CARRIED.sync_scope(carried.clone(), || self.inner.call(request));
+        // Shared, not copied, between the call and its future: one map per request.
+        let carried = Arc::new(carried);
+        let future = CARRIED.sync_scope(Arc::clone(&carried), || self.inner.call(request));
         CARRIED.scope(carried, future)
     }
 }
