@@ -18,9 +18,10 @@ COPY services/node/Cargo.toml services/node/
 COPY services/hop/Cargo.toml services/hop/
 COPY services/ledger/Cargo.toml services/ledger/
 COPY services/bench/Cargo.toml services/bench/
+COPY services/serve/Cargo.toml services/serve/
 COPY services/harness/Cargo.toml services/harness/
 COPY services/experiments/Cargo.toml services/experiments/
-RUN for crate in proto resilience tempgres node hop ledger bench harness experiments cli; do \
+RUN for crate in proto resilience tempgres node hop ledger bench serve harness experiments cli; do \
       mkdir -p services/$crate/src && touch services/$crate/src/lib.rs; \
     done \
  && mkdir -p services/bench/src/bin \

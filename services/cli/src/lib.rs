@@ -4,8 +4,8 @@
 //! # Layout
 //!
 //! - [`config`]: the command line (clap, every flag also an environment variable); a leaf
-//!   module.
-//! - [`serve`]: `edge`, `relay`, `ledger` — start one service from its flags.
+//!   module. `edge`, `relay` and `ledger` are `retrychain-serve`'s: one way to start a
+//!   service, here or in a test's runtime.
 //! - [`up`]: the whole chain on this machine (`retrychain-harness` starts and supervises it).
 //! - [`health`]: the container health check.
 //!
@@ -16,7 +16,6 @@ use std::process::ExitCode;
 
 pub mod config;
 pub mod health;
-pub mod serve;
 pub mod up;
 
 use config::{Cli, Command};
@@ -25,9 +24,7 @@ use retrychain_experiments::{demo, sim, storm};
 /// Runs the parsed command line.
 pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
-        Command::Edge(args) => serve::hop(args, true).await?,
-        Command::Relay(args) => serve::hop(args, false).await?,
-        Command::Ledger(args) => serve::ledger(args).await?,
+        Command::Serve(service) => retrychain_serve::run(service).await?,
         Command::Up(args) => up::run(args).await?,
         Command::Demo(args) => {
             let report = demo::run(&args).await?;

@@ -8,7 +8,9 @@
 
 use retrychain_harness::{ChainOptions, LocalChain, Logs};
 
-use crate::config::{LogFormatArg, UpArgs};
+use retrychain_serve::args::LogFormatArg;
+
+use crate::config::UpArgs;
 
 /// Runs the chain until Ctrl-C or SIGTERM, restarting services that exit.
 pub async fn run(args: UpArgs) -> anyhow::Result<()> {

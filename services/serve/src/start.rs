@@ -1,6 +1,8 @@
-//! Starting one service from its flags: the part of each binary that is not library code.
+//! Starting one service from its flags: bind, build the node and its Payments service,
+//! serve until told to stop. The binary's `edge`, `relay` and `ledger` and the harness's
+//! in-process chains both come through [`start`].
 
-use std::{net::SocketAddr, sync::Arc, time::Duration};
+use std::{net::SocketAddr, pin::Pin, sync::Arc, time::Duration};
 
 use anyhow::Context;
 use resilience::{
@@ -9,20 +11,72 @@ use resilience::{
 };
 use retrychain_hop::{Hop, HopRetryConfig, Role};
 use retrychain_ledger::{InFlight, KeyStore, Ledger, StoreOptions, run_retention};
-use retrychain_node::{Listeners, Node, NodeConfig, default_admin_addr, telemetry};
+use retrychain_node::{Listeners, Node, NodeConfig, ReadyAddrs, default_admin_addr, telemetry};
 use tonic::transport::Endpoint;
 
-use crate::config::{HopArgs, InFlightArg, LedgerArgs, ServiceArgs};
+use crate::args::{HopArgs, InFlightArg, LedgerArgs, ServiceArgs, ServiceCommand};
 
-/// Runs the edge (`edge == true`) or a relay until Ctrl-C or SIGTERM.
-pub async fn hop(args: HopArgs, edge: bool) -> anyhow::Result<()> {
+/// Runs the service `command` describes as this process's only service: logging set up
+/// from its flags, serving until Ctrl-C or SIGTERM.
+pub async fn run(command: ServiceCommand) -> anyhow::Result<()> {
+    let _telemetry = telemetry::init(command.service().log_format.into(), &command.name());
+    start(command, retrychain_node::shutdown_signal())
+        .await?
+        .serve()
+        .await
+}
+
+/// A service bound to its ports, its node built, ready to serve.
+pub struct Started {
+    /// Where it listens.
+    pub addrs: ReadyAddrs,
+    /// Its node (counters, faults), for whoever runs it in process.
+    pub node: Arc<Node>,
+    /// Serving until the shutdown future given to [`start`] completes.
+    serving: Pin<Box<dyn Future<Output = anyhow::Result<()>> + Send>>,
+}
+
+impl std::fmt::Debug for Started {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Started")
+            .field("addrs", &self.addrs)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Started {
+    /// Serves until the shutdown future completes, then drains in-flight calls.
+    pub async fn serve(self) -> anyhow::Result<()> {
+        self.serving.await
+    }
+}
+
+/// Binds the service `command` describes and builds it (the ledger connects to Postgres and
+/// migrates first); [`Started::serve`] then serves it until `shutdown` completes. Logging
+/// is the caller's: [`run`] sets it up for a process.
+pub async fn start(
+    command: ServiceCommand,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<Started> {
+    match command {
+        ServiceCommand::Edge(args) => hop(args, Role::Edge, shutdown).await,
+        ServiceCommand::Relay(args) => hop(args, Role::Relay, shutdown).await,
+        ServiceCommand::Ledger(args) => ledger(args, shutdown).await,
+    }
+}
+
+async fn hop(
+    args: HopArgs,
+    role: Role,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<Started> {
     let service = &args.service;
+    let edge = role == Role::Edge;
     let (default_listen, default_name) = if edge {
         ("0.0.0.0:50051", "edge")
     } else {
         ("0.0.0.0:50052", "hop2")
     };
-    let _telemetry = telemetry::init(service.log_format.into(), &name(service, default_name));
     let downstream = match (&args.downstream, edge) {
         (Some(url), _) => url.clone(),
         (None, true) => "http://127.0.0.1:50052".to_owned(),
@@ -49,7 +103,6 @@ pub async fn hop(args: HopArgs, edge: bool) -> anyhow::Result<()> {
         .tcp_nodelay(true)
         .connect_timeout(Duration::from_secs(2))
         .connect_lazy();
-    let role = if edge { Role::Edge } else { Role::Relay };
     let policy = policies.retry;
     let hop = Hop::new(
         Arc::clone(&node),
@@ -67,21 +120,21 @@ pub async fn hop(args: HopArgs, edge: bool) -> anyhow::Result<()> {
         channel,
     );
     tracing::info!(%downstream, mode = %hop_mode(service), "forwarding");
-    retrychain_node::serve(
-        listeners,
+    let addrs = listeners.addrs();
+    let reserve = service.reserve();
+    let serving = retrychain_node::serve(listeners, Arc::clone(&node), hop, reserve, shutdown);
+    Ok(Started {
+        addrs,
         node,
-        hop,
-        service.reserve(),
-        retrychain_node::shutdown_signal(),
-    )
-    .await?;
-    Ok(())
+        serving: Box::pin(async move { Ok(serving.await?) }),
+    })
 }
 
-/// Runs the ledger until Ctrl-C or SIGTERM.
-pub async fn ledger(args: LedgerArgs) -> anyhow::Result<()> {
+async fn ledger(
+    args: LedgerArgs,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<Started> {
     let service = &args.service;
-    let _telemetry = telemetry::init(service.log_format.into(), &name(service, "ledger"));
     let policies = Policies::from_args(service)?;
     // A key must outlive every retry of its request: the retries of one request all happen
     // within its deadline, and no deadline is honoured past --max-deadline-ms.
@@ -119,19 +172,26 @@ pub async fn ledger(args: LedgerArgs) -> anyhow::Result<()> {
     );
     // Purge a few times per retention window, at most once a minute.
     let every = (args.key_retention / 4).clamp(Duration::from_millis(100), Duration::from_secs(60));
-    let retention = tokio::spawn(run_retention(store, args.key_retention, every));
-    tracing::info!(retention = ?args.key_retention, in_flight = ?args.in_flight, "ledger ready");
-    let served = retrychain_node::serve(
+    let retention = args.key_retention;
+    tracing::info!(?retention, in_flight = ?args.in_flight, "ledger ready");
+    let addrs = listeners.addrs();
+    let serving = retrychain_node::serve(
         listeners,
-        node,
+        Arc::clone(&node),
         ledger,
         service.reserve(),
-        retrychain_node::shutdown_signal(),
-    )
-    .await;
-    retention.abort();
-    served?;
-    Ok(())
+        shutdown,
+    );
+    Ok(Started {
+        addrs,
+        node,
+        serving: Box::pin(async move {
+            let purging = tokio::spawn(run_retention(store, retention, every));
+            let served = serving.await;
+            purging.abort();
+            Ok(served?)
+        }),
+    })
 }
 
 fn hop_mode(service: &ServiceArgs) -> &'static str {

@@ -1,0 +1,216 @@
+//! The flags of `edge`, `relay` and `ledger`. Every flag can also be set through the
+//! environment variable named in `--help`, which is how docker-compose configures the
+//! services; the binary and the in-process chains of the harness parse the same flags.
+
+use std::{net::SocketAddr, time::Duration};
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use resilience::{Backoff, BackoffKind, RetryPolicy};
+use retrychain_node::{RetryMode, telemetry::LogFormat};
+
+/// One service's command line, `edge|relay|ledger <flags>`: what the harness parses to
+/// start a service in process from the same argv it would give a child process.
+#[derive(Debug, Parser)]
+#[command(name = "retrychain", no_binary_name = true)]
+pub struct ServiceCli {
+    /// The service to run.
+    #[command(subcommand)]
+    pub command: ServiceCommand,
+}
+
+/// The three kinds of service; the binary's `edge`, `relay` and `ledger` subcommands.
+#[derive(Debug, Clone, Subcommand)]
+pub enum ServiceCommand {
+    /// Run the edge: the service clients call (default port 50051).
+    Edge(HopArgs),
+    /// Run a relay (hop2, hop3 or hop4): forwards each call downstream.
+    Relay(HopArgs),
+    /// Run the ledger: charges accounts through the processor, keys in Postgres.
+    Ledger(LedgerArgs),
+}
+
+impl ServiceCommand {
+    /// The flags every service takes.
+    pub fn service(&self) -> &ServiceArgs {
+        match self {
+            ServiceCommand::Edge(args) | ServiceCommand::Relay(args) => &args.service,
+            ServiceCommand::Ledger(args) => &args.service,
+        }
+    }
+
+    /// The service's name: `--name`, or its role's default (edge, hop2, ledger).
+    pub fn name(&self) -> String {
+        let default = match self {
+            ServiceCommand::Edge(_) => "edge",
+            ServiceCommand::Relay(_) => "hop2",
+            ServiceCommand::Ledger(_) => "ledger",
+        };
+        self.service()
+            .name
+            .clone()
+            .unwrap_or_else(|| default.to_owned())
+    }
+}
+
+/// `--log-format` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormatArg {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+impl From<LogFormatArg> for LogFormat {
+    fn from(arg: LogFormatArg) -> Self {
+        match arg {
+            LogFormatArg::Text => LogFormat::Text,
+            LogFormatArg::Json => LogFormat::Json,
+        }
+    }
+}
+
+/// `--in-flight` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum InFlightArg {
+    /// A same-key request waits for the first, then replays its reply.
+    Wait,
+    /// A same-key request is refused with ABORTED while the first runs.
+    Reject,
+}
+
+/// Flags every service takes.
+#[derive(Debug, Clone, Args)]
+pub struct ServiceArgs {
+    /// Address to listen on for Payments [default: 0.0.0.0:50051 edge, 0.0.0.0:50052 relay, 0.0.0.0:50055 ledger].
+    #[arg(long, env = "RETRYCHAIN_LISTEN")]
+    pub listen: Option<SocketAddr>,
+    /// Address to listen on for Control (and health, reflection) [default: 127.0.0.1:<listen port + 1000>; port 0 when --listen's port is 0].
+    #[arg(long, env = "RETRYCHAIN_ADMIN_LISTEN")]
+    pub admin_listen: Option<SocketAddr>,
+    /// Service name in logs and Stats [default: edge, hop2, ledger by role].
+    #[arg(long, env = "RETRYCHAIN_NAME")]
+    pub name: Option<String>,
+    /// Where retries happen when a request does not say.
+    #[arg(long, env = "RETRYCHAIN_RETRY_MODE", value_enum, default_value_t = RetryMode::EdgeOnly)]
+    pub retry_mode: RetryMode,
+    /// Attempts per call (first included) wherever this service retries.
+    #[arg(long, env = "RETRYCHAIN_MAX_ATTEMPTS", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub max_attempts: u32,
+    /// Backoff between attempts.
+    #[arg(long, env = "RETRYCHAIN_BACKOFF", value_enum, default_value_t = BackoffKind::Full)]
+    pub backoff: BackoffKind,
+    /// First exponential backoff step, in ms.
+    #[arg(long, env = "RETRYCHAIN_BACKOFF_BASE_MS", default_value_t = 10)]
+    pub backoff_base_ms: u64,
+    /// Longest backoff, in ms.
+    #[arg(long, env = "RETRYCHAIN_BACKOFF_CAP_MS", default_value_t = 1000)]
+    pub backoff_cap_ms: u64,
+    /// Retry budget capacity, in tokens (a retry costs one).
+    #[arg(long, env = "RETRYCHAIN_BUDGET_TOKENS", default_value_t = 10.0)]
+    pub budget_tokens: f64,
+    /// Tokens each first attempt refunds to the budget.
+    #[arg(long, env = "RETRYCHAIN_BUDGET_REFUND", default_value_t = 0.1)]
+    pub budget_refund: f64,
+    /// Retry without a budget: retries limited only by --max-attempts.
+    #[arg(long, env = "RETRYCHAIN_NO_BUDGET")]
+    pub no_budget: bool,
+    /// Deadline applied to a request that carries no grpc-timeout, in ms.
+    #[arg(long, env = "RETRYCHAIN_DEFAULT_DEADLINE_MS", default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub default_deadline_ms: u64,
+    /// Longest deadline honoured, in ms; a longer grpc-timeout is cut to this. The ledger's
+    /// --key-retention must be at least this long.
+    #[arg(long, env = "RETRYCHAIN_MAX_DEADLINE_MS", default_value_t = 300_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_deadline_ms: u64,
+    /// Taken off the remaining time for each downstream deadline, in ms; the service
+    /// answers DEADLINE_EXCEEDED itself at half this margin before its own deadline.
+    #[arg(long, env = "RETRYCHAIN_DEADLINE_MARGIN_MS", default_value_t = 20, value_parser = clap::value_parser!(u64).range(2..))]
+    pub deadline_margin_ms: u64,
+    /// Shortest downstream attempt worth starting, in ms.
+    #[arg(long, env = "RETRYCHAIN_MIN_ATTEMPT_MS", default_value_t = 20)]
+    pub min_attempt_ms: u64,
+    /// Allow Control.SetFaults (a demo setting; production leaves it off).
+    #[arg(long, env = "RETRYCHAIN_FAULT_INJECTION")]
+    pub fault_injection: bool,
+    /// A gRPC service config JSON file (gRFC A6): its `retryPolicy` for
+    /// retrychain.v1.Payments/Charge replaces --max-attempts and --backoff*, its
+    /// `retryThrottling` replaces the edge's budget, its `timeout` --default-deadline-ms.
+    /// Refused at start-up, with the field and the reason, if invalid.
+    #[arg(long, env = "RETRYCHAIN_SERVICE_CONFIG")]
+    pub service_config: Option<std::path::PathBuf>,
+    /// Honour (and pass on) a caller's x-retry-mode header. It can multiply load 81-fold,
+    /// so it is off by default on every service (a demo setting, like --fault-injection).
+    #[arg(long, env = "RETRYCHAIN_ALLOW_RETRY_MODE_OVERRIDE")]
+    pub allow_retry_mode_override: bool,
+    /// Log format.
+    #[arg(long, env = "RETRYCHAIN_LOG_FORMAT", value_enum, default_value_t = LogFormatArg::Text)]
+    pub log_format: LogFormatArg,
+}
+
+impl ServiceArgs {
+    /// The backoff the flags describe.
+    pub fn backoff(&self) -> Backoff {
+        Backoff::new(
+            self.backoff,
+            Duration::from_millis(self.backoff_base_ms),
+            Duration::from_millis(self.backoff_cap_ms),
+        )
+    }
+
+    /// The per-hop deadline margin.
+    pub fn margin(&self) -> Duration {
+        Duration::from_millis(self.deadline_margin_ms)
+    }
+
+    /// How long before its deadline a service answers DEADLINE_EXCEEDED itself.
+    pub fn reserve(&self) -> Duration {
+        self.margin() / 2
+    }
+
+    /// The retry policy for `every-layer` mode (no budget).
+    pub fn every_layer_policy(&self) -> RetryPolicy {
+        RetryPolicy {
+            max_attempts: self.max_attempts,
+            backoff: self.backoff(),
+            budget: None,
+            retryable: None,
+            margin: self.margin(),
+            min_attempt: Duration::from_millis(self.min_attempt_ms),
+        }
+    }
+}
+
+/// Flags of `edge` and `relay`.
+#[derive(Debug, Clone, Args)]
+pub struct HopArgs {
+    /// Flags every service takes.
+    #[command(flatten)]
+    pub service: ServiceArgs,
+    /// The next service's URL [default: http://127.0.0.1:50052 for the edge; required for a relay].
+    #[arg(long, env = "RETRYCHAIN_DOWNSTREAM")]
+    pub downstream: Option<String>,
+}
+
+/// Flags of `ledger`.
+#[derive(Debug, Clone, Args)]
+pub struct LedgerArgs {
+    /// Flags every service takes.
+    #[command(flatten)]
+    pub service: ServiceArgs,
+    /// Postgres URL, e.g. postgres://user:pass@host:5432/db.
+    #[arg(long, env = "DATABASE_URL")]
+    pub database_url: String,
+    /// What a request does while another with the same key is running.
+    #[arg(long, env = "RETRYCHAIN_IN_FLIGHT", value_enum, default_value_t = InFlightArg::Wait)]
+    pub in_flight: InFlightArg,
+    /// How long idempotency keys are kept (e.g. 24h, 90m, 30s); a later retry is a new request.
+    #[arg(long, env = "RETRYCHAIN_KEY_RETENTION", default_value = "24h", value_parser = humantime::parse_duration)]
+    pub key_retention: Duration,
+    /// Database connections.
+    #[arg(long, env = "RETRYCHAIN_DB_POOL_SIZE", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
+    pub db_pool_size: u32,
+    /// Longest wait for a database connection (opening one included), in ms; past it a call
+    /// answers UNAVAILABLE at once instead of holding the chain until its deadline.
+    #[arg(long, env = "RETRYCHAIN_DB_ACQUIRE_TIMEOUT_MS", default_value_t = 250, value_parser = clap::value_parser!(u64).range(1..))]
+    pub db_acquire_timeout_ms: u64,
+}
