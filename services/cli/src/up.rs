@@ -35,6 +35,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             format.into(),
         ],
         logs: Logs::Prefixed,
+        ..ChainOptions::default()
     });
     let mut chain = tokio::select! {
         chain = starting => chain?,

@@ -17,14 +17,14 @@ use indicatif::{ProgressBar, ProgressStyle};
 use resilience::{Backoff, BackoffKind, Deadline, Retry, RetryPolicy};
 use retrychain_node::{RetryMode, metadata};
 use retrychain_proto::v1::{
-    ChargeReply, ChargeRequest, Faults, GetAccountRequest, GetStatsRequest, ResetStatsRequest,
-    Stats, control_client::ControlClient, payments_client::PaymentsClient,
+    ChargeReply, ChargeRequest, Faults, Stats, payments_client::PaymentsClient,
 };
 use serde::Serialize;
-use tonic::{Code, Request, Response, Status, transport::Channel};
+use tonic::{Code, Request, Response, transport::Channel};
 
 use retrychain_harness::{
-    ChainOptions, ChildService, Logs, ServiceAddr, charge_request, connect, with_chain,
+    ChainAddrs, ChainClient, ChainOptions, InProcessService, ServiceAddr, charge_request,
+    with_chain,
 };
 
 /// Flags of `demo`.
@@ -217,12 +217,10 @@ pub struct StormRun {
 
 /// The chain the demo talks to.
 struct Target {
-    /// Edge first, ledger last.
-    addrs: Vec<ServiceAddr>,
-    /// One channel per service, to its public port (Payments).
-    channels: Vec<Channel>,
-    /// One channel per service, to its admin port (Control).
-    admin: Vec<Channel>,
+    /// Its addresses.
+    addrs: ChainAddrs,
+    /// Its caller.
+    chain: ChainClient,
     /// A tag that keeps this run's accounts and keys apart from earlier runs'.
     run: String,
 }
@@ -232,34 +230,36 @@ const T: Duration = Duration::from_secs(30);
 
 /// Runs every scenario and returns the report.
 pub async fn run(args: &DemoArgs) -> anyhow::Result<DemoReport> {
-    let external = args.edge.as_ref().map(|_| {
-        [
-            (&args.edge, &args.edge_admin),
-            (&args.hop2, &args.hop2_admin),
-            (&args.hop3, &args.hop3_admin),
-            (&args.hop4, &args.hop4_admin),
-            (&args.ledger, &args.ledger_admin),
-        ]
-        .iter()
-        .map(|(url, admin)| {
-            ServiceAddr::external(url.as_deref().unwrap_or_default(), admin.as_deref())
+    let external = args
+        .edge
+        .as_ref()
+        .map(|_| {
+            [
+                (&args.edge, &args.edge_admin),
+                (&args.hop2, &args.hop2_admin),
+                (&args.hop3, &args.hop3_admin),
+                (&args.hop4, &args.hop4_admin),
+                (&args.ledger, &args.ledger_admin),
+            ]
+            .map(|(url, admin)| {
+                ServiceAddr::external(url.as_deref().unwrap_or_default(), admin.as_deref())
+            })
         })
-        .collect()
-    });
+        .map(ChainAddrs::from_array);
     let options = ChainOptions {
         database_url: args.database_url.clone(),
         base_port: args.base_port,
-        flags: Vec::new(),
-        logs: Logs::Discard,
+        ..ChainOptions::default()
     };
     with_chain(external, options, |urls| async move {
         let target = Target::connect(urls).await?;
         target
-            .faults(LEDGER, Faults::default())
+            .chain
+            .clear_faults(LEDGER)
             .await
             .context("the ledger must allow fault injection (--fault-injection)")?;
         let report = scenarios(&target, args).await;
-        let _ = target.faults(LEDGER, Faults::default()).await;
+        let _ = target.chain.clear_faults(LEDGER).await;
         report
     })
     .await
@@ -269,7 +269,7 @@ async fn scenarios(target: &Target, args: &DemoArgs) -> anyhow::Result<DemoRepor
     let lost_reply = target.lost_reply().await?;
     let key_reuse = target.key_reuse().await?;
     let concurrent = target.concurrent().await?;
-    let hop2 = target.addrs[1].url.clone();
+    let hop2 = target.addrs.hop2.url.clone();
     let quick = ["--backoff-base-ms", "1", "--backoff-cap-ms", "10"];
 
     let edge = DemoEdge::start("demo-edge", &hop2, &[]).await?;
@@ -311,19 +311,17 @@ async fn scenarios(target: &Target, args: &DemoArgs) -> anyhow::Result<DemoRepor
     })
 }
 
-/// An edge the demo starts for itself, forwarding to the chain's hop2.
+/// An edge the demo starts for itself, in this process, forwarding to the chain's hop2.
 struct DemoEdge {
-    /// The process.
-    service: ChildService,
-    /// A channel to its public port.
-    channel: Channel,
-    /// A channel to its admin port.
-    admin: Channel,
+    /// The service.
+    service: InProcessService,
+    /// Its caller (the chain below it is the target's).
+    client: ChainClient,
 }
 
 impl DemoEdge {
     async fn start(name: &str, hop2: &str, flags: &[&str]) -> anyhow::Result<Self> {
-        let mut args: Vec<String> = [
+        let args: Vec<String> = [
             "edge",
             "--listen",
             "127.0.0.1:0",
@@ -331,42 +329,31 @@ impl DemoEdge {
             name,
             "--downstream",
             hop2,
+            "--allow-retry-mode-override",
         ]
         .iter()
+        .chain(flags)
         .map(|s| s.to_string())
         .collect();
-        args.push("--allow-retry-mode-override".into());
-        args.extend(flags.iter().map(|s| s.to_string()));
-        let service = ChildService::start(name, &args, &[], Logs::Discard).await?;
-        let channel = connect(&service.addr.url).await?;
-        let admin = connect(&service.addr.admin_url).await?;
-        Ok(Self {
-            service,
-            channel,
-            admin,
-        })
+        let service = InProcessService::start(name, &args).await?;
+        let client = ChainClient::connect_one(&service.addr).await?;
+        Ok(Self { service, client })
     }
 
     fn payments(&self) -> PaymentsClient<Channel> {
-        PaymentsClient::new(self.channel.clone())
+        self.client.edge()
     }
 
     async fn stats(&self) -> anyhow::Result<Stats> {
-        Ok(ControlClient::new(self.admin.clone())
-            .get_stats(GetStatsRequest {})
-            .await?
-            .into_inner())
+        Ok(self.client.stats(0).await?)
     }
 
     async fn reset(&self) -> anyhow::Result<()> {
-        ControlClient::new(self.admin.clone())
-            .reset_stats(ResetStatsRequest {})
-            .await?;
-        Ok(())
+        Ok(self.client.reset_stats().await?)
     }
 
     async fn stop(self) {
-        self.service.stop().await;
+        let _ = self.service.stop().await;
     }
 }
 
@@ -392,47 +379,23 @@ fn code_name(code: Code) -> String {
 }
 
 impl Target {
-    async fn connect(addrs: Vec<ServiceAddr>) -> anyhow::Result<Self> {
-        let mut channels = Vec::new();
-        let mut admin = Vec::new();
-        for addr in &addrs {
-            channels.push(connect(&addr.url).await?);
-            admin.push(connect(&addr.admin_url).await?);
-        }
+    async fn connect(addrs: ChainAddrs) -> anyhow::Result<Self> {
+        let chain = ChainClient::connect(&addrs).await?;
         let run = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
-        Ok(Self {
-            addrs,
-            channels,
-            admin,
-            run,
-        })
+        Ok(Self { addrs, chain, run })
     }
 
     fn edge(&self) -> PaymentsClient<Channel> {
-        PaymentsClient::new(self.channels[0].clone())
+        self.chain.edge()
     }
 
-    fn control(&self, i: usize) -> ControlClient<Channel> {
-        ControlClient::new(self.admin[i].clone())
-    }
-
-    async fn faults(&self, i: usize, faults: Faults) -> Result<Faults, Status> {
-        Ok(self.control(i).set_faults(faults).await?.into_inner())
+    async fn faults(&self, faults: Faults) -> anyhow::Result<()> {
+        self.chain.set_faults(LEDGER, faults).await?;
+        Ok(())
     }
 
     async fn stats(&self, i: usize) -> anyhow::Result<Stats> {
-        Ok(self
-            .control(i)
-            .get_stats(GetStatsRequest {})
-            .await?
-            .into_inner())
-    }
-
-    async fn reset(&self, range: std::ops::Range<usize>) -> anyhow::Result<()> {
-        for i in range {
-            self.control(i).reset_stats(ResetStatsRequest {}).await?;
-        }
-        Ok(())
+        Ok(self.chain.stats(i).await?)
     }
 
     fn name(&self, what: &str) -> String {
@@ -440,37 +403,18 @@ impl Target {
     }
 
     async fn effect(&self, account: &str) -> anyhow::Result<Effect> {
-        match self
-            .edge()
-            .get_account(GetAccountRequest {
-                account_id: account.to_owned(),
-            })
-            .await
-        {
-            Ok(account) => Ok(Effect {
-                executions: account.get_ref().charges,
-                balance_cents: account.get_ref().balance_cents,
-            }),
-            Err(status) if status.code() == Code::NotFound => Ok(Effect {
-                executions: 0,
-                balance_cents: 0,
-            }),
-            Err(status) => Err(status.into()),
-        }
+        let (balance_cents, executions) = self.chain.account(account).await?.unwrap_or((0, 0));
+        Ok(Effect {
+            executions,
+            balance_cents,
+        })
     }
 
     /// A charge whose reply is lost; returns nothing (the client saw an error).
     async fn lose_a_reply(&self, account: &str, key: &str) -> anyhow::Result<()> {
-        self.faults(
-            LEDGER,
-            Faults {
-                drop_reply_rate: 1.0,
-                ..Faults::default()
-            },
-        )
-        .await?;
+        self.chain.lose_replies_at(LEDGER, 1.0).await?;
         let lost = self.edge().charge(charge(account, 500, key, None)).await;
-        self.faults(LEDGER, Faults::default()).await?;
+        self.chain.clear_faults(LEDGER).await?;
         anyhow::ensure!(lost.is_err(), "the reply should have been lost");
         Ok(())
     }
@@ -515,13 +459,10 @@ impl Target {
 
     async fn concurrent(&self) -> anyhow::Result<Concurrent> {
         let delay = 200;
-        self.faults(
-            LEDGER,
-            Faults {
-                delay_ms: delay,
-                ..Faults::default()
-            },
-        )
+        self.faults(Faults {
+            delay_ms: delay,
+            ..Faults::default()
+        })
         .await?;
         let account = self.name("concurrent");
         let key = self.name("k5");
@@ -532,7 +473,7 @@ impl Target {
             b.charge(charge(&account, 500, &key, None))
         );
         let elapsed = start.elapsed();
-        self.faults(LEDGER, Faults::default()).await?;
+        self.chain.clear_faults(LEDGER).await?;
         let (first, second) = (first?, second?);
         Ok(Concurrent {
             executions: self.effect(&account).await?.executions,
@@ -543,17 +484,10 @@ impl Target {
     }
 
     async fn layered(&self, edge: &DemoEdge) -> anyhow::Result<Layered> {
-        self.faults(
-            LEDGER,
-            Faults {
-                fail_rate: 1.0,
-                ..Faults::default()
-            },
-        )
-        .await?;
+        self.chain.fail_processor().await?;
         let mut counts = Vec::new();
         for mode in [RetryMode::EveryLayer, RetryMode::EdgeOnly] {
-            self.reset(1..5).await?;
+            self.chain.reset_stats().await?;
             edge.reset().await?;
             let result = edge
                 .payments()
@@ -574,7 +508,7 @@ impl Target {
                 code: result.map_or_else(|s| code_name(s.code()), |_| "OK".into()),
             });
         }
-        self.faults(LEDGER, Faults::default()).await?;
+        self.chain.clear_faults(LEDGER).await?;
         let edge_only = counts.pop().context("two modes")?;
         let every_layer = counts.pop().context("two modes")?;
         Ok(Layered {
@@ -589,17 +523,10 @@ impl Target {
         budget: &DemoEdge,
         requests: u64,
     ) -> anyhow::Result<Outage> {
-        self.faults(
-            LEDGER,
-            Faults {
-                fail_rate: 1.0,
-                ..Faults::default()
-            },
-        )
-        .await?;
+        self.chain.fail_processor().await?;
         let mut loads = Vec::new();
         for (label, edge) in [("no-budget", no_budget), ("budget", budget)] {
-            self.reset(LEDGER..LEDGER + 1).await?;
+            self.chain.reset_stats().await?;
             edge.reset().await?;
             let bar = progress(requests, &format!("e. outage, {label}"));
             let unexpected = futures::stream::iter(0..requests)
@@ -634,7 +561,7 @@ impl Target {
                 load: bottom_calls as f64 / first.max(1) as f64,
             });
         }
-        self.faults(LEDGER, Faults::default()).await?;
+        self.chain.clear_faults(LEDGER).await?;
         Ok(Outage {
             requests,
             no_budget: loads[0],
@@ -644,18 +571,15 @@ impl Target {
 
     async fn storm(&self, edge: &DemoEdge, clients: usize, tick_ms: u64) -> anyhow::Result<Storm> {
         let tick = Duration::from_millis(tick_ms);
-        self.faults(
-            LEDGER,
-            Faults {
-                delay_ms: tick_ms as u32,
-                processor_capacity: 1,
-                ..Faults::default()
-            },
-        )
+        self.faults(Faults {
+            delay_ms: tick_ms as u32,
+            processor_capacity: 1,
+            ..Faults::default()
+        })
         .await?;
         let mut runs = Vec::new();
         for kind in BackoffKind::ALL {
-            self.reset(LEDGER..LEDGER + 1).await?;
+            self.chain.reset_stats().await?;
             let bar = progress(clients as u64, &format!("f. storm, {kind}"));
             let retry = Retry::new(RetryPolicy {
                 max_attempts: u32::MAX,
@@ -699,7 +623,7 @@ impl Target {
                 elapsed_ms: elapsed.as_secs_f64() * 1e3,
             });
         }
-        self.faults(LEDGER, Faults::default()).await?;
+        self.chain.clear_faults(LEDGER).await?;
         Ok(Storm {
             clients,
             tick_ms,

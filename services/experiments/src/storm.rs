@@ -26,7 +26,9 @@ use retrychain_proto::v1::{
 use serde::Serialize;
 use tonic::{Code, transport::Channel};
 
-use retrychain_harness::{ChainOptions, Logs, ServiceAddr, charge_request, connect, with_chain};
+use retrychain_harness::{
+    ChainAddrs, ChainOptions, ServiceAddr, charge_request, connect, with_chain,
+};
 
 use crate::chart::{self as chart, Sample};
 
@@ -165,16 +167,16 @@ pub async fn run(args: &StormArgs) -> anyhow::Result<StormReport> {
         );
         // with_chain wants five services, edge first and ledger last; storm uses those two.
         let unused = ServiceAddr::external("", None);
-        vec![edge, unused.clone(), unused.clone(), unused, ledger]
+        ChainAddrs::from_array([edge, unused.clone(), unused.clone(), unused, ledger])
     });
     let options = ChainOptions {
         database_url: args.database_url.clone(),
         base_port: args.base_port,
         flags: vec!["--backoff".into(), args.backoff.as_str().into()],
-        logs: Logs::Discard,
+        ..ChainOptions::default()
     };
     let report = with_chain(external, options, |addrs| async move {
-        storm(args, &addrs[0], &addrs[4]).await
+        storm(args, &addrs.edge, &addrs.ledger).await
     })
     .await?;
     if let Some(path) = &args.csv {

@@ -1,16 +1,30 @@
 //! Starting and calling retrychain the way its users do: the one launcher of `up`, the
-//! experiments and the benchmarks, and the one way to build a Charge.
+//! experiments, the benchmarks and the tests, one client named by intent, and the one way
+//! to build a Charge.
 //!
 //! # Layout
 //!
-//! - [`launch`]: services and whole chains as child processes of the `retrychain` binary,
-//!   waiting until they serve, and `up`'s supervision.
+//! - [`addr`]: where services answer ([`ServiceAddr`], [`ChainAddrs`]), connecting, the
+//!   health check.
+//! - [`process`]: a service as a child process ([`ChildService`]): logs routed or
+//!   captured, crash, signal, restart on the same ports.
+//! - [`in_process`]: a service in this runtime ([`InProcessService`]), started from the
+//!   same flags by `retrychain-serve`.
+//! - [`chain`]: five of either, bottom-up, on their own database ([`LocalChain`],
+//!   [`InProcessChain`]); `up`'s supervision; [`with_chain`].
+//! - [`client`]: [`ChainClient`], a chain's caller: charge, faults, counters.
 //! - [`charge`]: [`charge_request`], a Charge call with its key, deadline and retry mode.
 
+pub mod addr;
+pub mod chain;
 pub mod charge;
-pub mod launch;
+pub mod client;
+pub mod in_process;
+pub mod process;
 
+pub use addr::{ChainAddrs, NAMES, ServiceAddr, connect, serving};
+pub use chain::{ChainOptions, InProcessChain, LocalChain, with_chain};
 pub use charge::charge_request;
-pub use launch::{
-    ChainOptions, ChildService, LocalChain, Logs, ServiceAddr, connect, serving, with_chain,
-};
+pub use client::ChainClient;
+pub use in_process::InProcessService;
+pub use process::{ChildService, Launch, Logs};

@@ -34,7 +34,8 @@ pub use faults::FaultSwitch;
 pub use metadata::{RetryMode, TraceContext};
 pub use rpc::RpcScope;
 pub use server::{
-    Listeners, READY_PREFIX, ReadyAddrs, ServeError, default_admin_addr, serve, shutdown_signal,
+    DRAIN_GRACE, Listeners, READY_PREFIX, ReadyAddrs, ServeError, default_admin_addr, serve,
+    shutdown_signal,
 };
 pub use stats::Counters;
 

@@ -157,9 +157,6 @@ where
 
     let addrs = listeners.addrs();
     tracing::info!(service = %node.name, addr = %addrs.public, admin = %addrs.admin, "listening");
-    // One plain line on stderr whatever the log format and level: `retrychain up`, the
-    // experiments and the tests read it to learn the addresses of a service started on port 0.
-    eprintln!("{addrs}");
 
     // One shutdown signal, two servers: each waits on its own receiver.
     let (stop_tx, stop_rx) = watch::channel(false);

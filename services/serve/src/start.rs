@@ -20,10 +20,12 @@ use crate::args::{HopArgs, InFlightArg, LedgerArgs, ServiceArgs, ServiceCommand}
 /// from its flags, serving until Ctrl-C or SIGTERM.
 pub async fn run(command: ServiceCommand) -> anyhow::Result<()> {
     let _telemetry = telemetry::init(command.service().log_format.into(), &command.name());
-    start(command, retrychain_node::shutdown_signal())
-        .await?
-        .serve()
-        .await
+    let started = start(command, retrychain_node::shutdown_signal()).await?;
+    // One plain line on stderr whatever the log format and level: `retrychain up`, the
+    // experiments and the tests read it to learn the addresses of a process started on
+    // port 0. Calls made from now on queue on the bound sockets until served.
+    eprintln!("{}", started.addrs);
+    started.serve().await
 }
 
 /// A service bound to its ports, its node built, ready to serve.

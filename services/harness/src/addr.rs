@@ -1,0 +1,149 @@
+//! Where services answer, and reaching them: addresses, channels, the health check.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use retrychain_node::ReadyAddrs;
+use tonic_health::pb::{
+    HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
+};
+
+/// The five services of a chain, top to bottom.
+pub const NAMES: [&str; 5] = ["edge", "hop2", "hop3", "hop4", "ledger"];
+
+/// Where one service answers: Payments on `url`, Control on `admin_url`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServiceAddr {
+    /// The public address, `http://host:port`.
+    pub url: String,
+    /// The admin address, `http://host:port`.
+    pub admin_url: String,
+}
+
+impl ServiceAddr {
+    /// A service someone else started at `url`, with Control at `admin` — by default the
+    /// public port + 1000, as `up` and docker-compose publish them.
+    pub fn external(url: &str, admin: Option<&str>) -> Self {
+        let url = with_scheme(url);
+        if let Some(admin) = admin {
+            return Self {
+                admin_url: with_scheme(admin),
+                url,
+            };
+        }
+        let admin_url = match url.rsplit_once(':') {
+            Some((host, port)) => match port.trim_end_matches('/').parse::<u16>() {
+                Ok(port) => format!("{host}:{}", port.saturating_add(1000)),
+                Err(_) => url.clone(),
+            },
+            None => url.clone(),
+        };
+        Self { url, admin_url }
+    }
+
+    /// `host:port` of the public address (for `--listen`, grpcurl).
+    pub fn host_port(&self) -> &str {
+        host_port(&self.url)
+    }
+
+    /// `host:port` of the admin address.
+    pub fn admin_host_port(&self) -> &str {
+        host_port(&self.admin_url)
+    }
+}
+
+impl From<&ReadyAddrs> for ServiceAddr {
+    fn from(ready: &ReadyAddrs) -> Self {
+        Self {
+            url: format!("http://{}", ready.public),
+            admin_url: format!("http://{}", ready.admin),
+        }
+    }
+}
+
+fn host_port(url: &str) -> &str {
+    url.split_once("://").map_or(url, |(_, rest)| rest)
+}
+
+/// A chain's five addresses, by position.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChainAddrs {
+    /// Where clients call.
+    pub edge: ServiceAddr,
+    /// The first relay.
+    pub hop2: ServiceAddr,
+    /// The second relay.
+    pub hop3: ServiceAddr,
+    /// The third relay.
+    pub hop4: ServiceAddr,
+    /// The bottom: keys, charges, the processor.
+    pub ledger: ServiceAddr,
+}
+
+impl ChainAddrs {
+    /// From five addresses, edge first.
+    pub fn from_array([edge, hop2, hop3, hop4, ledger]: [ServiceAddr; 5]) -> Self {
+        Self {
+            edge,
+            hop2,
+            hop3,
+            hop4,
+            ledger,
+        }
+    }
+
+    /// The five, edge first, in [`NAMES`] order.
+    pub fn all(&self) -> [&ServiceAddr; 5] {
+        [&self.edge, &self.hop2, &self.hop3, &self.hop4, &self.ledger]
+    }
+}
+
+/// `url` with `http://` in front unless it names a scheme.
+pub(crate) fn with_scheme(url: &str) -> String {
+    if url.contains("://") {
+        url.to_owned()
+    } else {
+        format!("http://{url}")
+    }
+}
+
+/// Connects to a service at `url` (`http://` is assumed when no scheme is given).
+pub async fn connect(url: &str) -> anyhow::Result<tonic::transport::Channel> {
+    let url = with_scheme(url);
+    tonic::transport::Endpoint::from_shared(url.clone())
+        .with_context(|| format!("URL {url:?}"))?
+        .tcp_nodelay(true)
+        .connect()
+        .await
+        .with_context(|| format!("connecting to {url}"))
+}
+
+/// Whether the service at `addr` reports SERVING for the whole server (""), asked with
+/// the standard gRPC health check within `timeout`.
+pub async fn serving(addr: &str, timeout: Duration) -> anyhow::Result<bool> {
+    let channel = tonic::transport::Endpoint::from_shared(addr.to_owned())
+        .with_context(|| format!("address {addr:?}"))?
+        .connect_timeout(timeout)
+        .timeout(timeout)
+        .connect()
+        .await
+        .with_context(|| format!("connecting to {addr}"))?;
+    let response = HealthClient::new(channel)
+        .check(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .context("health check")?;
+    Ok(response.into_inner().status == ServingStatus::Serving as i32)
+}
+
+/// Waits until the service at `addr` reports SERVING: up to 120 checks, 250 ms apart.
+pub(crate) async fn wait_serving(name: &str, addr: &str) -> anyhow::Result<()> {
+    for _ in 0..120 {
+        if let Ok(true) = serving(addr, Duration::from_millis(500)).await {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    anyhow::bail!("{name} did not report SERVING within 30 s")
+}
