@@ -13,7 +13,7 @@ use tonic::Code;
 
 #[tokio::test]
 async fn a_ledger_killed_mid_charge_loses_nothing_and_charges_once_on_retry() {
-    let mut chain = Chain::spawn(Options::default()).await;
+    let mut chain = Chain::spawn(Options::processes()).await;
     let database_url = chain.database_url.clone().unwrap();
     let account = new_account();
     let key = new_key();
@@ -56,7 +56,7 @@ async fn a_ledger_killed_mid_charge_loses_nothing_and_charges_once_on_retry() {
         (0, 0, 0),
         "nothing is visible mid-transaction"
     );
-    chain.services[LEDGER].crash();
+    chain.services[LEDGER].crash().await;
 
     let status = in_flight.await.unwrap().expect_err("the ledger died");
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
@@ -71,7 +71,7 @@ async fn a_ledger_killed_mid_charge_loses_nothing_and_charges_once_on_retry() {
         "the transaction rolled back"
     );
 
-    chain.services[LEDGER].restart(&[("DATABASE_URL", database_url.as_str())]);
+    chain.services[LEDGER].restart().await.unwrap();
     let retry = chain
         .edge()
         .await
@@ -112,9 +112,9 @@ async fn a_ledger_killed_mid_charge_loses_nothing_and_charges_once_on_retry() {
 
 #[tokio::test]
 async fn a_relay_killed_and_restarted_is_retried_around() {
-    let mut chain = Chain::spawn(Options::default()).await;
+    let mut chain = Chain::spawn(Options::processes()).await;
     let account = new_account();
-    chain.services[2].crash();
+    chain.services[2].crash().await;
     let status = chain
         .edge()
         .await
@@ -124,7 +124,7 @@ async fn a_relay_killed_and_restarted_is_retried_around() {
     assert_eq!(status.code(), Code::Unavailable);
     let key = status_header(&status, "idempotency-key").expect("key returned on failure");
 
-    chain.services[2].restart(&[]);
+    chain.services[2].restart().await.unwrap();
     let reply = chain
         .edge()
         .await

@@ -266,7 +266,7 @@ async fn own_postgres_chain() -> (tempgres::TempCluster, String, Chain) {
         .unwrap()
         .expect("a throwaway Postgres");
     let url = cluster.url("postgres");
-    let chain = Chain::spawn_on(Options::default(), url.clone());
+    let chain = Chain::spawn_on(Options::default(), url.clone()).await;
     (cluster, url, chain)
 }
 
@@ -374,14 +374,14 @@ async fn postgres_stopped_for_3_s_is_a_fast_unavailable_within_the_budget() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_ledger_killed_mid_stream_and_restarted_charges_each_key_once() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let mut chain = Chain::spawn(Options::default()).await;
+    let mut chain = Chain::spawn(Options::processes()).await;
     let url = chain.database_url.clone().unwrap();
     let load = Load::start(&chain.addrs[EDGE], 4);
     tokio::time::sleep(Duration::from_millis(1000)).await;
 
-    chain.services[LEDGER].crash(); // SIGKILL, mid-transaction for some charges
+    chain.services[LEDGER].crash().await; // SIGKILL, mid-transaction for some charges
     tokio::time::sleep(Duration::from_millis(500)).await;
-    chain.services[LEDGER].restart(&[("DATABASE_URL", url.as_str())]);
+    chain.services[LEDGER].restart().await.unwrap();
     tokio::time::sleep(Duration::from_millis(1000)).await;
     let sent = load.finish().await;
 
@@ -524,9 +524,9 @@ fn free_base_port() -> u16 {
 async fn a_frozen_ledger_releases_its_key_to_another_instance_and_commits_nothing() {
     let _one = ONE_AT_A_TIME.lock().await;
     let url = database().await;
-    let frozen = spawn_ledger_on(&url, &[]);
-    let other = spawn_ledger_on(&url, &[]);
-    let frozen_control = ControlClient::new(connect(&frozen.admin).await);
+    let frozen = spawn_ledger_on(&url, &[]).await;
+    let other = spawn_ledger_on(&url, &[]).await;
+    let frozen_control = ControlClient::new(connect(&frozen.addr.admin_url).await);
     frozen_control
         .clone()
         .set_faults(Faults {
@@ -540,7 +540,7 @@ async fn a_frozen_ledger_releases_its_key_to_another_instance_and_commits_nothin
 
     // The first instance claims the key, calls the processor, and freezes (3 s deadline:
     // Postgres ends its session about 3.5 s after BEGIN).
-    let mut first = PaymentsClient::new(connect(&frozen.addr).await);
+    let mut first = PaymentsClient::new(connect(&frozen.addr.url).await);
     let request = charge(&account, 700, Some(&key), Duration::from_secs(3), &[]);
     let first_call = tokio::spawn(async move { first.charge(request).await });
     let start = Instant::now();
@@ -548,11 +548,11 @@ async fn a_frozen_ledger_releases_its_key_to_another_instance_and_commits_nothin
         assert!(start.elapsed() < Duration::from_secs(10), "never claimed");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    frozen.signal("STOP");
+    frozen.signal("STOP").await.unwrap();
 
     // The second instance gets the key once Postgres ends the frozen session.
     let taken_over = Instant::now();
-    let reply = PaymentsClient::new(connect(&other.addr).await)
+    let reply = PaymentsClient::new(connect(&other.addr.url).await)
         .charge(charge(
             &account,
             700,
@@ -573,7 +573,7 @@ async fn a_frozen_ledger_releases_its_key_to_another_instance_and_commits_nothin
     // Woken up — before it would give up on the connection itself (deadline + 2 s) — the
     // first instance has its processor's answer and goes on to record the charge and
     // commit, on a session Postgres has ended: it commits nothing.
-    frozen.signal("CONT");
+    frozen.signal("CONT").await.unwrap();
     let first = first_call.await.unwrap();
     assert!(first.is_err(), "{first:?}");
     let start = Instant::now();
@@ -818,14 +818,14 @@ async fn key_store(url: &str, pool_size: u32) -> retrychain_ledger::KeyStore {
 #[tokio::test]
 async fn deadlines_cut_at_every_step_leave_the_ledgers_pool_clean() {
     let (ledger, url) = spawn_ledger(&["--db-pool-size", "2"]).await;
-    ControlClient::new(connect(&ledger.admin).await)
+    ControlClient::new(connect(&ledger.addr.admin_url).await)
         .set_faults(Faults {
             delay_ms: 10,
             ..faults()
         })
         .await
         .unwrap();
-    let mut client = PaymentsClient::new(connect(&ledger.addr).await);
+    let mut client = PaymentsClient::new(connect(&ledger.addr.url).await);
     let account = new_account();
     for ms in 1..=60 {
         let result = client
@@ -865,7 +865,7 @@ async fn deadlines_cut_at_every_step_leave_the_ledgers_pool_clean() {
 #[tokio::test]
 async fn in_flight_reject_replays_50_concurrent_repeats_of_a_completed_key() {
     let (ledger, url) = spawn_ledger(&["--in-flight", "reject"]).await;
-    let client = PaymentsClient::new(connect(&ledger.addr).await);
+    let client = PaymentsClient::new(connect(&ledger.addr.url).await);
     let account = new_account();
     let key = new_key();
     let first = client
@@ -915,7 +915,7 @@ async fn in_flight_reject_replays_50_concurrent_repeats_of_a_completed_key() {
 async fn waiting_duplicates_do_not_starve_other_accounts() {
     let _one = ONE_AT_A_TIME.lock().await;
     let (ledger, url) = spawn_ledger(&["--db-pool-size", "4"]).await;
-    let control = ControlClient::new(connect(&ledger.admin).await);
+    let control = ControlClient::new(connect(&ledger.addr.admin_url).await);
     control
         .clone()
         .set_faults(Faults {
@@ -924,7 +924,7 @@ async fn waiting_duplicates_do_not_starve_other_accounts() {
         })
         .await
         .unwrap();
-    let client = PaymentsClient::new(connect(&ledger.addr).await);
+    let client = PaymentsClient::new(connect(&ledger.addr.url).await);
     let (account, key) = (new_account(), new_key());
     let duplicates: Vec<_> = (0..20)
         .map(|_| {
@@ -975,7 +975,7 @@ async fn waiting_duplicates_do_not_starve_other_accounts() {
         }
     }
     assert_eq!(executed, 1, "one execution, 19 replays");
-    let metrics = scrape_metrics(&ledger.admin);
+    let metrics = scrape_metrics(&ledger.addr.admin_url).await;
     assert!(
         metrics.contains("retrychain_ledger_in_flight_waits_total{service=\"ledger\"} 19"),
         "19 duplicates waited, in memory:\n{metrics}"

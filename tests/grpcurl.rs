@@ -30,7 +30,7 @@ fn grpcurl(args: &[&str]) -> (bool, String) {
 
 #[tokio::test]
 async fn grpcurl_lists_every_service_by_reflection() {
-    let chain = Chain::deployment().await;
+    let chain = Chain::deployment_or(Options::processes()).await;
     for (i, (addr, admin)) in chain.addrs.iter().zip(&chain.admins).enumerate() {
         let (ok, out) = grpcurl(&["-plaintext", &host_port(addr), "list"]);
         assert!(ok, "{}: {out}", NAMES[i]);
@@ -62,7 +62,7 @@ async fn grpcurl_lists_every_service_by_reflection() {
 
 #[tokio::test]
 async fn grpcurl_repeat_charge_is_replayed() {
-    let chain = Chain::deployment().await;
+    let chain = Chain::deployment_or(Options::processes()).await;
     let edge = host_port(&chain.addrs[EDGE]);
     let key = format!("idempotency-key: {}", new_key());
     let body = format!(r#"{{"account_id":"{}","amount_cents":500}}"#, new_account());
@@ -102,7 +102,7 @@ async fn grpcurl_repeat_charge_is_replayed() {
 /// without one must succeed).
 #[tokio::test]
 async fn the_readme_walkthrough_runs() {
-    let chain = Chain::deployment().await;
+    let chain = Chain::deployment_or(Options::processes()).await;
     let readme = include_str!("../README.md");
     let start = readme
         .find("<!-- walkthrough")

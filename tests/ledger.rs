@@ -17,7 +17,7 @@ use tonic::{Code, transport::Channel};
 const T: Duration = Duration::from_secs(10);
 
 struct Ledger {
-    service: Service,
+    service: ChildService,
     url: String,
     payments: PaymentsClient<Channel>,
     control: ControlClient<Channel>,
@@ -26,8 +26,8 @@ struct Ledger {
 async fn ledger(extra: &[&str]) -> Ledger {
     let (service, url) = spawn_ledger(extra).await;
     Ledger {
-        payments: PaymentsClient::new(connect(&service.addr).await),
-        control: ControlClient::new(connect(&service.admin).await),
+        payments: PaymentsClient::new(connect(&service.addr.url).await),
+        control: ControlClient::new(connect(&service.addr.admin_url).await),
         service,
         url,
     }
@@ -491,12 +491,13 @@ async fn the_longest_grpc_timeout_is_served_and_breaks_nothing() {
 #[tokio::test]
 async fn set_faults_needs_fault_injection() {
     let url = database().await;
-    let service = Service::start(
+    let service = start_process(
         "ledger",
         args(&["ledger", "--listen", "127.0.0.1:0"]),
         &[("DATABASE_URL", url.as_str())],
-    );
-    let mut control = ControlClient::new(connect(&service.admin).await);
+    )
+    .await;
+    let mut control = ControlClient::new(connect(&service.addr.admin_url).await);
     let status = control
         .set_faults(Faults {
             fail_rate: 1.0,

@@ -144,7 +144,7 @@ async fn metrics_on_every_admin_port_agree_with_stats() {
     );
     let promtool = which_promtool();
     for (i, admin) in chain.admins.iter().enumerate() {
-        let text = scrape_metrics(admin);
+        let text = scrape_metrics(admin).await;
         let scrape = parse(&text);
         assert_agree(&scrape, &stats[i]);
         if let Some(promtool) = &promtool {
@@ -156,7 +156,7 @@ async fn metrics_on_every_admin_port_agree_with_stats() {
         }
     }
     // Retries by reason: the edge's all came from UNAVAILABLE.
-    let edge_scrape = parse(&scrape_metrics(&chain.admins[EDGE]));
+    let edge_scrape = parse(&scrape_metrics(&chain.admins[EDGE]).await);
     assert_eq!(
         value(
             &edge_scrape,

@@ -141,7 +141,7 @@ async fn traced_chain(endpoint: &str) -> Chain {
             ("OTEL_EXPORTER_OTLP_ENDPOINT".into(), endpoint.into()),
             ("OTEL_BSP_SCHEDULE_DELAY".into(), "50".into()),
         ],
-        ..Options::default()
+        ..Options::processes()
     };
     Chain::spawn(options).await
 }

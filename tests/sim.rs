@@ -1,8 +1,11 @@
-//! `retrychain sim --json`: the design notes' figures, reproduced on our own code.
+//! `retrychain sim`: the design notes' figures, reproduced on our own backoff and budget
+//! code — the typed report, and the table the command prints beside the notes'.
 
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
 
 use std::process::Command;
+
+use retrychain_experiments::sim;
 
 fn within(value: f64, expected: f64, tolerance: f64) -> bool {
     (value - expected).abs() <= expected * tolerance
@@ -10,43 +13,38 @@ fn within(value: f64, expected: f64, tolerance: f64) -> bool {
 
 #[test]
 fn sim_reproduces_the_design_notes() {
-    let output = Command::new(env!("CARGO_BIN_EXE_retrychain"))
-        .args(["sim", "--json"])
-        .output()
-        .expect("run retrychain sim");
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let report: serde_json::Value =
-        serde_json::from_slice(&output.stdout).expect("one JSON object");
+    let report = sim::run(sim::DEFAULT_SEEDS).unwrap();
 
-    assert_eq!(report["layered"], serde_json::json!([3, 9, 27, 81, 243]));
+    assert_eq!(report.layered, [3, 9, 27, 81, 243]);
 
-    let storm = &report["storm"];
-    assert_eq!(storm["none"]["calls"], 5050.0);
-    assert_eq!(storm["exponential"]["calls"], 5050.0);
-    for (policy, notes) in [("full", 643.0), ("equal", 657.0), ("decorrelated", 576.0)] {
-        let calls = storm[policy]["calls"].as_f64().expect("calls");
+    let storm = &report.storm;
+    assert_eq!(storm.none.calls, 5050.0);
+    assert_eq!(storm.exponential.calls, 5050.0);
+    for (policy, result, notes) in [
+        ("full", storm.full, 643.0),
+        ("equal", storm.equal, 657.0),
+        ("decorrelated", storm.decorrelated, 576.0),
+    ] {
         assert!(
-            within(calls, notes, 0.15),
-            "{policy}: {calls} calls, notes {notes}"
+            within(result.calls, notes, 0.15),
+            "{policy}: {} calls, notes {notes}",
+            result.calls
         );
-        assert!(
-            storm[policy]["ticks"].as_f64().expect("ticks") > 100.0,
-            "{policy}"
-        );
+        assert!(result.ticks > 100.0, "{policy}");
     }
 
-    let outage = &report["outage"];
-    assert_eq!(outage["no_budget"]["first"], 6000);
-    assert_eq!(outage["no_budget"]["backend"], 24000);
-    assert_eq!(outage["no_budget"]["load"], 4.0);
-    let backend = outage["budget"]["backend"].as_u64().expect("backend");
-    assert_eq!(backend, 6609);
-    let load = outage["budget"]["load"].as_f64().expect("load");
-    assert!(within(load, 1.10, 0.01), "{load}");
+    let outage = &report.outage;
+    assert_eq!(
+        (outage.no_budget.first, outage.no_budget.backend),
+        (6000, 24000)
+    );
+    assert_eq!(outage.no_budget.load, 4.0);
+    assert_eq!(outage.budget.backend, 6609);
+    assert!(
+        within(outage.budget.load, 1.10, 0.01),
+        "{}",
+        outage.budget.load
+    );
 }
 
 #[test]

@@ -1,10 +1,11 @@
-//! `retrychain storm` against a spawned chain: its report agrees with the services' own
-//! counters, and it writes its CSV and SVG.
+//! `retrychain storm` against a chain started here: its report agrees with the services'
+//! own counters, and it writes its CSV and SVG.
 
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
 
 mod support;
 
+use retrychain_experiments::storm;
 use support::*;
 
 #[tokio::test]
@@ -13,8 +14,6 @@ async fn storm_counts_agree_with_the_services_stats() {
     let dir = tempfile::tempdir().unwrap();
     let (csv, svg) = (dir.path().join("storm.csv"), dir.path().join("storm.svg"));
     let mut command = args(&[
-        "storm",
-        "--json",
         "--requests",
         "300",
         "--concurrency",
@@ -38,31 +37,25 @@ async fn storm_counts_agree_with_the_services_stats() {
         "--svg".into(),
         svg.display().to_string(),
     ]);
-    let report = retrychain_json(command).await;
-    println!("{report}");
+    let report = storm::run(&parse_flags(&command)).await.unwrap();
+    println!("{report:?}");
 
     let stats = chain.all_stats().await;
-    assert_eq!(report["requests"], 300);
-    assert_eq!(report["first_attempts"], stats[EDGE].requests_received);
-    assert_eq!(report["first_attempts"], 300);
-    assert_eq!(report["bottom_calls"], stats[LEDGER].downstream_attempts);
-    let codes: u64 = report["codes"]
-        .as_object()
-        .unwrap()
-        .values()
-        .map(|v| v.as_u64().unwrap())
-        .sum();
-    assert_eq!(codes, 300);
-    assert_eq!(report["ok"], report["codes"]["OK"]);
-    let bottom = report["bottom_calls"].as_u64().unwrap();
+    assert_eq!(report.requests, 300);
+    assert_eq!(report.first_attempts, stats[EDGE].requests_received);
+    assert_eq!(report.first_attempts, 300);
+    assert_eq!(report.bottom_calls, stats[LEDGER].downstream_attempts);
+    assert_eq!(report.codes.values().sum::<u64>(), 300);
+    assert_eq!(Some(&report.ok), report.codes.get("OK"));
+    let bottom = report.bottom_calls;
     assert!(
         bottom > 300,
         "30% processor failures are retried by the edge: {bottom}"
     );
-    let amplification = report["amplification"].as_f64().unwrap();
-    assert!((amplification - bottom as f64 / 300.0).abs() < 1e-9);
-    for p in ["p50", "p90", "p99", "p999"] {
-        assert!(report["latency_ms"][p].as_f64().unwrap() > 0.0, "{p}");
+    assert!((report.amplification - bottom as f64 / 300.0).abs() < 1e-9);
+    let latency = &report.latency_ms;
+    for p in [latency.p50, latency.p90, latency.p99, latency.p999] {
+        assert!(p > 0.0, "{latency:?}");
     }
     // The faults set for the run are cleared after it: 30 charges, 30 processor calls.
     chain.reset_stats().await;

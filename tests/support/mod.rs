@@ -10,24 +10,26 @@
 //! admin ports are `RETRYCHAIN_EDGE_ADMIN` … `RETRYCHAIN_LEDGER_ADMIN` when set, else each
 //! public port + 1000 (the default).
 
-#![allow(dead_code, missing_docs, clippy::unwrap_used)]
+#![allow(dead_code, unused_imports, missing_docs, clippy::unwrap_used)]
 
 use std::{
-    io::{BufRead, BufReader},
-    process::{Child, Command, Stdio},
-    sync::{Arc, Mutex, OnceLock, mpsc},
+    process::Command,
+    sync::{Arc, OnceLock},
     time::Duration,
 };
 
+pub use retrychain_harness::{
+    ChainAddrs, ChainClient, ChainOptions, ChildService, InProcessChain, Launch, LocalChain, Logs,
+    NAMES, ServiceAddr, client::LEDGER,
+};
 use retrychain_proto::v1::{
-    ChargeReply, ChargeRequest, Faults, GetAccountRequest, GetStatsRequest, ResetStatsRequest,
-    Stats, control_client::ControlClient, payments_client::PaymentsClient,
+    ChargeReply, ChargeRequest, Faults, Stats, control_client::ControlClient,
+    payments_client::PaymentsClient,
 };
 use tonic::{Request, Response, Status, metadata::MetadataValue, transport::Channel};
 
-pub const NAMES: [&str; 5] = ["edge", "hop2", "hop3", "hop4", "ledger"];
+/// The edge's position in a chain (the ledger's is [`LEDGER`]).
 pub const EDGE: usize = 0;
-pub const LEDGER: usize = 4;
 
 /// A database for one test: a fresh database on the shared server.
 pub async fn database() -> String {
@@ -79,7 +81,9 @@ impl ClusterOrUrl {
     }
 }
 
-/// How to start a chain.
+/// How to start a chain: the flags of [`retrychain_harness::ChainOptions`], and whether as
+/// processes (where a crash, a signal, a log or the environment is the point) or in this
+/// test's runtime (everything else: faster, and nothing to kill).
 #[derive(Debug, Clone)]
 pub struct Options {
     /// Flags for all five services.
@@ -88,148 +92,72 @@ pub struct Options {
     pub edge: Vec<String>,
     /// Flags for the ledger only.
     pub ledger: Vec<String>,
-    /// Environment for all five (e.g. OTEL_* variables).
+    /// Environment for all five (e.g. OTEL_* variables); processes only.
     pub env: Vec<(String, String)>,
+    /// Child processes of the `retrychain` binary, their logs captured.
+    pub processes: bool,
 }
 
 impl Default for Options {
-    /// The test deployment: edge-only, override allowed, faults allowed, quick backoff.
+    /// The test deployment, in process: a playground (faults, the retry-mode override),
+    /// edge-only, quick backoff.
     fn default() -> Self {
+        let mut all = ChainOptions::default().flags;
+        all.extend(args(&["--backoff-base-ms", "2", "--backoff-cap-ms", "20"]));
         Self {
-            all: args(&[
-                "--fault-injection",
-                "--allow-retry-mode-override",
-                "--backoff-base-ms",
-                "2",
-                "--backoff-cap-ms",
-                "20",
-            ]),
+            all,
             edge: Vec::new(),
             ledger: args(&["--db-pool-size", "8"]),
             env: Vec::new(),
+            processes: false,
         }
     }
 }
+
+impl Options {
+    /// The test deployment as five processes.
+    pub fn processes() -> Self {
+        Self {
+            processes: true,
+            ..Self::default()
+        }
+    }
+
+    fn chain_options(self, database_url: String) -> ChainOptions {
+        ChainOptions {
+            database_url: Some(database_url),
+            base_port: 0,
+            flags: self.all,
+            edge_flags: self.edge,
+            ledger_flags: self.ledger,
+            env: self.env,
+            logs: Logs::Capture,
+            program: Some(BIN.into()),
+        }
+    }
+}
+
+/// The binary under test.
+pub const BIN: &str = env!("CARGO_BIN_EXE_retrychain");
 
 pub fn args(list: &[&str]) -> Vec<String> {
     list.iter().map(|s| s.to_string()).collect()
 }
 
-/// One running service process.
-pub struct Service {
-    pub name: String,
-    /// Payments: `http://host:port`.
-    pub addr: String,
-    /// Control: `http://host:port`.
-    pub admin: String,
-    child: Option<Child>,
-    log: Arc<Mutex<String>>,
-    args: Vec<String>,
-}
-
-impl Service {
-    /// Starts `retrychain <args>` and waits for its ready line (on stderr, in any log format).
-    pub fn start(name: &str, args: Vec<String>, env: &[(&str, &str)]) -> Service {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_retrychain"));
-        command
-            .args(&args)
-            .env(
-                "RUST_LOG",
-                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
-            )
-            .env_remove("DATABASE_URL")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        for (k, v) in env {
-            command.env(k, v);
-        }
-        let mut child = command.spawn().expect("spawning retrychain");
-        let log = Arc::new(Mutex::new(String::new()));
-        let (tx, rx) = mpsc::channel::<retrychain_node::ReadyAddrs>();
-        for stream in [
-            Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
-            Box::new(child.stderr.take().unwrap()),
-        ] {
-            let log = Arc::clone(&log);
-            let tx = tx.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(stream).lines() {
-                    let Ok(line) = line else { break };
-                    if let Some(ready) = retrychain_node::ReadyAddrs::parse(&line) {
-                        let _ = tx.send(ready);
-                    }
-                    let mut log = log.lock().unwrap();
-                    log.push_str(&line);
-                    log.push('\n');
-                }
-            });
-        }
-        let ready = match rx.recv_timeout(Duration::from_secs(60)) {
-            Ok(ready) => ready,
-            Err(_) => {
-                let _ = child.kill();
-                panic!("{name} did not start; its output:\n{}", log.lock().unwrap());
-            }
-        };
-        Service {
-            name: name.to_owned(),
-            addr: format!("http://{}", ready.public),
-            admin: format!("http://{}", ready.admin),
-            child: Some(child),
-            log,
-            args,
-        }
-    }
-
-    pub fn log(&self) -> String {
-        self.log.lock().unwrap().clone()
-    }
-
-    /// SIGKILL: no shutdown, no clean-up — a crash.
-    pub fn crash(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-
-    /// SIGTERM, then wait for the process to exit; returns its exit status.
-    pub fn terminate(&mut self) -> Option<std::process::ExitStatus> {
-        let mut child = self.child.take()?;
-        let _ = Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
-            .status();
-        for _ in 0..100 {
-            if let Ok(Some(status)) = child.try_wait() {
-                return Some(status);
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = child.kill();
-        child.wait().ok()
-    }
-}
-
-impl Drop for Service {
-    fn drop(&mut self) {
-        self.crash();
-        if std::thread::panicking() || std::env::var_os("TEST_LOG").is_some() {
-            eprintln!("----- {} log -----\n{}", self.name, self.log());
-        }
-    }
-}
-
-/// Five services, edge first, or an external deployment.
+/// Five services, edge first: processes, in this runtime, or an external deployment.
 pub struct Chain {
     /// Their Payments addresses, edge first.
     pub addrs: Vec<String>,
     /// Their Control (admin) addresses, edge first.
     pub admins: Vec<String>,
-    /// The processes, when spawned here (edge first).
-    pub services: Vec<Service>,
+    /// The processes, when spawned as such (edge first).
+    pub services: Vec<ChildService>,
+    /// The services, when spawned in this runtime.
+    in_process: Option<InProcessChain>,
     /// The ledger's database, when spawned here.
     pub database_url: Option<String>,
+    /// The chain's caller.
+    pub client: ChainClient,
     /// Serialises tests on an external deployment.
     _external: Option<tokio::sync::OwnedMutexGuard<()>>,
 }
@@ -243,156 +171,119 @@ const EXTERNAL_VARS: [&str; 5] = [
 ];
 
 impl Chain {
-    /// A chain with `options`, spawned here, bottom-up, on a fresh database.
+    /// A chain with `options` on a fresh database.
     pub async fn spawn(options: Options) -> Chain {
-        Chain::spawn_on(options, database().await)
+        Chain::spawn_on(options, database().await).await
     }
 
     /// A chain with `options` whose ledger uses the database at `database_url`.
-    pub fn spawn_on(options: Options, database_url: String) -> Chain {
-        let mut services: Vec<Service> = Vec::new();
-        let mut downstream = String::new();
-        for (i, name) in NAMES.iter().enumerate().rev() {
-            let mut args = match i {
-                LEDGER => args(&["ledger"]),
-                EDGE => args(&["edge"]),
-                _ => args(&["relay"]),
-            };
-            args.extend([
-                "--listen".into(),
-                "127.0.0.1:0".into(),
-                "--name".into(),
-                name.to_string(),
-            ]);
-            if i != LEDGER {
-                args.extend(["--downstream".into(), downstream.clone()]);
-            }
-            args.extend(options.all.iter().cloned());
-            match i {
-                EDGE => args.extend(options.edge.iter().cloned()),
-                LEDGER => args.extend(options.ledger.iter().cloned()),
-                _ => {}
-            }
-            let mut env: Vec<(&str, &str)> = options
-                .env
-                .iter()
-                .map(|(k, v)| (k.as_str(), v.as_str()))
-                .collect();
-            if i == LEDGER {
-                env.push(("DATABASE_URL", database_url.as_str()));
-            }
-            let service = Service::start(name, args, &env);
-            downstream = service.addr.clone();
-            services.insert(0, service);
-        }
+    pub async fn spawn_on(options: Options, database_url: String) -> Chain {
+        let processes = options.processes;
+        let chain_options = options.chain_options(database_url.clone());
+        let (addrs, services, in_process) = if processes {
+            let chain = LocalChain::start(chain_options).await.unwrap();
+            (chain.addrs(), chain.services, None)
+        } else {
+            let chain = InProcessChain::start(chain_options).await.unwrap();
+            (chain.addrs(), Vec::new(), Some(chain))
+        };
+        let mut chain = Chain::over(addrs, None).await;
+        chain.services = services;
+        chain.in_process = in_process;
+        chain.database_url = Some(database_url);
+        chain
+    }
+
+    async fn over(addrs: ChainAddrs, external: Option<tokio::sync::OwnedMutexGuard<()>>) -> Chain {
         Chain {
-            addrs: services.iter().map(|s| s.addr.clone()).collect(),
-            admins: services.iter().map(|s| s.admin.clone()).collect(),
-            services,
-            database_url: Some(database_url),
-            _external: None,
+            addrs: addrs.all().map(|a| a.url.clone()).into(),
+            admins: addrs.all().map(|a| a.admin_url.clone()).into(),
+            client: ChainClient::connect(&addrs).await.unwrap(),
+            services: Vec::new(),
+            in_process: None,
+            database_url: None,
+            _external: external,
         }
     }
 
     /// The deployment under test: the external one named by RETRYCHAIN_EDGE … _LEDGER when
     /// set (faults cleared and counters zeroed first, one test at a time), else a chain
-    /// spawned here with the default options. Such a deployment must allow fault injection
+    /// started here with the default options. Such a deployment must allow fault injection
     /// and the retry-mode override, as `docker compose` and `retrychain up` do.
     pub async fn deployment() -> Chain {
+        Chain::deployment_or(Options::default()).await
+    }
+
+    /// [`Chain::deployment`], with a local chain started with `options` when there is no
+    /// external one.
+    pub async fn deployment_or(options: Options) -> Chain {
         static LOCK: OnceLock<Arc<tokio::sync::Mutex<()>>> = OnceLock::new();
         let external: Option<Vec<String>> = EXTERNAL_VARS
             .iter()
             .map(|v| std::env::var(v).ok())
             .collect();
-        let Some(addrs) = external else {
-            return Chain::spawn(Options::default()).await;
+        let Some(urls) = external else {
+            return Chain::spawn(options).await;
         };
         let guard = Arc::clone(LOCK.get_or_init(Default::default))
             .lock_owned()
             .await;
-        let admins = EXTERNAL_VARS
+        let addrs: Vec<ServiceAddr> = EXTERNAL_VARS
             .iter()
-            .zip(&addrs)
-            .map(|(var, addr)| {
-                std::env::var(format!("{var}_ADMIN")).unwrap_or_else(|_| admin_of(addr))
+            .zip(&urls)
+            .map(|(var, url)| {
+                let admin = std::env::var(format!("{var}_ADMIN")).ok();
+                ServiceAddr::external(url, admin.as_deref())
             })
             .collect();
-        let chain = Chain {
-            addrs,
-            admins,
-            services: Vec::new(),
-            database_url: None,
-            _external: Some(guard),
-        };
+        let addrs = ChainAddrs::from_array(addrs.try_into().unwrap());
+        let chain = Chain::over(addrs, Some(guard)).await;
         for i in 0..5 {
-            chain.set_faults(i, Faults::default()).await;
+            chain.client.clear_faults(i).await.unwrap();
         }
         chain.reset_stats().await;
         chain
     }
 
-    /// Whether this chain's processes are ours (false for an external deployment).
+    /// Whether this chain's services are ours (false for an external deployment).
     pub fn is_local(&self) -> bool {
-        !self.services.is_empty()
+        !self.services.is_empty() || self.in_process.is_some()
     }
 
     pub async fn channel(&self, i: usize) -> Channel {
         connect(&self.addrs[i]).await
     }
 
-    pub async fn admin_channel(&self, i: usize) -> Channel {
-        connect(&self.admins[i]).await
-    }
-
     pub async fn payments(&self, i: usize) -> PaymentsClient<Channel> {
-        PaymentsClient::new(self.channel(i).await)
+        self.client.payments(i)
     }
 
     pub async fn edge(&self) -> PaymentsClient<Channel> {
-        self.payments(EDGE).await
+        self.client.edge()
     }
 
     /// Control on service `i`'s admin port.
     pub async fn control(&self, i: usize) -> ControlClient<Channel> {
-        ControlClient::new(self.admin_channel(i).await)
+        self.client.control(i)
     }
 
     pub async fn stats(&self, i: usize) -> Stats {
-        self.control(i)
-            .await
-            .get_stats(GetStatsRequest {})
-            .await
-            .unwrap()
-            .into_inner()
+        self.client.stats(i).await.unwrap()
     }
 
     pub async fn all_stats(&self) -> Vec<Stats> {
-        let mut all = Vec::new();
-        for i in 0..5 {
-            all.push(self.stats(i).await);
-        }
-        all
+        self.client.all_stats().await.unwrap()
     }
 
     pub async fn reset_stats(&self) {
-        for i in 0..5 {
-            self.control(i)
-                .await
-                .reset_stats(ResetStatsRequest {})
-                .await
-                .unwrap();
-        }
+        self.client.reset_stats().await.unwrap()
     }
 
     pub async fn set_faults(&self, i: usize, faults: Faults) -> Faults {
-        self.control(i)
-            .await
-            .set_faults(faults)
-            .await
-            .unwrap()
-            .into_inner()
+        self.client.set_faults(i, faults).await.unwrap()
     }
 
+    /// What service `i` logged (a chain spawned as processes).
     pub fn log(&self, i: usize) -> String {
         self.services[i].log()
     }
@@ -403,45 +294,19 @@ impl Chain {
         &self,
         metadata: &[(&'static str, &str)],
     ) -> Result<Response<ChargeReply>, Status> {
-        self.edge()
-            .await
-            .charge(charge(
-                &new_account(),
-                500,
-                None,
-                Duration::from_secs(10),
-                metadata,
-            ))
-            .await
+        let request = charge(&new_account(), 500, None, Duration::from_secs(10), metadata);
+        self.client.charge(request).await
     }
 
     /// Makes the ledger's processor fail every call, UNAVAILABLE: the outage that retries
     /// multiply.
     pub async fn fail_processor(&self) {
-        self.set_faults(
-            LEDGER,
-            Faults {
-                fail_rate: 1.0,
-                ..faults()
-            },
-        )
-        .await;
+        self.client.fail_processor().await.unwrap();
     }
 
     /// The ledger's balance and charge count for `account`, read through the edge.
     pub async fn account(&self, account: &str) -> Option<(i64, i64)> {
-        match self
-            .edge()
-            .await
-            .get_account(GetAccountRequest {
-                account_id: account.into(),
-            })
-            .await
-        {
-            Ok(r) => Some((r.get_ref().balance_cents, r.get_ref().charges)),
-            Err(s) if s.code() == tonic::Code::NotFound => None,
-            Err(s) => panic!("GetAccount: {s:?}"),
-        }
+        self.client.account(account).await.unwrap()
     }
 }
 
@@ -492,13 +357,13 @@ pub fn faults() -> Faults {
 }
 
 /// A ledger alone, on its own database, with fault injection on.
-pub async fn spawn_ledger(extra: &[&str]) -> (Service, String) {
+pub async fn spawn_ledger(extra: &[&str]) -> (ChildService, String) {
     let url = database().await;
-    (spawn_ledger_on(&url, extra), url)
+    (spawn_ledger_on(&url, extra).await, url)
 }
 
-/// A ledger alone on the database at `url`, with fault injection on.
-pub fn spawn_ledger_on(url: &str, extra: &[&str]) -> Service {
+/// A ledger process alone on the database at `url`, with fault injection on.
+pub async fn spawn_ledger_on(url: &str, extra: &[&str]) -> ChildService {
     let mut list = args(&[
         "ledger",
         "--listen",
@@ -510,7 +375,21 @@ pub fn spawn_ledger_on(url: &str, extra: &[&str]) -> Service {
         list.extend(args(&["--db-pool-size", "60"]));
     }
     list.extend(args(extra));
-    Service::start("ledger", list, &[("DATABASE_URL", url)])
+    start_process("ledger", list, &[("DATABASE_URL", url)]).await
+}
+
+/// `retrychain <args>` as a child process with `env`, its log captured.
+pub async fn start_process(name: &str, args: Vec<String>, env: &[(&str, &str)]) -> ChildService {
+    let launch = Launch {
+        program: Some(BIN.into()),
+        args,
+        env: env
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect(),
+        logs: Logs::Capture,
+    };
+    ChildService::start(name, launch).await.unwrap()
 }
 
 /// Row counts of the ledger's three tables: (accounts, charges, keys).
@@ -537,63 +416,20 @@ pub async fn connect(addr: &str) -> Channel {
         .unwrap_or_else(|e| panic!("connecting to {addr}: {e}"))
 }
 
-impl Service {
-    /// Starts this service again with the same flags on the same ports (after a crash).
-    pub fn restart(&mut self, env: &[(&str, &str)]) {
-        let mut args = self.args.clone();
-        for (flag, addr) in [("--listen", &self.addr), ("--admin-listen", &self.admin)] {
-            let host_port = host_port(addr);
-            match args.iter().position(|a| a == flag) {
-                Some(i) => args[i + 1] = host_port,
-                None => args.extend([flag.to_owned(), host_port]),
-            }
-        }
-        self.crash();
-        let fresh = Service::start(&self.name, args, env);
-        self.child = fresh_child(fresh, &mut self.log);
-    }
-
-    /// The process id, while it runs.
-    pub fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(Child::id)
-    }
-
-    /// Sends `signal` (e.g. "STOP", "CONT", "KILL") to the process.
-    pub fn signal(&self, signal: &str) {
-        let pid = self.pid().expect("the service runs");
-        let status = Command::new("kill")
-            .args([&format!("-{signal}"), &pid.to_string()])
-            .status()
-            .expect("kill");
-        assert!(status.success(), "kill -{signal} {pid}");
-    }
-}
-
-/// The default admin address of a service at `addr`: its port + 1000.
-pub fn admin_of(addr: &str) -> String {
-    let (host, port) = addr.rsplit_once(':').expect("host:port");
-    let port: u16 = port.trim_end_matches('/').parse().expect("port");
-    format!("{host}:{}", port + 1000)
-}
-
-fn fresh_child(mut fresh: Service, log: &mut Arc<Mutex<String>>) -> Option<Child> {
-    *log = Arc::clone(&fresh.log);
-    fresh.child.take()
-}
-
 /// `GET /metrics` on an admin address (`http://host:port`), over plain HTTP/1.1: the
-/// Prometheus text.
-pub fn scrape_metrics(admin: &str) -> String {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(host_port(admin)).unwrap();
-    write!(
-        stream,
+/// Prometheus text. Asynchronous, so an in-process service can answer it.
+pub async fn scrape_metrics(admin: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(host_port(admin))
+        .await
+        .unwrap();
+    let request = format!(
         "GET /metrics HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
         host_port(admin)
-    )
-    .unwrap();
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
     let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
+    stream.read_to_string(&mut response).await.unwrap();
     let (head, body) = response.split_once("\r\n\r\n").unwrap();
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     assert!(
@@ -631,21 +467,16 @@ pub fn host_port(addr: &str) -> String {
     addr.trim_start_matches("http://").to_owned()
 }
 
-/// Runs `retrychain <args>` (a subcommand with `--json`) off the runtime's thread, asserts
-/// it succeeded, and returns the JSON object it printed.
-pub async fn retrychain_json(args: Vec<String>) -> serde_json::Value {
-    let output = tokio::task::spawn_blocking(move || {
-        Command::new(env!("CARGO_BIN_EXE_retrychain"))
-            .args(&args)
-            .output()
-    })
-    .await
-    .unwrap()
-    .expect("run retrychain");
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    serde_json::from_slice(&output.stdout).expect("one JSON object on stdout")
+/// An experiment's flags (`DemoArgs`, `StormArgs`, …) parsed from `argv` as the binary
+/// parses them.
+pub fn parse_flags<A: clap::Args>(argv: &[String]) -> A {
+    #[derive(clap::Parser)]
+    struct Flags<A: clap::Args> {
+        #[command(flatten)]
+        args: A,
+    }
+    let argv = std::iter::once("retrychain".to_owned()).chain(argv.iter().cloned());
+    <Flags<A> as clap::Parser>::try_parse_from(argv)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .args
 }

@@ -25,18 +25,19 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     // must still stop what was started.
     let interrupted = retrychain_node::shutdown_signal();
     tokio::pin!(interrupted);
-    let starting = LocalChain::start(ChainOptions {
+    let mut options = ChainOptions {
         database_url: args.database_url.clone(),
         base_port: args.base_port,
-        flags: vec![
-            "--retry-mode".into(),
-            args.retry_mode.as_str().into(),
-            "--log-format".into(),
-            format.into(),
-        ],
         logs: Logs::Prefixed,
         ..ChainOptions::default()
-    });
+    };
+    options.flags.extend([
+        "--retry-mode".into(),
+        args.retry_mode.as_str().into(),
+        "--log-format".into(),
+        format.into(),
+    ]);
+    let starting = LocalChain::start(options);
     let mut chain = tokio::select! {
         chain = starting => chain?,
         _ = &mut interrupted => {

@@ -15,6 +15,9 @@ use resilience::{Backoff, BackoffKind, Deadline, Retry, RetryBudget, RetryPolicy
 use serde::Serialize;
 use tonic::Status;
 
+/// How many seeds the jitter storm is averaged over unless `--seeds` says otherwise.
+pub const DEFAULT_SEEDS: u64 = 20;
+
 /// Flags of `sim`.
 #[derive(Debug, Clone, Args)]
 pub struct SimArgs {
@@ -22,7 +25,7 @@ pub struct SimArgs {
     #[arg(long, env = "RETRYCHAIN_SIM_JSON")]
     pub json: bool,
     /// Seeds to average the jitter storm over.
-    #[arg(long, default_value_t = 20, env = "RETRYCHAIN_SIM_SEEDS")]
+    #[arg(long, default_value_t = DEFAULT_SEEDS, env = "RETRYCHAIN_SIM_SEEDS")]
     pub seeds: u64,
 }
 

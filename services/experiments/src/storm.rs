@@ -169,12 +169,14 @@ pub async fn run(args: &StormArgs) -> anyhow::Result<StormReport> {
         let unused = ServiceAddr::external("", None);
         ChainAddrs::from_array([edge, unused.clone(), unused.clone(), unused, ledger])
     });
-    let options = ChainOptions {
+    let mut options = ChainOptions {
         database_url: args.database_url.clone(),
         base_port: args.base_port,
-        flags: vec!["--backoff".into(), args.backoff.as_str().into()],
         ..ChainOptions::default()
     };
+    options
+        .flags
+        .extend(["--backoff".into(), args.backoff.as_str().into()]);
     let report = with_chain(external, options, |addrs| async move {
         storm(args, &addrs.edge, &addrs.ledger).await
     })

@@ -21,8 +21,8 @@ pub struct ChainOptions {
     pub database_url: Option<String>,
     /// The edge's port; hop2..ledger take the next four. 0: any free ports.
     pub base_port: u16,
-    /// Flags for all five (retry mode, log format, backoff, …), after the playground's
-    /// `--fault-injection` and `--allow-retry-mode-override`.
+    /// Flags for all five (retry mode, log format, backoff, …); by default
+    /// [`ChainOptions::PLAYGROUND`].
     pub flags: Vec<String>,
     /// Flags for the edge only, after `flags`.
     pub edge_flags: Vec<String>,
@@ -38,12 +38,13 @@ pub struct ChainOptions {
 }
 
 impl Default for ChainOptions {
-    /// A throwaway database, free ports, the default flags, logs discarded, this binary.
+    /// A throwaway database, free ports, the playground's flags, logs discarded, this
+    /// binary.
     fn default() -> Self {
         Self {
             database_url: None,
             base_port: 0,
-            flags: Vec::new(),
+            flags: Self::PLAYGROUND.map(String::from).into(),
             edge_flags: Vec::new(),
             ledger_flags: Vec::new(),
             env: Vec::new(),
@@ -54,6 +55,10 @@ impl Default for ChainOptions {
 }
 
 impl ChainOptions {
+    /// A local chain is a playground: fault injection is on and every service honours
+    /// `x-retry-mode` (both off by default in a service of its own).
+    pub const PLAYGROUND: [&str; 2] = ["--fault-injection", "--allow-retry-mode-override"];
+
     /// The command line of service `i` (0 the edge … 4 the ledger) over `downstream`.
     fn args(&self, i: usize, downstream: &str) -> Vec<String> {
         let role = match i {
@@ -65,17 +70,9 @@ impl ChainOptions {
             0 => "127.0.0.1:0".to_owned(),
             base => format!("127.0.0.1:{}", base + i as u16),
         };
-        let mut args: Vec<String> = [
-            role,
-            "--listen",
-            &listen,
-            "--name",
-            NAMES[i],
-            "--fault-injection",
-            "--allow-retry-mode-override",
-        ]
-        .map(String::from)
-        .into();
+        let mut args: Vec<String> = [role, "--listen", &listen, "--name", NAMES[i]]
+            .map(String::from)
+            .into();
         if role != "ledger" {
             args.extend(["--downstream".to_owned(), downstream.to_owned()]);
         }
@@ -158,8 +155,7 @@ pub struct LocalChain {
 
 impl LocalChain {
     /// Starts Postgres if needed, then the ledger, hop4, hop3, hop2 and the edge, each
-    /// after the one below reports SERVING. Fault injection is on and every service honours
-    /// `x-retry-mode`: a local chain is a playground.
+    /// after the one below reports SERVING.
     pub async fn start(options: ChainOptions) -> anyhow::Result<Self> {
         let (cluster, database_url) = database(&options).await?;
         let mut chain = LocalChain {

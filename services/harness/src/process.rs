@@ -2,6 +2,7 @@
 //! signal or a restart is the point.
 
 use std::{
+    io::{BufRead, BufReader, Read},
     path::PathBuf,
     process::{ExitStatus, Stdio},
     sync::{Arc, Mutex},
@@ -10,7 +11,6 @@ use std::{
 
 use anyhow::Context;
 use tokio::{
-    io::{AsyncBufReadExt, AsyncRead, BufReader},
     process::{Child, Command},
     sync::oneshot,
 };
@@ -201,11 +201,18 @@ async fn spawn(
         log: Arc::clone(log),
         listening,
     };
+    // Each stream is read on a thread of its own, not a task: a child must never stall on
+    // a full pipe because the runtime that would read it is busy or blocked (a test
+    // waiting on grpcurl, say).
     if let Some(out) = child.stdout.take() {
-        tokio::spawn(follow(None).run(out));
+        let out = std::fs::File::from(out.into_owned_fd()?);
+        let follow = follow(None);
+        std::thread::spawn(move || follow.run(out));
     }
     if let Some(err) = child.stderr.take() {
-        tokio::spawn(follow(Some(tx)).run(err));
+        let err = std::fs::File::from(err.into_owned_fd()?);
+        let follow = follow(Some(tx));
+        std::thread::spawn(move || follow.run(err));
     }
     let ready = match tokio::time::timeout(Duration::from_secs(60), rx).await {
         Ok(Ok(ready)) => ready,
@@ -250,9 +257,9 @@ struct Follow {
 }
 
 impl Follow {
-    async fn run(mut self, stream: impl AsyncRead + Unpin) {
-        let mut lines = BufReader::new(stream).lines();
-        while let Ok(Some(line)) = lines.next_line().await {
+    fn run(mut self, stream: impl Read) {
+        for line in BufReader::new(stream).lines() {
+            let Ok(line) = line else { break };
             if let Some(ready) = ReadyAddrs::parse(&line)
                 && let Some(tx) = self.listening.take()
             {
