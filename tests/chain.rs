@@ -33,11 +33,8 @@ async fn outage_load(requests: u64, edge_flags: &[&str]) -> (u64, u64) {
     let edge = chain.edge().await;
     let failures = futures::stream::iter(0..requests)
         .map(|i| {
-            let mut edge = edge.clone();
-            async move {
-                edge.charge(charge(&format!("outage-{i}"), 100, None, LONG, &[]))
-                    .await
-            }
+            let edge = edge.clone();
+            async move { charge_on(&edge, &format!("outage-{i}"), 100, None, LONG).await }
         })
         .buffer_unordered(16)
         .filter(|r| std::future::ready(r.is_err()))
@@ -82,27 +79,11 @@ async fn the_deadline_shrinks_at_every_hop_and_ends_in_deadline_exceeded() {
     let mut options = Options::default();
     options.edge.extend(args(&["--max-attempts", "1"]));
     let chain = Chain::spawn(options).await;
-    chain
-        .set_faults(
-            LEDGER,
-            Faults {
-                delay_ms: 5000,
-                ..faults()
-            },
-        )
-        .await;
+    chain.set_faults(LEDGER, delayed(5000)).await;
 
     let start = Instant::now();
     let status = chain
-        .edge()
-        .await
-        .charge(charge(
-            &new_account(),
-            500,
-            None,
-            Duration::from_secs(2),
-            &[],
-        ))
+        .charge_new(Duration::from_secs(2), &[])
         .await
         .expect_err("the processor is slower than the deadline");
     let elapsed = start.elapsed();
@@ -141,16 +122,11 @@ async fn the_deadline_shrinks_at_every_hop_and_ends_in_deadline_exceeded() {
 
 #[tokio::test]
 async fn the_retry_mode_override_needs_the_flag() {
-    let mut options = Options::default();
-    options
-        .all
-        .retain(|flag| flag != "--allow-retry-mode-override");
+    let options = Options::default().without("--allow-retry-mode-override");
     let chain = Chain::spawn(options).await;
     chain.fail_processor().await;
     chain
-        .edge()
-        .await
-        .charge(charge(&new_account(), 500, None, LONG, &[EVERY_LAYER]))
+        .charge_new(LONG, &[EVERY_LAYER])
         .await
         .expect_err("fails");
     let stats = chain.all_stats().await;
@@ -167,15 +143,13 @@ async fn one_trace_id_runs_through_all_five_logs() {
     let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
     let parent = format!("00-{trace}-00f067aa0ba902b7-01");
     let reply = chain
-        .edge()
-        .await
-        .charge(charge(
+        .charge(
             &new_account(),
             500,
             Some("trace-me"),
             LONG,
             &[("traceparent", &parent)],
-        ))
+        )
         .await
         .unwrap();
     assert_eq!(header(&reply, "trace-id").as_deref(), Some(trace));
@@ -209,17 +183,12 @@ async fn one_trace_id_runs_through_all_five_logs() {
 
 #[tokio::test]
 async fn set_faults_without_fault_injection_is_permission_denied() {
-    let mut options = Options::default();
-    options.all.retain(|a| a != "--fault-injection");
-    let chain = Chain::spawn(options).await;
+    let chain = Chain::spawn(Options::default().without("--fault-injection")).await;
     for (i, name) in NAMES.iter().enumerate() {
         let status = chain
             .control(i)
             .await
-            .set_faults(Faults {
-                fail_rate: 1.0,
-                ..faults()
-            })
+            .set_faults(failing())
             .await
             .expect_err("refused");
         assert_eq!(status.code(), Code::PermissionDenied, "{name}");
@@ -229,12 +198,7 @@ async fn set_faults_without_fault_injection_is_permission_denied() {
 #[tokio::test]
 async fn sigterm_stops_every_service_cleanly() {
     let mut chain = Chain::spawn(Options::processes()).await;
-    chain
-        .edge()
-        .await
-        .charge(charge(&new_account(), 500, None, LONG, &[]))
-        .await
-        .unwrap();
+    chain.charge_new(LONG, &[]).await.unwrap();
     for service in &mut chain.services {
         let status = service.terminate(Duration::from_secs(5)).await;
         let status = status.expect("exits within 5 s of SIGTERM");
@@ -255,9 +219,7 @@ mod deployment {
         let account = new_account();
 
         let status = chain
-            .edge()
-            .await
-            .charge(charge(&account, 500, None, LONG, &[EVERY_LAYER]))
+            .charge(&account, 500, None, LONG, &[EVERY_LAYER])
             .await
             .expect_err("the processor always fails");
 
@@ -275,9 +237,7 @@ mod deployment {
         chain.fail_processor().await;
 
         let status = chain
-            .edge()
-            .await
-            .charge(charge(&new_account(), 500, None, LONG, &[]))
+            .charge_new(LONG, &[])
             .await
             .expect_err("the processor always fails");
 
@@ -301,21 +261,9 @@ mod deployment {
         let chain = Chain::deployment().await;
         let account = new_account();
         let key = new_key();
-        chain
-            .set_faults(
-                LEDGER,
-                Faults {
-                    drop_reply_rate: 1.0,
-                    ..faults()
-                },
-            )
-            .await;
+        chain.set_faults(LEDGER, losing_replies(1.0)).await;
 
-        let lost = chain
-            .edge()
-            .await
-            .charge(charge(&account, 500, Some(&key), LONG, &[]))
-            .await;
+        let lost = chain.charge(&account, 500, Some(&key), LONG, &[]).await;
         let status = lost.expect_err("every reply is lost");
         assert_eq!(status.code(), Code::Unavailable);
         assert_eq!(
@@ -325,9 +273,7 @@ mod deployment {
 
         chain.set_faults(LEDGER, faults()).await;
         let later = chain
-            .edge()
-            .await
-            .charge(charge(&account, 500, Some(&key), LONG, &[]))
+            .charge(&account, 500, Some(&key), LONG, &[])
             .await
             .expect("the reply gets through now");
         assert_eq!(
@@ -335,9 +281,7 @@ mod deployment {
             Some("true")
         );
         let again = chain
-            .edge()
-            .await
-            .charge(charge(&account, 500, Some(&key), LONG, &[]))
+            .charge(&account, 500, Some(&key), LONG, &[])
             .await
             .unwrap();
         assert_eq!(later.get_ref().charge_id, again.get_ref().charge_id);
@@ -357,24 +301,15 @@ mod deployment {
             .set_faults(
                 LEDGER,
                 Faults {
-                    fail_rate: 1.0,
                     delay_ms: 5,
-                    ..faults()
+                    ..failing()
                 },
             )
             .await;
 
         let start = Instant::now();
         let status = chain
-            .edge()
-            .await
-            .charge(charge(
-                &new_account(),
-                500,
-                None,
-                Duration::from_millis(300),
-                &[EVERY_LAYER],
-            ))
+            .charge_new(Duration::from_millis(300), &[EVERY_LAYER])
             .await
             .expect_err("fails");
         let elapsed = start.elapsed();
@@ -405,23 +340,11 @@ mod deployment {
     async fn a_non_retryable_failure_is_one_bottom_call_in_both_modes() {
         let chain = Chain::deployment().await;
         chain
-            .set_faults(
-                LEDGER,
-                Faults {
-                    fail_rate: 1.0,
-                    fail_code: "INVALID_ARGUMENT".into(),
-                    ..faults()
-                },
-            )
+            .set_faults(LEDGER, failing_with(Code::InvalidArgument))
             .await;
         for mode in [&[][..], &[EVERY_LAYER][..]] {
             chain.reset_stats().await;
-            let status = chain
-                .edge()
-                .await
-                .charge(charge(&new_account(), 500, None, LONG, mode))
-                .await
-                .expect_err("fails");
+            let status = chain.charge_new(LONG, mode).await.expect_err("fails");
             assert_eq!(status.code(), Code::InvalidArgument);
             assert_eq!(
                 chain.stats(LEDGER).await.downstream_attempts,
@@ -439,20 +362,13 @@ mod deployment {
             .set_faults(
                 LEDGER,
                 Faults {
-                    fail_rate: 1.0,
-                    fail_code: "RESOURCE_EXHAUSTED".into(),
                     pushback_ms: 200,
-                    ..faults()
+                    ..failing_with(Code::ResourceExhausted)
                 },
             )
             .await;
         let start = Instant::now();
-        let status = chain
-            .edge()
-            .await
-            .charge(charge(&new_account(), 500, None, LONG, &[]))
-            .await
-            .expect_err("busy");
+        let status = chain.charge_new(LONG, &[]).await.expect_err("busy");
         let elapsed = start.elapsed();
         assert_eq!(status.code(), Code::ResourceExhausted);
         assert_eq!(chain.stats(LEDGER).await.downstream_attempts, 3);
@@ -465,20 +381,13 @@ mod deployment {
             .set_faults(
                 LEDGER,
                 Faults {
-                    fail_rate: 1.0,
-                    fail_code: "RESOURCE_EXHAUSTED".into(),
                     pushback_never: true,
-                    ..faults()
+                    ..failing_with(Code::ResourceExhausted)
                 },
             )
             .await;
         chain.reset_stats().await;
-        let status = chain
-            .edge()
-            .await
-            .charge(charge(&new_account(), 500, None, LONG, &[]))
-            .await
-            .expect_err("busy");
+        let status = chain.charge_new(LONG, &[]).await.expect_err("busy");
         assert_eq!(status.code(), Code::ResourceExhausted);
         assert!(
             status.message().contains("pushback"),
@@ -492,18 +401,11 @@ mod deployment {
     async fn the_edge_makes_a_key_and_returns_it() {
         let chain = Chain::deployment().await;
         let account = new_account();
-        let first = chain
-            .edge()
-            .await
-            .charge(charge(&account, 250, None, LONG, &[]))
-            .await
-            .unwrap();
+        let first = chain.charge(&account, 250, None, LONG, &[]).await.unwrap();
         let key = header(&first, "idempotency-key").expect("the edge returns the key it made");
         assert!(uuid::Uuid::parse_str(&key).is_ok(), "{key}");
         let retry = chain
-            .edge()
-            .await
-            .charge(charge(&account, 250, Some(&key), LONG, &[]))
+            .charge(&account, 250, Some(&key), LONG, &[])
             .await
             .unwrap();
         assert_eq!(
@@ -537,21 +439,8 @@ mod deployment {
     #[tokio::test]
     async fn faults_at_a_middle_hop_are_retried_by_the_edge() {
         let chain = Chain::deployment().await;
-        chain
-            .set_faults(
-                2,
-                Faults {
-                    fail_rate: 1.0,
-                    ..faults()
-                },
-            )
-            .await;
-        let status = chain
-            .edge()
-            .await
-            .charge(charge(&new_account(), 500, None, LONG, &[]))
-            .await
-            .expect_err("hop3 fails");
+        chain.set_faults(2, failing()).await;
+        let status = chain.charge_new(LONG, &[]).await.expect_err("hop3 fails");
         assert!(status.message().contains("hop3"), "{}", status.message());
         let stats = chain.all_stats().await;
         assert_eq!(

@@ -7,7 +7,6 @@ mod support;
 
 use std::time::Duration;
 
-use retrychain_proto::v1::Faults;
 use support::*;
 use tonic::Code;
 
@@ -18,28 +17,13 @@ async fn a_ledger_killed_mid_charge_loses_nothing_and_charges_once_on_retry() {
     let account = new_account();
     let key = new_key();
     // The processor call sits inside the transaction, after the key is claimed.
-    chain
-        .set_faults(
-            LEDGER,
-            Faults {
-                delay_ms: 3000,
-                ..faults()
-            },
-        )
-        .await;
+    chain.set_faults(LEDGER, delayed(3000)).await;
 
-    let mut edge = chain.edge().await;
+    let edge = chain.edge().await;
     let in_flight = {
         let (account, key) = (account.clone(), key.clone());
         tokio::spawn(async move {
-            edge.charge(charge(
-                &account,
-                500,
-                Some(&key),
-                Duration::from_secs(20),
-                &[],
-            ))
-            .await
+            charge_on(&edge, &account, 500, Some(&key), Duration::from_secs(20)).await
         })
     };
     // Wait until the processor is running: the key is claimed and the transaction open.
@@ -73,15 +57,7 @@ async fn a_ledger_killed_mid_charge_loses_nothing_and_charges_once_on_retry() {
 
     chain.services[LEDGER].restart().await.unwrap();
     let retry = chain
-        .edge()
-        .await
-        .charge(charge(
-            &account,
-            500,
-            Some(&key),
-            Duration::from_secs(20),
-            &[],
-        ))
+        .charge(&account, 500, Some(&key), Duration::from_secs(20), &[])
         .await
         .expect("the retry charges");
     assert_eq!(
@@ -90,15 +66,7 @@ async fn a_ledger_killed_mid_charge_loses_nothing_and_charges_once_on_retry() {
         "the first attempt never committed"
     );
     let again = chain
-        .edge()
-        .await
-        .charge(charge(
-            &account,
-            500,
-            Some(&key),
-            Duration::from_secs(20),
-            &[],
-        ))
+        .charge(&account, 500, Some(&key), Duration::from_secs(20), &[])
         .await
         .unwrap();
     assert_eq!(
@@ -116,9 +84,7 @@ async fn a_relay_killed_and_restarted_is_retried_around() {
     let account = new_account();
     chain.services[2].crash().await;
     let status = chain
-        .edge()
-        .await
-        .charge(charge(&account, 500, None, Duration::from_secs(5), &[]))
+        .charge(&account, 500, None, Duration::from_secs(5), &[])
         .await;
     let status = status.expect_err("hop3 is down");
     assert_eq!(status.code(), Code::Unavailable);
@@ -126,15 +92,7 @@ async fn a_relay_killed_and_restarted_is_retried_around() {
 
     chain.services[2].restart().await.unwrap();
     let reply = chain
-        .edge()
-        .await
-        .charge(charge(
-            &account,
-            500,
-            Some(&key),
-            Duration::from_secs(5),
-            &[],
-        ))
+        .charge(&account, 500, Some(&key), Duration::from_secs(5), &[])
         .await
         .expect("hop3 is back");
     assert_eq!(reply.get_ref().balance_cents, 500);

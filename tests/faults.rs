@@ -25,7 +25,7 @@ use std::{
 
 use futures::StreamExt;
 use retrychain_proto::v1::{
-    ChargeRequest, Faults, GetStatsRequest, ResetStatsRequest, control_client::ControlClient,
+    ChargeRequest, GetStatsRequest, ResetStatsRequest, control_client::ControlClient,
     payments_client::PaymentsClient,
 };
 use support::*;
@@ -50,6 +50,26 @@ struct Sent {
     took: Duration,
 }
 
+impl Sent {
+    /// Charges `amount` to `account` under a fresh key, once; what happened.
+    async fn charge(client: &PaymentsClient<Channel>, account: String, amount: i64) -> Sent {
+        let key = new_key();
+        let started = Instant::now();
+        let code = match charge_on(client, &account, amount, Some(&key), LOAD_DEADLINE).await {
+            Ok(_) => Code::Ok,
+            Err(status) => status.code(),
+        };
+        Sent {
+            account,
+            key,
+            amount,
+            code,
+            started,
+            took: started.elapsed(),
+        }
+    }
+}
+
 /// Charges under fresh keys from a few closed-loop workers until stopped.
 struct Load {
     stop: Arc<AtomicBool>,
@@ -69,29 +89,13 @@ impl Load {
                     let channel = tonic::transport::Endpoint::from_shared(edge)
                         .unwrap()
                         .connect_lazy();
-                    let mut client = PaymentsClient::new(channel);
+                    let client = PaymentsClient::new(channel);
                     let mut sent = Vec::new();
                     let mut i = 0;
                     while !stop.load(Ordering::Relaxed) {
                         let account = accounts[(w + i) % accounts.len()].clone();
-                        let key = new_key();
                         let amount = 100 + (i as i64 % 900);
-                        let started = Instant::now();
-                        let code = match client
-                            .charge(charge(&account, amount, Some(&key), LOAD_DEADLINE, &[]))
-                            .await
-                        {
-                            Ok(_) => Code::Ok,
-                            Err(status) => status.code(),
-                        };
-                        sent.push(Sent {
-                            account,
-                            key,
-                            amount,
-                            code,
-                            started,
-                            took: started.elapsed(),
-                        });
+                        sent.push(Sent::charge(&client, account, amount).await);
                         i += 1;
                         tokio::time::sleep(Duration::from_millis(5)).await;
                     }
@@ -118,28 +122,9 @@ async fn send_keys(edge: &str, count: usize, concurrency: usize) -> Vec<Sent> {
     let accounts: Vec<String> = (0..4).map(|_| new_account()).collect();
     futures::stream::iter(0..count)
         .map(|i| {
-            let mut client = client.clone();
+            let client = client.clone();
             let account = accounts[i % accounts.len()].clone();
-            async move {
-                let key = new_key();
-                let amount = 100 + i as i64;
-                let started = Instant::now();
-                let code = match client
-                    .charge(charge(&account, amount, Some(&key), LOAD_DEADLINE, &[]))
-                    .await
-                {
-                    Ok(_) => Code::Ok,
-                    Err(status) => status.code(),
-                };
-                Sent {
-                    account,
-                    key,
-                    amount,
-                    code,
-                    started,
-                    took: started.elapsed(),
-                }
-            }
+            async move { Sent::charge(&client, account, 100 + i as i64).await }
         })
         .buffer_unordered(concurrency)
         .collect()
@@ -152,18 +137,17 @@ async fn resend_and_check(edge: &str, database_url: &str, sent: &[Sent]) {
     let client = PaymentsClient::new(connect(edge).await);
     let resent: Vec<(Sent, Result<(), tonic::Status>)> = futures::stream::iter(sent.to_vec())
         .map(|s| {
-            let mut client = client.clone();
+            let client = client.clone();
             async move {
-                let result = client
-                    .charge(charge(
-                        &s.account,
-                        s.amount,
-                        Some(&s.key),
-                        Duration::from_secs(20),
-                        &[],
-                    ))
-                    .await
-                    .map(|_| ());
+                let result = charge_on(
+                    &client,
+                    &s.account,
+                    s.amount,
+                    Some(&s.key),
+                    Duration::from_secs(20),
+                )
+                .await
+                .map(|_| ());
                 (s, result)
             }
         })
@@ -315,16 +299,12 @@ async fn postgres_stopped_for_3_s_is_a_fast_unavailable_within_the_budget() {
     let before = chain.all_stats().await;
     let cluster = Arc::new(cluster);
     let stopping = Arc::clone(&cluster);
-    tokio::task::spawn_blocking(move || stopping.stop_server().expect("pg_ctl stop"))
-        .await
-        .unwrap();
+    off_runtime(move || stopping.stop_server().expect("pg_ctl stop")).await;
     let down = Instant::now();
     tokio::time::sleep(Duration::from_secs(3)).await;
     let after_outage = chain.all_stats().await;
     let starting = Arc::clone(&cluster);
-    tokio::task::spawn_blocking(move || starting.start_server().expect("pg_ctl start"))
-        .await
-        .unwrap();
+    off_runtime(move || starting.start_server().expect("pg_ctl start")).await;
     let up = Instant::now();
     tokio::time::sleep(Duration::from_secs(2)).await;
     let sent = load.finish().await;
@@ -529,10 +509,9 @@ async fn a_frozen_ledger_releases_its_key_to_another_instance_and_commits_nothin
     let frozen_control = ControlClient::new(connect(&frozen.addr.admin_url).await);
     frozen_control
         .clone()
-        .set_faults(Faults {
-            delay_ms: 1000, // the processor answers while the ledger is frozen
-            ..faults()
-        })
+        .set_faults(
+            delayed(1000), // the processor answers while the ledger is frozen
+        )
         .await
         .unwrap();
     let account = new_account();
@@ -597,30 +576,12 @@ async fn a_frozen_ledger_releases_its_key_to_another_instance_and_commits_nothin
     assert_no_session_idle_in_transaction(&pool).await;
 }
 
-async fn bottom_calls(control: &ControlClient<Channel>) -> u64 {
-    control
-        .clone()
-        .get_stats(GetStatsRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .downstream_attempts
-}
-
 #[tokio::test]
 async fn replies_lost_at_every_hop_still_charge_each_of_1000_keys_once() {
     let _one = ONE_AT_A_TIME.lock().await;
     let chain = Chain::spawn(Options::default()).await;
     for i in 0..5 {
-        chain
-            .set_faults(
-                i,
-                Faults {
-                    drop_reply_rate: 0.2,
-                    ..faults()
-                },
-            )
-            .await;
+        chain.set_faults(i, losing_replies(0.2)).await;
     }
     let sent = send_keys(&chain.addrs[EDGE], 1000, 16).await;
     for i in 0..5 {
@@ -819,24 +780,20 @@ async fn key_store(url: &str, pool_size: u32) -> retrychain_ledger::KeyStore {
 async fn deadlines_cut_at_every_step_leave_the_ledgers_pool_clean() {
     let (ledger, url) = spawn_ledger(&["--db-pool-size", "2"]).await;
     ControlClient::new(connect(&ledger.addr.admin_url).await)
-        .set_faults(Faults {
-            delay_ms: 10,
-            ..faults()
-        })
+        .set_faults(delayed(10))
         .await
         .unwrap();
-    let mut client = PaymentsClient::new(connect(&ledger.addr.url).await);
+    let client = PaymentsClient::new(connect(&ledger.addr.url).await);
     let account = new_account();
     for ms in 1..=60 {
-        let result = client
-            .charge(charge(
-                &account,
-                100,
-                Some(&new_key()),
-                Duration::from_millis(ms),
-                &[],
-            ))
-            .await;
+        let result = charge_on(
+            &client,
+            &account,
+            100,
+            Some(&new_key()),
+            Duration::from_millis(ms),
+        )
+        .await;
         if let Err(status) = result {
             assert!(
                 matches!(status.code(), Code::DeadlineExceeded | Code::Cancelled),
@@ -847,16 +804,15 @@ async fn deadlines_cut_at_every_step_leave_the_ledgers_pool_clean() {
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
     assert_no_session_idle_in_transaction(&pool).await;
     for _ in 0..10 {
-        client
-            .charge(charge(
-                &account,
-                100,
-                Some(&new_key()),
-                Duration::from_secs(5),
-                &[],
-            ))
-            .await
-            .expect("the pool serves");
+        charge_on(
+            &client,
+            &account,
+            100,
+            Some(&new_key()),
+            Duration::from_secs(5),
+        )
+        .await
+        .expect("the pool serves");
     }
     let (_, charges, keys) = row_counts(&url).await;
     assert_eq!(charges, keys, "no key without its charge");
@@ -868,38 +824,23 @@ async fn in_flight_reject_replays_50_concurrent_repeats_of_a_completed_key() {
     let client = PaymentsClient::new(connect(&ledger.addr.url).await);
     let account = new_account();
     let key = new_key();
-    let first = client
-        .clone()
-        .charge(charge(
-            &account,
-            500,
-            Some(&key),
-            Duration::from_secs(5),
-            &[],
-        ))
+    let first = charge_on(&client, &account, 500, Some(&key), Duration::from_secs(5))
         .await
         .expect("first charge")
         .into_inner();
 
-    let repeats: Vec<_> = futures::stream::iter(0..50)
-        .map(|_| {
-            let mut client = client.clone();
-            let (account, key) = (account.clone(), key.clone());
-            async move {
-                client
-                    .charge(charge(
-                        &account,
-                        500,
-                        Some(&key),
-                        Duration::from_secs(5),
-                        &[],
-                    ))
-                    .await
-            }
-        })
-        .buffer_unordered(50)
-        .collect()
-        .await;
+    let repeats: Vec<_> =
+        futures::stream::iter(0..50)
+            .map(|_| {
+                let client = client.clone();
+                let (account, key) = (account.clone(), key.clone());
+                async move {
+                    charge_on(&client, &account, 500, Some(&key), Duration::from_secs(5)).await
+                }
+            })
+            .buffer_unordered(50)
+            .collect()
+            .await;
     for repeat in &repeats {
         let reply = repeat.as_ref().expect("a replay, not ABORTED");
         assert_eq!(
@@ -916,30 +857,15 @@ async fn waiting_duplicates_do_not_starve_other_accounts() {
     let _one = ONE_AT_A_TIME.lock().await;
     let (ledger, url) = spawn_ledger(&["--db-pool-size", "4"]).await;
     let control = ControlClient::new(connect(&ledger.addr.admin_url).await);
-    control
-        .clone()
-        .set_faults(Faults {
-            delay_ms: 2000,
-            ..faults()
-        })
-        .await
-        .unwrap();
+    control.clone().set_faults(delayed(2000)).await.unwrap();
     let client = PaymentsClient::new(connect(&ledger.addr.url).await);
     let (account, key) = (new_account(), new_key());
     let duplicates: Vec<_> = (0..20)
         .map(|_| {
-            let mut client = client.clone();
+            let client = client.clone();
             let (account, key) = (account.clone(), key.clone());
             tokio::spawn(async move {
-                client
-                    .charge(charge(
-                        &account,
-                        500,
-                        Some(&key),
-                        Duration::from_secs(15),
-                        &[],
-                    ))
-                    .await
+                charge_on(&client, &account, 500, Some(&key), Duration::from_secs(15)).await
             })
         })
         .collect();
@@ -952,17 +878,15 @@ async fn waiting_duplicates_do_not_starve_other_accounts() {
     control.clone().set_faults(faults()).await.unwrap();
 
     // Another account's charge gets a connection while 19 duplicates wait.
-    client
-        .clone()
-        .charge(charge(
-            &new_account(),
-            100,
-            Some(&new_key()),
-            Duration::from_millis(1500),
-            &[],
-        ))
-        .await
-        .expect("another account is served while duplicates wait");
+    charge_on(
+        &client,
+        &new_account(),
+        100,
+        Some(&new_key()),
+        Duration::from_millis(1500),
+    )
+    .await
+    .expect("another account is served while duplicates wait");
 
     let mut executed = 0;
     for duplicate in duplicates {
@@ -1198,10 +1122,7 @@ fn request(account: &str, amount: i64) -> ChargeRequest {
 /// the edge's counters does not refill its retry budget.
 #[tokio::test]
 async fn retry_load_cannot_be_raised_from_outside() {
-    let mut options = Options::default();
-    options
-        .all
-        .retain(|flag| flag != "--allow-retry-mode-override");
+    let options = Options::default().without("--allow-retry-mode-override");
     let chain = Chain::spawn(options).await;
     chain.fail_processor().await;
 
@@ -1220,7 +1141,7 @@ async fn retry_load_cannot_be_raised_from_outside() {
 
     // Drain some of the edge's budget, then ResetStats: the tokens stay where they were.
     for _ in 0..4 {
-        let _ = chain.charge_new_account(&[]).await;
+        let _ = chain.charge_new(Duration::from_secs(10), &[]).await;
     }
     let drained = chain.stats(EDGE).await.budget_tokens;
     assert!(drained < 10.0, "retries spent tokens: {drained}");
@@ -1246,7 +1167,10 @@ async fn retry_load_cannot_be_raised_from_outside() {
 async fn the_edge_stops_clients_retrying_on_top() {
     let chain = Chain::spawn(Options::default()).await;
     chain.fail_processor().await;
-    let status = chain.charge_new_account(&[]).await.expect_err("fails");
+    let status = chain
+        .charge_new(Duration::from_secs(10), &[])
+        .await
+        .expect_err("fails");
     assert_eq!(status.code(), Code::Unavailable);
     assert_eq!(
         status_header(&status, "grpc-retry-pushback-ms").as_deref(),
@@ -1257,7 +1181,10 @@ async fn the_edge_stops_clients_retrying_on_top() {
 
     chain.reset_stats().await;
     let status = chain
-        .charge_new_account(&[("grpc-previous-rpc-attempts", "1")])
+        .charge_new(
+            Duration::from_secs(10),
+            &[("grpc-previous-rpc-attempts", "1")],
+        )
         .await
         .expect_err("fails");
     assert_eq!(status.code(), Code::Unavailable);
@@ -1269,16 +1196,12 @@ async fn the_edge_stops_clients_retrying_on_top() {
 
     // A failure the edge does not retry keeps no pushback of its own.
     chain
-        .set_faults(
-            LEDGER,
-            Faults {
-                fail_rate: 1.0,
-                fail_code: "FAILED_PRECONDITION".into(),
-                ..faults()
-            },
-        )
+        .set_faults(LEDGER, failing_with(Code::FailedPrecondition))
         .await;
-    let status = chain.charge_new_account(&[]).await.expect_err("fails");
+    let status = chain
+        .charge_new(Duration::from_secs(10), &[])
+        .await
+        .expect_err("fails");
     assert_eq!(status.code(), Code::FailedPrecondition);
     assert_eq!(status_header(&status, "grpc-retry-pushback-ms"), None);
 }

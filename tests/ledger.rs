@@ -8,7 +8,7 @@ mod support;
 use std::time::{Duration, Instant};
 
 use retrychain_proto::v1::{
-    Faults, GetAccountRequest, GetStatsRequest, control_client::ControlClient,
+    ChargeReply, Faults, GetAccountRequest, GetStatsRequest, control_client::ControlClient,
     payments_client::PaymentsClient,
 };
 use support::*;
@@ -34,6 +34,17 @@ async fn ledger(extra: &[&str]) -> Ledger {
 }
 
 impl Ledger {
+    /// Charges `amount` to `account` under `key`, with the tests' 10 s deadline.
+    async fn charge(
+        &self,
+        account: &str,
+        amount: i64,
+        key: Option<&str>,
+    ) -> Result<tonic::Response<ChargeReply>, tonic::Status> {
+        let request = charge(account, amount, key, T, &[]);
+        self.payments.clone().charge(request).await
+    }
+
     async fn faults(&self, faults: Faults) {
         self.control.clone().set_faults(faults).await.unwrap();
     }
@@ -47,13 +58,17 @@ impl Ledger {
             .executions
     }
     async fn bottom_calls(&self) -> u64 {
-        self.control
-            .clone()
-            .get_stats(GetStatsRequest {})
-            .await
-            .unwrap()
-            .into_inner()
-            .downstream_attempts
+        bottom_calls(&self.control).await
+    }
+
+    /// A charge in a task of its own, to be in flight while the test goes on.
+    fn spawn_charge(
+        &self,
+        account: &'static str,
+        key: &str,
+    ) -> tokio::task::JoinHandle<Result<tonic::Response<ChargeReply>, tonic::Status>> {
+        let (client, key) = (self.payments.clone(), key.to_owned());
+        tokio::spawn(async move { charge_on(&client, account, 500, Some(&key), T).await })
     }
     /// Waits until the processor has been called `n` times: the first request then holds
     /// its key (the processor is called after the claim), whatever the machine's load.
@@ -88,26 +103,13 @@ impl Ledger {
 async fn a_lost_reply_retried_with_the_same_key_charges_once() {
     let l = ledger(&[]).await;
     let key = new_key();
-    l.faults(Faults {
-        drop_reply_rate: 1.0,
-        ..faults()
-    })
-    .await;
+    l.faults(losing_replies(1.0)).await;
 
-    let lost = l
-        .payments
-        .clone()
-        .charge(charge("alice", 500, Some(&key), T, &[]))
-        .await;
+    let lost = l.charge("alice", 500, Some(&key)).await;
     assert_eq!(lost.expect_err("reply dropped").code(), Code::Unavailable);
 
     l.faults(faults()).await;
-    let retry = l
-        .payments
-        .clone()
-        .charge(charge("alice", 500, Some(&key), T, &[]))
-        .await
-        .expect("retry");
+    let retry = l.charge("alice", 500, Some(&key)).await.expect("retry");
     assert_eq!(
         header(&retry, "idempotent-replayed").as_deref(),
         Some("true")
@@ -130,24 +132,11 @@ async fn a_lost_reply_retried_with_the_same_key_charges_once() {
 #[tokio::test]
 async fn a_lost_reply_retried_with_a_fresh_key_charges_twice() {
     let l = ledger(&[]).await;
-    l.faults(Faults {
-        drop_reply_rate: 1.0,
-        ..faults()
-    })
-    .await;
-    let lost = l
-        .payments
-        .clone()
-        .charge(charge("bob", 500, Some(&new_key()), T, &[]))
-        .await;
+    l.faults(losing_replies(1.0)).await;
+    let lost = l.charge("bob", 500, Some(&new_key())).await;
     assert_eq!(lost.expect_err("reply dropped").code(), Code::Unavailable);
     l.faults(faults()).await;
-    let retry = l
-        .payments
-        .clone()
-        .charge(charge("bob", 500, Some(&new_key()), T, &[]))
-        .await
-        .expect("retry");
+    let retry = l.charge("bob", 500, Some(&new_key())).await.expect("retry");
     assert_eq!(header(&retry, "idempotent-replayed"), None);
     assert_eq!(l.executions().await, 2);
     assert_eq!(l.balance("bob").await, Some((1000, 2)));
@@ -157,15 +146,9 @@ async fn a_lost_reply_retried_with_a_fresh_key_charges_twice() {
 async fn the_same_key_with_another_amount_is_refused_and_changes_nothing() {
     let l = ledger(&[]).await;
     let key = new_key();
-    l.payments
-        .clone()
-        .charge(charge("carol", 500, Some(&key), T, &[]))
-        .await
-        .expect("first");
+    l.charge("carol", 500, Some(&key)).await.expect("first");
     let status = l
-        .payments
-        .clone()
-        .charge(charge("carol", 900, Some(&key), T, &[]))
+        .charge("carol", 900, Some(&key))
         .await
         .expect_err("different parameters");
     assert_eq!(status.code(), Code::FailedPrecondition);
@@ -183,17 +166,13 @@ async fn the_same_key_with_another_amount_is_refused_and_changes_nothing() {
 #[tokio::test]
 async fn concurrent_requests_with_one_key_execute_once() {
     let l = ledger(&[]).await;
-    l.faults(Faults {
-        delay_ms: 200,
-        ..faults()
-    })
-    .await;
+    l.faults(delayed(200)).await;
     let key = new_key();
-    let (mut c1, mut c2) = (l.payments.clone(), l.payments.clone());
+    let (c1, c2) = (l.payments.clone(), l.payments.clone());
     let start = Instant::now();
     let (a, b) = tokio::join!(
-        c1.charge(charge("dave", 500, Some(&key), T, &[])),
-        c2.charge(charge("dave", 500, Some(&key), T, &[])),
+        charge_on(&c1, "dave", 500, Some(&key), T),
+        charge_on(&c2, "dave", 500, Some(&key), T),
     );
     let elapsed = start.elapsed();
     let (a, b) = (a.expect("first"), b.expect("second"));
@@ -208,9 +187,9 @@ async fn concurrent_requests_with_one_key_execute_once() {
 
     let key = new_key();
     let calls = (0..50).map(|_| {
-        let mut client = l.payments.clone();
+        let client = l.payments.clone();
         let key = key.clone();
-        async move { client.charge(charge("erin", 700, Some(&key), T, &[])).await }
+        async move { charge_on(&client, "erin", 700, Some(&key), T).await }
     });
     let replies = futures::future::join_all(calls).await;
     let ids: std::collections::HashSet<String> = replies
@@ -225,36 +204,15 @@ async fn concurrent_requests_with_one_key_execute_once() {
 #[tokio::test]
 async fn in_flight_reject_answers_aborted_while_the_first_commits() {
     let l = ledger(&["--in-flight", "reject"]).await;
-    l.faults(Faults {
-        delay_ms: 500,
-        ..faults()
-    })
-    .await;
+    l.faults(delayed(500)).await;
     let key = new_key();
-    let first = {
-        let mut client = l.payments.clone();
-        let key = key.clone();
-        tokio::spawn(async move {
-            client
-                .charge(charge("frank", 500, Some(&key), T, &[]))
-                .await
-        })
-    };
+    let first = l.spawn_charge("frank", &key);
     l.until_bottom_calls(1).await;
-    let second = l
-        .payments
-        .clone()
-        .charge(charge("frank", 500, Some(&key), T, &[]))
-        .await;
+    let second = l.charge("frank", 500, Some(&key)).await;
     assert_eq!(second.expect_err("in flight").code(), Code::Aborted);
     first.await.unwrap().expect("the first commits");
     assert_eq!(l.executions().await, 1);
-    let after = l
-        .payments
-        .clone()
-        .charge(charge("frank", 500, Some(&key), T, &[]))
-        .await
-        .expect("replay");
+    let after = l.charge("frank", 500, Some(&key)).await.expect("replay");
     assert_eq!(
         header(&after, "idempotent-replayed").as_deref(),
         Some("true")
@@ -264,30 +222,19 @@ async fn in_flight_reject_answers_aborted_while_the_first_commits() {
 #[tokio::test]
 async fn in_flight_wait_is_bounded_by_the_waiters_deadline() {
     let l = ledger(&[]).await;
-    l.faults(Faults {
-        delay_ms: 2000,
-        ..faults()
-    })
-    .await;
+    l.faults(delayed(2000)).await;
     let key = new_key();
-    let first = {
-        let mut client = l.payments.clone();
-        let key = key.clone();
-        tokio::spawn(async move { client.charge(charge("gina", 500, Some(&key), T, &[])).await })
-    };
+    let first = l.spawn_charge("gina", &key);
     l.until_bottom_calls(1).await;
     let start = Instant::now();
-    let waiter = l
-        .payments
-        .clone()
-        .charge(charge(
-            "gina",
-            500,
-            Some(&key),
-            Duration::from_millis(400),
-            &[],
-        ))
-        .await;
+    let waiter = charge_on(
+        &l.payments,
+        "gina",
+        500,
+        Some(&key),
+        Duration::from_millis(400),
+    )
+    .await;
     let waited = start.elapsed();
     assert_eq!(waiter.expect_err("gave up").code(), Code::DeadlineExceeded);
     assert!(
@@ -302,18 +249,8 @@ async fn in_flight_wait_is_bounded_by_the_waiters_deadline() {
 async fn keys_are_scoped_per_account() {
     let l = ledger(&[]).await;
     let key = new_key();
-    let a = l
-        .payments
-        .clone()
-        .charge(charge("henry", 500, Some(&key), T, &[]))
-        .await
-        .unwrap();
-    let b = l
-        .payments
-        .clone()
-        .charge(charge("irene", 500, Some(&key), T, &[]))
-        .await
-        .unwrap();
+    let a = l.charge("henry", 500, Some(&key)).await.unwrap();
+    let b = l.charge("irene", 500, Some(&key)).await.unwrap();
     assert_ne!(a.get_ref().charge_id, b.get_ref().charge_id);
     assert_eq!(header(&b, "idempotent-replayed"), None);
     assert_eq!(l.executions().await, 2);
@@ -369,9 +306,7 @@ async fn bad_input_is_invalid_argument_and_writes_nothing() {
     assert_eq!(l.bottom_calls().await, 0, "no processor call for bad input");
     assert_eq!(row_counts(&l.url).await, (0, 0, 0));
     // The largest valid amount is accepted.
-    l.payments
-        .clone()
-        .charge(charge("jack", 1_000_000_000_000, Some("k1"), T, &[]))
+    l.charge("jack", 1_000_000_000_000, Some("k1"))
         .await
         .expect("max amount");
 }
@@ -379,11 +314,7 @@ async fn bad_input_is_invalid_argument_and_writes_nothing() {
 #[tokio::test]
 async fn a_failing_processor_commits_nothing_and_retries_only_in_every_layer_mode() {
     let l = ledger(&["--backoff-base-ms", "1", "--backoff-cap-ms", "5"]).await;
-    l.faults(Faults {
-        fail_rate: 1.0,
-        ..faults()
-    })
-    .await;
+    l.faults(failing()).await;
     let status = l
         .payments
         .clone()
@@ -404,11 +335,7 @@ async fn a_failing_processor_commits_nothing_and_retries_only_in_every_layer_mod
     );
     assert_eq!(l.bottom_calls().await, 3, "max-attempts processor calls");
 
-    let status = l
-        .payments
-        .clone()
-        .charge(charge("kate", 500, Some(&new_key()), T, &[]))
-        .await;
+    let status = l.charge("kate", 500, Some(&new_key())).await;
     assert_eq!(
         status.expect_err("processor down").code(),
         Code::Unavailable
@@ -433,17 +360,8 @@ async fn a_key_past_retention_is_purged_and_charges_anew() {
     ])
     .await;
     let key = new_key();
-    l.payments
-        .clone()
-        .charge(charge("liam", 500, Some(&key), T, &[]))
-        .await
-        .expect("first");
-    let replay = l
-        .payments
-        .clone()
-        .charge(charge("liam", 500, Some(&key), T, &[]))
-        .await
-        .expect("replay");
+    l.charge("liam", 500, Some(&key)).await.expect("first");
+    let replay = l.charge("liam", 500, Some(&key)).await.expect("replay");
     assert_eq!(
         header(&replay, "idempotent-replayed").as_deref(),
         Some("true")
@@ -457,12 +375,7 @@ async fn a_key_past_retention_is_purged_and_charges_anew() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let again = l
-        .payments
-        .clone()
-        .charge(charge("liam", 500, Some(&key), T, &[]))
-        .await
-        .expect("new charge");
+    let again = l.charge("liam", 500, Some(&key)).await.expect("new charge");
     assert_eq!(header(&again, "idempotent-replayed"), None);
     assert_eq!(l.balance("liam").await, Some((1000, 2)));
     assert!(l.service.log().contains("purged expired idempotency keys"));
@@ -498,13 +411,7 @@ async fn set_faults_needs_fault_injection() {
     )
     .await;
     let mut control = ControlClient::new(connect(&service.addr.admin_url).await);
-    let status = control
-        .set_faults(Faults {
-            fail_rate: 1.0,
-            ..faults()
-        })
-        .await
-        .expect_err("refused");
+    let status = control.set_faults(failing()).await.expect_err("refused");
     assert_eq!(status.code(), Code::PermissionDenied);
     let stats = control
         .get_stats(GetStatsRequest {})

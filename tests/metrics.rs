@@ -108,27 +108,21 @@ fn assert_agree(scrape: &prometheus_parse::Scrape, stats: &Stats) {
 #[tokio::test]
 async fn metrics_on_every_admin_port_agree_with_stats() {
     let chain = Chain::spawn(Options::default()).await;
-    let mut edge = chain.edge().await;
+    let edge = chain.edge().await;
     let account = new_account();
     // Charges, a replay, a failure the edge retries, a refused bad input.
     let key = new_key();
     for _ in 0..2 {
-        edge.charge(charge(
-            &account,
-            500,
-            Some(&key),
-            Duration::from_secs(5),
-            &[],
-        ))
-        .await
-        .unwrap();
+        charge_on(&edge, &account, 500, Some(&key), Duration::from_secs(5))
+            .await
+            .unwrap();
     }
-    edge.charge(charge(&account, 0, None, Duration::from_secs(5), &[]))
+    charge_on(&edge, &account, 0, None, Duration::from_secs(5))
         .await
         .expect_err("bad amount");
     chain.fail_processor().await;
     for _ in 0..3 {
-        edge.charge(charge(&account, 100, None, Duration::from_secs(5), &[]))
+        charge_on(&edge, &account, 100, None, Duration::from_secs(5))
             .await
             .expect_err("the processor fails");
     }

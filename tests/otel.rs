@@ -103,26 +103,20 @@ impl Collector {
     /// every 50 ms; give up after 20 s).
     async fn trace(&self, trace_id: &str, enough: impl Fn(&[Got]) -> bool) -> Vec<Got> {
         let start = Instant::now();
-        loop {
-            let spans: Vec<Got> = self
-                .spans
-                .lock()
-                .unwrap()
+        let of_the_trace = || -> Vec<Got> {
+            let spans = self.spans.lock().unwrap();
+            spans
                 .iter()
                 .filter(|s| s.trace_id == trace_id)
                 .cloned()
-                .collect();
+                .collect()
+        };
+        loop {
+            let spans = of_the_trace();
             if enough(&spans) {
                 // Whatever else was in flight lands in the next batch.
                 tokio::time::sleep(Duration::from_millis(300)).await;
-                return self
-                    .spans
-                    .lock()
-                    .unwrap()
-                    .iter()
-                    .filter(|s| s.trace_id == trace_id)
-                    .cloned()
-                    .collect();
+                return of_the_trace();
             }
             assert!(
                 start.elapsed() < Duration::from_secs(20),
@@ -161,15 +155,13 @@ async fn one_request_is_one_trace_of_five_linked_server_spans() {
     let client_span = "00f067aa0ba902b7";
     let traceparent = format!("00-{trace_id}-{client_span}-01");
     let reply = chain
-        .edge()
-        .await
-        .charge(charge(
+        .charge(
             &new_account(),
             500,
             Some(&new_key()),
             Duration::from_secs(5),
             &[("traceparent", traceparent.as_str())],
-        ))
+        )
         .await
         .unwrap();
     assert_eq!(header(&reply, "trace-id").as_deref(), Some(trace_id));
@@ -247,18 +239,13 @@ async fn amplification_shows_as_processor_spans_243_against_3() {
     ] {
         let traceparent = format!("00-{trace_id}-00f067aa0ba902b7-01");
         chain
-            .edge()
-            .await
-            .charge(charge(
-                &new_account(),
-                500,
-                None,
+            .charge_new(
                 Duration::from_secs(30),
                 &[
                     ("traceparent", traceparent.as_str()),
                     ("x-retry-mode", mode),
                 ],
-            ))
+            )
             .await
             .expect_err("the processor fails");
         let spans = collector

@@ -50,9 +50,7 @@ async fn the_retry_policy_and_a6_throttling_come_from_the_document() {
 
     // maxAttempts 4: four bottom calls. Each failure costs a token: 10 -> 6.
     chain
-        .edge()
-        .await
-        .charge(charge(&new_account(), 500, None, deadline, &[]))
+        .charge_new(deadline, &[])
         .await
         .expect_err("the processor fails");
     let stats = chain.stats(EDGE).await;
@@ -61,9 +59,7 @@ async fn the_retry_policy_and_a6_throttling_come_from_the_document() {
 
     // The next failure leaves 5, not above half of 10: A6 allows no retry.
     let status = chain
-        .edge()
-        .await
-        .charge(charge(&new_account(), 500, None, deadline, &[]))
+        .charge_new(deadline, &[])
         .await
         .expect_err("the processor fails");
     assert_eq!(status.code(), Code::Unavailable);
@@ -86,7 +82,10 @@ async fn only_the_configured_codes_are_retried() {
     );
     let chain = Chain::spawn(edge_with(&config)).await;
     chain.fail_processor().await; // UNAVAILABLE: not in the list
-    chain.charge_new_account(&[]).await.expect_err("fails");
+    chain
+        .charge_new(Duration::from_secs(10), &[])
+        .await
+        .expect_err("fails");
     assert_eq!(chain.stats(LEDGER).await.downstream_attempts, 1);
 }
 
@@ -139,20 +138,10 @@ async fn a_hedging_policy_hedges_at_the_edge_and_the_key_makes_it_one_charge() {
     let chain = Chain::spawn(edge_with(&config)).await;
     // A slow processor: the first copy holds the key for 300 ms, so the hedge goes after
     // 50 ms, reaches the ledger with the same key, waits for it, and replays its reply.
-    chain
-        .set_faults(
-            LEDGER,
-            retrychain_proto::v1::Faults {
-                delay_ms: 300,
-                ..faults()
-            },
-        )
-        .await;
+    chain.set_faults(LEDGER, delayed(300)).await;
     let account = new_account();
     chain
-        .edge()
-        .await
-        .charge(charge(&account, 500, None, Duration::from_secs(10), &[]))
+        .charge(&account, 500, None, Duration::from_secs(10), &[])
         .await
         .expect("charged");
 

@@ -61,15 +61,13 @@ async fn storm_counts_agree_with_the_services_stats() {
     chain.reset_stats().await;
     for _ in 0..30 {
         chain
-            .edge()
-            .await
-            .charge(charge(
+            .charge(
                 &new_account(),
                 100,
                 None,
                 std::time::Duration::from_secs(5),
                 &[],
-            ))
+            )
             .await
             .unwrap();
     }

@@ -18,6 +18,7 @@ use std::{
     time::Duration,
 };
 
+pub use retrychain_harness::faults::{delayed, failing, failing_with, losing_replies};
 pub use retrychain_harness::{
     ChainAddrs, ChainClient, ChainOptions, ChildService, InProcessChain, Launch, LocalChain, Logs,
     NAMES, ServiceAddr, client::LEDGER,
@@ -115,6 +116,12 @@ impl Default for Options {
 }
 
 impl Options {
+    /// These options without `flag` on any service (e.g. `--fault-injection`).
+    pub fn without(mut self, flag: &str) -> Self {
+        self.all.retain(|f| f != flag);
+        self
+    }
+
     /// The test deployment as five processes.
     pub fn processes() -> Self {
         Self {
@@ -288,14 +295,29 @@ impl Chain {
         self.services[i].log()
     }
 
-    /// One Charge of 500 cents for a fresh account through the edge, with no key (the edge
-    /// makes one), a 10 s deadline and `metadata`.
-    pub async fn charge_new_account(
+    /// A Charge through the edge: `amount` to `account`, under `key` if given (else the
+    /// edge makes one), within `deadline`, with extra `metadata`.
+    pub async fn charge(
         &self,
+        account: &str,
+        amount: i64,
+        key: Option<&str>,
+        deadline: Duration,
         metadata: &[(&'static str, &str)],
     ) -> Result<Response<ChargeReply>, Status> {
-        let request = charge(&new_account(), 500, None, Duration::from_secs(10), metadata);
+        let request = charge(account, amount, key, deadline, metadata);
         self.client.charge(request).await
+    }
+
+    /// A Charge of 500 cents for a fresh account through the edge, with no key (the edge
+    /// makes one), within `deadline`, with extra `metadata`.
+    pub async fn charge_new(
+        &self,
+        deadline: Duration,
+        metadata: &[(&'static str, &str)],
+    ) -> Result<Response<ChargeReply>, Status> {
+        self.charge(&new_account(), 500, None, deadline, metadata)
+            .await
     }
 
     /// Makes the ledger's processor fail every call, UNAVAILABLE: the outage that retries
@@ -326,6 +348,34 @@ pub fn charge(
             .insert(*k, MetadataValue::try_from(*v).unwrap());
     }
     request
+}
+
+/// A Charge on `client` (a lone ledger's, a hop's) with no extra metadata.
+pub async fn charge_on(
+    client: &PaymentsClient<Channel>,
+    account: &str,
+    amount: i64,
+    key: Option<&str>,
+    deadline: Duration,
+) -> Result<Response<ChargeReply>, Status> {
+    let request = charge(account, amount, key, deadline, &[]);
+    client.clone().charge(request).await
+}
+
+/// Processor calls the ledger behind `control` has made.
+pub async fn bottom_calls(control: &ControlClient<Channel>) -> u64 {
+    control
+        .clone()
+        .get_stats(retrychain_proto::v1::GetStatsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .downstream_attempts
+}
+
+/// Runs blocking `work` (pg_ctl, a process) off the runtime, whose services must go on.
+pub async fn off_runtime<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> T {
+    tokio::task::spawn_blocking(work).await.unwrap()
 }
 
 pub fn header(response: &Response<ChargeReply>, key: &str) -> Option<String> {

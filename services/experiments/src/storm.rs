@@ -21,7 +21,7 @@ use clap::Args;
 use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressStyle};
 use retrychain_proto::v1::{
-    Faults, GetStatsRequest, control_client::ControlClient, payments_client::PaymentsClient,
+    Faults, GetStatsRequest, Stats, control_client::ControlClient, payments_client::PaymentsClient,
 };
 use serde::Serialize;
 use tonic::{Code, transport::Channel};
@@ -190,6 +190,11 @@ pub async fn run(args: &StormArgs) -> anyhow::Result<StormReport> {
     Ok(report)
 }
 
+/// A service's counters.
+async fn stats(control: &mut ControlClient<Channel>) -> anyhow::Result<Stats> {
+    Ok(control.get_stats(GetStatsRequest {}).await?.into_inner())
+}
+
 async fn storm(
     args: &StormArgs,
     edge: &ServiceAddr,
@@ -226,14 +231,8 @@ async fn measure(
     mut edge_control: ControlClient<Channel>,
     mut ledger_control: ControlClient<Channel>,
 ) -> anyhow::Result<StormReport> {
-    let edge_before = edge_control
-        .get_stats(GetStatsRequest {})
-        .await?
-        .into_inner();
-    let ledger_before = ledger_control
-        .get_stats(GetStatsRequest {})
-        .await?
-        .into_inner();
+    let edge_before = stats(&mut edge_control).await?;
+    let ledger_before = stats(&mut ledger_control).await?;
 
     let tally = Arc::new(Tally {
         latency: Mutex::new(Some(Histogram::new_with_bounds(1, 600_000_000, 3)?)),
@@ -318,14 +317,8 @@ async fn measure(
     let samples = samples(&marks);
     bar.finish_and_clear();
 
-    let edge_after = edge_control
-        .get_stats(GetStatsRequest {})
-        .await?
-        .into_inner();
-    let ledger_after = ledger_control
-        .get_stats(GetStatsRequest {})
-        .await?
-        .into_inner();
+    let edge_after = stats(&mut edge_control).await?;
+    let ledger_after = stats(&mut ledger_control).await?;
     let ok = tally.ok.load(Ordering::Relaxed);
     let requests = ok + tally.errors.load(Ordering::Relaxed);
     let first_attempts = edge_after

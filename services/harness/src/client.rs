@@ -9,7 +9,10 @@ use retrychain_proto::v1::{
 };
 use tonic::{Code, Request, Response, Status, transport::Channel};
 
-use crate::addr::{ChainAddrs, ServiceAddr, connect};
+use crate::{
+    addr::{ChainAddrs, ServiceAddr, connect},
+    faults,
+};
 
 /// The position of the ledger in a chain (the edge is 0).
 pub const LEDGER: usize = 4;
@@ -115,21 +118,12 @@ impl ChainClient {
     /// Makes the ledger's processor fail every call, UNAVAILABLE: the outage that retries
     /// multiply.
     pub async fn fail_processor(&self) -> Result<Faults, Status> {
-        let faults = Faults {
-            fail_rate: 1.0,
-            ..Faults::default()
-        };
-        self.set_faults(LEDGER, faults).await
+        self.set_faults(LEDGER, faults::failing()).await
     }
 
-    /// Makes service `i` drop the reply of `rate` of its calls after doing the work: the
-    /// lost reply a retry must not turn into a second charge.
+    /// Makes service `i` lose `rate` of its replies after doing the work.
     pub async fn lose_replies_at(&self, i: usize, rate: f64) -> Result<Faults, Status> {
-        let faults = Faults {
-            drop_reply_rate: rate,
-            ..Faults::default()
-        };
-        self.set_faults(i, faults).await
+        self.set_faults(i, faults::losing_replies(rate)).await
     }
 
     /// Service `i`'s counters.

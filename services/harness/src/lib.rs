@@ -13,12 +13,14 @@
 //! - [`chain`]: five of either, bottom-up, on their own database ([`LocalChain`],
 //!   [`InProcessChain`]); `up`'s supervision; [`with_chain`].
 //! - [`client`]: [`ChainClient`], a chain's caller: charge, faults, counters.
+//! - [`faults`]: the faults a chain is put through, by name.
 //! - [`charge`]: [`charge_request`], a Charge call with its key, deadline and retry mode.
 
 pub mod addr;
 pub mod chain;
 pub mod charge;
 pub mod client;
+pub mod faults;
 pub mod in_process;
 pub mod process;
 
