@@ -17,7 +17,7 @@ use support::*;
 use tonic::Code;
 
 const LONG: Duration = Duration::from_secs(30);
-const EVERY_LAYER: (&str, &str) = ("x-retry-mode", "every-layer");
+const EVERY_LAYER: (&str, &str) = (RETRY_MODE, "every-layer");
 
 fn received(stats: &[retrychain_proto::v1::Stats]) -> Vec<u64> {
     stats.iter().map(|s| s.requests_received).collect()
@@ -94,7 +94,7 @@ async fn the_deadline_shrinks_at_every_hop_and_ends_in_deadline_exceeded() {
     // the client's own timer after the 5 s processor.
     assert!(elapsed >= Duration::from_millis(1800), "{elapsed:?}");
     assert!(
-        status_header(&status, "trace-id").is_some(),
+        status_header(&status, TRACE_ID).is_some(),
         "the edge answered: {status:?}"
     );
     let stats = chain.all_stats().await;
@@ -115,8 +115,8 @@ async fn the_deadline_shrinks_at_every_hop_and_ends_in_deadline_exceeded() {
         );
     }
     assert_eq!(stats[LEDGER].executions, 0);
-    assert!(status_header(&status, "trace-id").is_some(), "{status:?}");
-    let key = status_header(&status, "idempotency-key").expect("the edge returns the key it made");
+    assert!(status_header(&status, TRACE_ID).is_some(), "{status:?}");
+    let key = status_header(&status, IDEMPOTENCY_KEY).expect("the edge returns the key it made");
     assert!(uuid::Uuid::parse_str(&key).is_ok(), "{key}");
 }
 
@@ -148,11 +148,11 @@ async fn one_trace_id_runs_through_all_five_logs() {
             500,
             Some("trace-me"),
             LONG,
-            &[("traceparent", &parent)],
+            &[(TRACEPARENT, &parent)],
         )
         .await
         .unwrap();
-    assert_eq!(header(&reply, "trace-id").as_deref(), Some(trace));
+    assert_eq!(header(&reply, TRACE_ID).as_deref(), Some(trace));
     for (i, name) in NAMES.iter().enumerate() {
         // The lines reach us through a pipe and a reader thread: wait for them.
         let start = Instant::now();
@@ -267,7 +267,7 @@ mod deployment {
         let status = lost.expect_err("every reply is lost");
         assert_eq!(status.code(), Code::Unavailable);
         assert_eq!(
-            status_header(&status, "idempotency-key").as_deref(),
+            status_header(&status, IDEMPOTENCY_KEY).as_deref(),
             Some(key.as_str())
         );
 
@@ -276,10 +276,7 @@ mod deployment {
             .charge(&account, 500, Some(&key), LONG, &[])
             .await
             .expect("the reply gets through now");
-        assert_eq!(
-            header(&later, "idempotent-replayed").as_deref(),
-            Some("true")
-        );
+        assert_eq!(header(&later, IDEMPOTENT_REPLAYED).as_deref(), Some("true"));
         let again = chain
             .charge(&account, 500, Some(&key), LONG, &[])
             .await
@@ -402,16 +399,13 @@ mod deployment {
         let chain = Chain::deployment().await;
         let account = new_account();
         let first = chain.charge(&account, 250, None, LONG, &[]).await.unwrap();
-        let key = header(&first, "idempotency-key").expect("the edge returns the key it made");
+        let key = header(&first, IDEMPOTENCY_KEY).expect("the edge returns the key it made");
         assert!(uuid::Uuid::parse_str(&key).is_ok(), "{key}");
         let retry = chain
             .charge(&account, 250, Some(&key), LONG, &[])
             .await
             .unwrap();
-        assert_eq!(
-            header(&retry, "idempotent-replayed").as_deref(),
-            Some("true")
-        );
+        assert_eq!(header(&retry, IDEMPOTENT_REPLAYED).as_deref(), Some("true"));
         assert_eq!(retry.get_ref().charge_id, first.get_ref().charge_id);
         assert_eq!(chain.account(&account).await, Some((250, 1)));
     }

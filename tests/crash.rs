@@ -45,7 +45,7 @@ async fn a_ledger_killed_mid_charge_loses_nothing_and_charges_once_on_retry() {
     let status = in_flight.await.unwrap().expect_err("the ledger died");
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
     assert_eq!(
-        status_header(&status, "idempotency-key").as_deref(),
+        status_header(&status, IDEMPOTENCY_KEY).as_deref(),
         Some(key.as_str()),
         "the client learns the key to retry with"
     );
@@ -61,7 +61,7 @@ async fn a_ledger_killed_mid_charge_loses_nothing_and_charges_once_on_retry() {
         .await
         .expect("the retry charges");
     assert_eq!(
-        header(&retry, "idempotent-replayed"),
+        header(&retry, IDEMPOTENT_REPLAYED),
         None,
         "the first attempt never committed"
     );
@@ -69,10 +69,7 @@ async fn a_ledger_killed_mid_charge_loses_nothing_and_charges_once_on_retry() {
         .charge(&account, 500, Some(&key), Duration::from_secs(20), &[])
         .await
         .unwrap();
-    assert_eq!(
-        header(&again, "idempotent-replayed").as_deref(),
-        Some("true")
-    );
+    assert_eq!(header(&again, IDEMPOTENT_REPLAYED).as_deref(), Some("true"));
     assert_eq!(again.get_ref().charge_id, retry.get_ref().charge_id);
     assert_eq!(chain.account(&account).await, Some((500, 1)));
     assert_eq!(row_counts(&database_url).await, (1, 1, 1));
@@ -88,7 +85,7 @@ async fn a_relay_killed_and_restarted_is_retried_around() {
         .await;
     let status = status.expect_err("hop3 is down");
     assert_eq!(status.code(), Code::Unavailable);
-    let key = status_header(&status, "idempotency-key").expect("key returned on failure");
+    let key = status_header(&status, IDEMPOTENCY_KEY).expect("key returned on failure");
 
     chain.services[2].restart().await.unwrap();
     let reply = chain

@@ -28,126 +28,131 @@ fn grpcurl(args: &[&str]) -> (bool, String) {
     (output.status.success(), text)
 }
 
-#[tokio::test]
-async fn grpcurl_lists_every_service_by_reflection() {
-    let chain = Chain::deployment_or(Options::processes()).await;
-    for (i, (addr, admin)) in chain.addrs.iter().zip(&chain.admins).enumerate() {
-        let (ok, out) = grpcurl(&["-plaintext", &host_port(addr), "list"]);
-        assert!(ok, "{}: {out}", NAMES[i]);
-        for service in ["retrychain.v1.Payments", "grpc.health.v1.Health"] {
-            assert!(out.contains(service), "{} lacks {service}: {out}", NAMES[i]);
-        }
-        assert!(
-            !out.contains("retrychain.v1.Control"),
-            "{}: {out}",
-            NAMES[i]
-        );
+/// All of them run against an external deployment too (RETRYCHAIN_EDGE … RETRYCHAIN_LEDGER).
+mod deployment {
+    use super::*;
 
-        let (ok, out) = grpcurl(&["-plaintext", &host_port(admin), "list"]);
-        assert!(ok, "{} admin: {out}", NAMES[i]);
-        for service in ["retrychain.v1.Control", "grpc.health.v1.Health"] {
+    #[tokio::test]
+    async fn grpcurl_lists_every_service_by_reflection() {
+        let chain = Chain::deployment_or(Options::processes()).await;
+        for (i, (addr, admin)) in chain.addrs.iter().zip(&chain.admins).enumerate() {
+            let (ok, out) = grpcurl(&["-plaintext", &host_port(addr), "list"]);
+            assert!(ok, "{}: {out}", NAMES[i]);
+            for service in ["retrychain.v1.Payments", "grpc.health.v1.Health"] {
+                assert!(out.contains(service), "{} lacks {service}: {out}", NAMES[i]);
+            }
             assert!(
-                out.contains(service),
-                "{} admin lacks {service}: {out}",
+                !out.contains("retrychain.v1.Control"),
+                "{}: {out}",
+                NAMES[i]
+            );
+
+            let (ok, out) = grpcurl(&["-plaintext", &host_port(admin), "list"]);
+            assert!(ok, "{} admin: {out}", NAMES[i]);
+            for service in ["retrychain.v1.Control", "grpc.health.v1.Health"] {
+                assert!(
+                    out.contains(service),
+                    "{} admin lacks {service}: {out}",
+                    NAMES[i]
+                );
+            }
+            assert!(
+                !out.contains("retrychain.v1.Payments"),
+                "{} admin: {out}",
                 NAMES[i]
             );
         }
-        assert!(
-            !out.contains("retrychain.v1.Payments"),
-            "{} admin: {out}",
-            NAMES[i]
-        );
     }
-}
 
-#[tokio::test]
-async fn grpcurl_repeat_charge_is_replayed() {
-    let chain = Chain::deployment_or(Options::processes()).await;
-    let edge = host_port(&chain.addrs[EDGE]);
-    let key = format!("idempotency-key: {}", new_key());
-    let body = format!(r#"{{"account_id":"{}","amount_cents":500}}"#, new_account());
-    let call = || {
-        grpcurl(&[
-            "-plaintext",
-            "-v",
-            "-max-time",
-            "5",
-            "-H",
-            &key,
-            "-d",
-            &body,
-            &edge,
-            "retrychain.v1.Payments/Charge",
-        ])
-    };
-    let (ok, first) = call();
-    assert!(ok, "{first}");
-    let (ok, second) = call();
-    assert!(ok, "{second}");
-    let charge_id = |out: &str| {
-        out.lines()
-            .find(|l| l.contains("\"chargeId\""))
-            .map(|l| l.trim().to_owned())
-            .unwrap_or_else(|| panic!("no chargeId in {out}"))
-    };
-    assert_eq!(charge_id(&first), charge_id(&second));
-    assert!(!first.contains("idempotent-replayed"), "{first}");
-    assert!(second.contains("idempotent-replayed: true"), "{second}");
-    assert!(second.contains("trace-id:"), "{second}");
-}
-
-/// Runs the README's walk-through: each `grpcurl` line of the block after the
-/// `walkthrough` marker, with the ports of this chain, a fresh account and a fresh key;
-/// a `# expect: TEXT` line before a command says what its output must contain (commands
-/// without one must succeed).
-#[tokio::test]
-async fn the_readme_walkthrough_runs() {
-    let chain = Chain::deployment_or(Options::processes()).await;
-    let readme = include_str!("../README.md");
-    let start = readme
-        .find("<!-- walkthrough")
-        .expect("README has a walkthrough block");
-    let block = readme[start..]
-        .split("```")
-        .nth(1)
-        .expect("a fenced block after the marker");
-    let suffix = uuid::Uuid::new_v4().simple().to_string();
-    let mut expect: Option<String> = None;
-    let mut ran = 0;
-    for line in block.lines().map(str::trim) {
-        if let Some(text) = line.strip_prefix("# expect:") {
-            expect = Some(text.trim().to_owned());
-            continue;
-        }
-        if !line.starts_with("grpcurl ") {
-            continue;
-        }
-        let mut command = line
-            .replace("alice", &format!("alice-{suffix}"))
-            .replace("order-1", &format!("order-1-{suffix}"));
-        for (i, (addr, admin)) in chain.addrs.iter().zip(&chain.admins).enumerate() {
-            command = command.replace(&format!("localhost:{}", 50051 + i), &host_port(addr));
-            command = command.replace(&format!("localhost:{}", 51051 + i), &host_port(admin));
-        }
-        let command = command.replacen("grpcurl", &support::grpcurl(), 1);
-        let output = Command::new("sh")
-            .arg("-c")
-            .arg(&command)
-            .output()
-            .expect("sh");
-        let out = format!(
-            "{}{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        );
-        match expect.take() {
-            Some(text) => assert!(
-                out.contains(&text),
-                "`{line}` should print {text:?}; it printed:\n{out}"
-            ),
-            None => assert!(output.status.success(), "`{line}` failed:\n{out}"),
-        }
-        ran += 1;
+    #[tokio::test]
+    async fn grpcurl_repeat_charge_is_replayed() {
+        let chain = Chain::deployment_or(Options::processes()).await;
+        let edge = host_port(&chain.addrs[EDGE]);
+        let key = format!("idempotency-key: {}", new_key());
+        let body = format!(r#"{{"account_id":"{}","amount_cents":500}}"#, new_account());
+        let call = || {
+            grpcurl(&[
+                "-plaintext",
+                "-v",
+                "-max-time",
+                "5",
+                "-H",
+                &key,
+                "-d",
+                &body,
+                &edge,
+                "retrychain.v1.Payments/Charge",
+            ])
+        };
+        let (ok, first) = call();
+        assert!(ok, "{first}");
+        let (ok, second) = call();
+        assert!(ok, "{second}");
+        let charge_id = |out: &str| {
+            out.lines()
+                .find(|l| l.contains("\"chargeId\""))
+                .map(|l| l.trim().to_owned())
+                .unwrap_or_else(|| panic!("no chargeId in {out}"))
+        };
+        assert_eq!(charge_id(&first), charge_id(&second));
+        assert!(!first.contains(IDEMPOTENT_REPLAYED), "{first}");
+        assert!(second.contains("idempotent-replayed: true"), "{second}");
+        assert!(second.contains("trace-id:"), "{second}");
     }
-    assert!(ran >= 10, "the walkthrough has {ran} commands");
+
+    /// Runs the README's walk-through: each `grpcurl` line of the block after the
+    /// `walkthrough` marker, with the ports of this chain, a fresh account and a fresh key;
+    /// a `# expect: TEXT` line before a command says what its output must contain (commands
+    /// without one must succeed).
+    #[tokio::test]
+    async fn the_readme_walkthrough_runs() {
+        let chain = Chain::deployment_or(Options::processes()).await;
+        let readme = include_str!("../README.md");
+        let start = readme
+            .find("<!-- walkthrough")
+            .expect("README has a walkthrough block");
+        let block = readme[start..]
+            .split("```")
+            .nth(1)
+            .expect("a fenced block after the marker");
+        let suffix = uuid::Uuid::new_v4().simple().to_string();
+        let mut expect: Option<String> = None;
+        let mut ran = 0;
+        for line in block.lines().map(str::trim) {
+            if let Some(text) = line.strip_prefix("# expect:") {
+                expect = Some(text.trim().to_owned());
+                continue;
+            }
+            if !line.starts_with("grpcurl ") {
+                continue;
+            }
+            let mut command = line
+                .replace("alice", &format!("alice-{suffix}"))
+                .replace("order-1", &format!("order-1-{suffix}"));
+            for (i, (addr, admin)) in chain.addrs.iter().zip(&chain.admins).enumerate() {
+                command = command.replace(&format!("localhost:{}", 50051 + i), &host_port(addr));
+                command = command.replace(&format!("localhost:{}", 51051 + i), &host_port(admin));
+            }
+            let command = command.replacen("grpcurl", &support::grpcurl(), 1);
+            let output = Command::new("sh")
+                .arg("-c")
+                .arg(&command)
+                .output()
+                .expect("sh");
+            let out = format!(
+                "{}{}",
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            );
+            match expect.take() {
+                Some(text) => assert!(
+                    out.contains(&text),
+                    "`{line}` should print {text:?}; it printed:\n{out}"
+                ),
+                None => assert!(output.status.success(), "`{line}` failed:\n{out}"),
+            }
+            ran += 1;
+        }
+        assert!(ran >= 10, "the walkthrough has {ran} commands");
+    }
 }

@@ -110,10 +110,7 @@ async fn a_lost_reply_retried_with_the_same_key_charges_once() {
 
     l.faults(faults()).await;
     let retry = l.charge("alice", 500, Some(&key)).await.expect("retry");
-    assert_eq!(
-        header(&retry, "idempotent-replayed").as_deref(),
-        Some("true")
-    );
+    assert_eq!(header(&retry, IDEMPOTENT_REPLAYED).as_deref(), Some("true"));
     let pool = sqlx::PgPool::connect(&l.url).await.unwrap();
     let committed: uuid::Uuid = sqlx::query_scalar("SELECT charge_id FROM charges")
         .fetch_one(&pool)
@@ -137,7 +134,7 @@ async fn a_lost_reply_retried_with_a_fresh_key_charges_twice() {
     assert_eq!(lost.expect_err("reply dropped").code(), Code::Unavailable);
     l.faults(faults()).await;
     let retry = l.charge("bob", 500, Some(&new_key())).await.expect("retry");
-    assert_eq!(header(&retry, "idempotent-replayed"), None);
+    assert_eq!(header(&retry, IDEMPOTENT_REPLAYED), None);
     assert_eq!(l.executions().await, 2);
     assert_eq!(l.balance("bob").await, Some((1000, 2)));
 }
@@ -181,7 +178,7 @@ async fn concurrent_requests_with_one_key_execute_once() {
     assert_eq!(l.executions().await, 1);
     let replayed = [&a, &b]
         .iter()
-        .filter(|r| header(r, "idempotent-replayed").is_some())
+        .filter(|r| header(r, IDEMPOTENT_REPLAYED).is_some())
         .count();
     assert_eq!(replayed, 1, "one executed, one replayed");
 
@@ -213,10 +210,7 @@ async fn in_flight_reject_answers_aborted_while_the_first_commits() {
     first.await.unwrap().expect("the first commits");
     assert_eq!(l.executions().await, 1);
     let after = l.charge("frank", 500, Some(&key)).await.expect("replay");
-    assert_eq!(
-        header(&after, "idempotent-replayed").as_deref(),
-        Some("true")
-    );
+    assert_eq!(header(&after, IDEMPOTENT_REPLAYED).as_deref(), Some("true"));
 }
 
 #[tokio::test]
@@ -226,20 +220,12 @@ async fn in_flight_wait_is_bounded_by_the_waiters_deadline() {
     let key = new_key();
     let first = l.spawn_charge("gina", &key);
     l.until_bottom_calls(1).await;
-    let start = Instant::now();
-    let waiter = charge_on(
-        &l.payments,
-        "gina",
-        500,
-        Some(&key),
-        Duration::from_millis(400),
-    )
-    .await;
-    let waited = start.elapsed();
+    let short = Duration::from_millis(400);
+    let waiter = charge_on(&l.payments, "gina", 500, Some(&key), short).await;
     assert_eq!(waiter.expect_err("gave up").code(), Code::DeadlineExceeded);
     assert!(
-        waited < Duration::from_millis(1500),
-        "gave up at its own deadline, not the first's: {waited:?}"
+        !first.is_finished(),
+        "the waiter gave up at its own deadline, while the first was still running"
     );
     first.await.unwrap().expect("the first commits");
     assert_eq!(l.executions().await, 1);
@@ -252,7 +238,7 @@ async fn keys_are_scoped_per_account() {
     let a = l.charge("henry", 500, Some(&key)).await.unwrap();
     let b = l.charge("irene", 500, Some(&key)).await.unwrap();
     assert_ne!(a.get_ref().charge_id, b.get_ref().charge_id);
-    assert_eq!(header(&b, "idempotent-replayed"), None);
+    assert_eq!(header(&b, IDEMPOTENT_REPLAYED), None);
     assert_eq!(l.executions().await, 2);
 }
 
@@ -296,7 +282,7 @@ async fn bad_input_is_invalid_argument_and_writes_nothing() {
         ),
         (
             "unknown retry mode",
-            charge("jack", 500, Some("k1"), T, &[("x-retry-mode", "sometimes")]),
+            charge("jack", 500, Some("k1"), T, &[(RETRY_MODE, "sometimes")]),
         ),
     ];
     for (what, request) in cases {
@@ -323,7 +309,7 @@ async fn a_failing_processor_commits_nothing_and_retries_only_in_every_layer_mod
             500,
             Some(&new_key()),
             T,
-            &[("x-retry-mode", "every-layer")],
+            &[(RETRY_MODE, "every-layer")],
         ))
         .await
         .expect_err("processor down");
@@ -363,7 +349,7 @@ async fn a_key_past_retention_is_purged_and_charges_anew() {
     l.charge("liam", 500, Some(&key)).await.expect("first");
     let replay = l.charge("liam", 500, Some(&key)).await.expect("replay");
     assert_eq!(
-        header(&replay, "idempotent-replayed").as_deref(),
+        header(&replay, IDEMPOTENT_REPLAYED).as_deref(),
         Some("true")
     );
 
@@ -376,7 +362,7 @@ async fn a_key_past_retention_is_purged_and_charges_anew() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let again = l.charge("liam", 500, Some(&key)).await.expect("new charge");
-    assert_eq!(header(&again, "idempotent-replayed"), None);
+    assert_eq!(header(&again, IDEMPOTENT_REPLAYED), None);
     assert_eq!(l.balance("liam").await, Some((1000, 2)));
     assert!(l.service.log().contains("purged expired idempotency keys"));
 }

@@ -160,11 +160,11 @@ async fn one_request_is_one_trace_of_five_linked_server_spans() {
             500,
             Some(&new_key()),
             Duration::from_secs(5),
-            &[("traceparent", traceparent.as_str())],
+            &[(TRACEPARENT, traceparent.as_str())],
         )
         .await
         .unwrap();
-    assert_eq!(header(&reply, "trace-id").as_deref(), Some(trace_id));
+    assert_eq!(header(&reply, TRACE_ID).as_deref(), Some(trace_id));
 
     let spans = collector
         .trace(trace_id, |spans| {
@@ -241,10 +241,7 @@ async fn amplification_shows_as_processor_spans_243_against_3() {
         chain
             .charge_new(
                 Duration::from_secs(30),
-                &[
-                    ("traceparent", traceparent.as_str()),
-                    ("x-retry-mode", mode),
-                ],
+                &[(TRACEPARENT, traceparent.as_str()), (RETRY_MODE, mode)],
             )
             .await
             .expect_err("the processor fails");

@@ -18,10 +18,14 @@ use std::{
     time::Duration,
 };
 
+pub use resilience::{classify::PUSHBACK_HEADER, retry::PREVIOUS_ATTEMPTS_HEADER};
 pub use retrychain_harness::faults::{delayed, failing, failing_with, losing_replies};
 pub use retrychain_harness::{
     ChainAddrs, ChainClient, ChainOptions, ChildService, InProcessChain, Launch, LocalChain, Logs,
     NAMES, ServiceAddr, client::LEDGER,
+};
+pub use retrychain_node::metadata::{
+    IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, RETRY_MODE, TRACE_ID, TRACEPARENT,
 };
 use retrychain_proto::v1::{
     ChargeReply, ChargeRequest, Faults, Stats, control_client::ControlClient,

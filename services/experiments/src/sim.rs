@@ -256,30 +256,3 @@ pub fn print_tables(report: &SimReport, seeds: u64) {
         );
     }
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn layered_retries_multiply() {
-        for (layers, expected) in (1..=5).zip(NOTES_LAYERED) {
-            assert_eq!(layered_bottom_calls(layers, 3).expect("runtime"), expected);
-        }
-    }
-
-    #[test]
-    fn synchronised_clients_make_5050_calls() {
-        assert_eq!(storm(BackoffKind::None, 100, 3), (5050, 100));
-        assert_eq!(storm(BackoffKind::Exponential, 100, 3).0, 5050);
-    }
-
-    #[test]
-    fn outage_matches_the_design_notes() {
-        assert_eq!(outage(None, 6000, 3).backend, 24_000);
-        assert_eq!(
-            outage(Some(&RetryBudget::new(10.0, 0.1)), 6000, 3).backend,
-            6609
-        );
-    }
-}
