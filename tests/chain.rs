@@ -200,8 +200,10 @@ async fn sigterm_stops_every_service_cleanly() {
     let mut chain = Chain::spawn(Options::processes()).await;
     chain.charge_new(LONG, &[]).await.unwrap();
     for service in &mut chain.services {
-        let status = service.terminate(Duration::from_secs(5)).await;
-        let status = status.expect("exits within 5 s of SIGTERM");
+        // Drained calls get DRAIN_GRACE; past that (and a margin) it did not stop.
+        let grace = retrychain_node::DRAIN_GRACE + Duration::from_secs(5);
+        let status = service.terminate(grace).await;
+        let status = status.expect("exits on SIGTERM");
         assert!(status.success(), "{} exited with {status}", service.name);
     }
 }
@@ -417,7 +419,7 @@ mod deployment {
             charge("", 500, None, LONG, &[]),
             charge("x", 0, None, LONG, &[]),
             charge("x", 500, Some("has space"), LONG, &[]),
-            charge("x", 500, None, LONG, &[("grpc-timeout", "12 seconds")]),
+            charge("x", 500, None, LONG, &[(TIMEOUT_HEADER, "12 seconds")]),
         ] {
             let status = chain
                 .edge()

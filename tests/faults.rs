@@ -1,6 +1,7 @@
 //! Real faults, not injected ones: Postgres restarted and stopped, the ledger killed and
 //! frozen, replies lost at every hop, transactions cut off, duplicates in bursts, hostile
-//! callers. Real processes, real Postgres, real signals.
+//! callers. Real Postgres and real signals; `retrychain` processes where one is killed,
+//! frozen or restarted, the same services in this runtime elsewhere.
 //!
 //! Most tests follow one shape: load the chain with charges under fresh keys, break
 //! something mid-stream, mend it, then re-send **every** key and check the invariant —
@@ -375,7 +376,7 @@ async fn up_finds_postgres_off_path_and_restarts_a_killed_ledger() {
         std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
             .filter(|dir| !dir.join("initdb").exists())
             .collect();
-    let up = Command::new(env!("CARGO_BIN_EXE_retrychain"))
+    let up = Command::new(BIN)
         .args(["up", "--base-port", &base.to_string()])
         .env("PATH", std::env::join_paths(path).unwrap())
         .env_remove("DATABASE_URL")
@@ -768,7 +769,7 @@ async fn key_store(url: &str, pool_size: u32) -> retrychain_ledger::KeyStore {
 /// processor takes 10 ms, so the server-side timeouts fire at every step.
 #[tokio::test]
 async fn deadlines_cut_at_every_step_leave_the_ledgers_pool_clean() {
-    let (ledger, url) = spawn_ledger(&["--db-pool-size", "2"]).await;
+    let (ledger, url) = start_ledger(&["--db-pool-size", "2"]).await;
     ControlClient::new(connect(&ledger.addr.admin_url).await)
         .set_faults(delayed(10))
         .await
@@ -810,7 +811,7 @@ async fn deadlines_cut_at_every_step_leave_the_ledgers_pool_clean() {
 
 #[tokio::test]
 async fn in_flight_reject_replays_50_concurrent_repeats_of_a_completed_key() {
-    let (ledger, url) = spawn_ledger(&["--in-flight", "reject"]).await;
+    let (ledger, url) = start_ledger(&["--in-flight", "reject"]).await;
     let client = PaymentsClient::new(connect(&ledger.addr.url).await);
     let account = new_account();
     let key = new_key();
@@ -842,7 +843,7 @@ async fn in_flight_reject_replays_50_concurrent_repeats_of_a_completed_key() {
 #[tokio::test]
 async fn waiting_duplicates_do_not_starve_other_accounts() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let (ledger, url) = spawn_ledger(&["--db-pool-size", "4"]).await;
+    let (ledger, url) = start_ledger(&["--db-pool-size", "4"]).await;
     let control = ControlClient::new(connect(&ledger.addr.admin_url).await);
     control.clone().set_faults(delayed(2000)).await.unwrap();
     let client = PaymentsClient::new(connect(&ledger.addr.url).await);
@@ -1020,7 +1021,7 @@ async fn hostile_input_gets_its_documented_code_and_writes_nothing() {
         (
             "a malformed grpc-timeout",
             request("ok", 500),
-            vec![("grpc-timeout", "soon".into())],
+            vec![(TIMEOUT_HEADER, "soon".into())],
             Code::InvalidArgument,
         ),
         (

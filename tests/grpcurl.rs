@@ -68,7 +68,7 @@ mod deployment {
     async fn grpcurl_repeat_charge_is_replayed() {
         let chain = Chain::deployment_or(Options::processes()).await;
         let edge = host_port(&chain.addrs[EDGE]);
-        let key = format!("idempotency-key: {}", new_key());
+        let key = format!("{IDEMPOTENCY_KEY}: {}", new_key());
         let body = format!(r#"{{"account_id":"{}","amount_cents":500}}"#, new_account());
         let call = || {
             grpcurl(&[
@@ -96,8 +96,11 @@ mod deployment {
         };
         assert_eq!(charge_id(&first), charge_id(&second));
         assert!(!first.contains(IDEMPOTENT_REPLAYED), "{first}");
-        assert!(second.contains("idempotent-replayed: true"), "{second}");
-        assert!(second.contains("trace-id:"), "{second}");
+        assert!(
+            second.contains(&format!("{IDEMPOTENT_REPLAYED}: true")),
+            "{second}"
+        );
+        assert!(second.contains(&format!("{TRACE_ID}:")), "{second}");
     }
 
     /// Runs the README's walk-through: each `grpcurl` line of the block after the

@@ -92,7 +92,7 @@ async fn only_the_configured_codes_are_retried() {
 /// Runs `retrychain edge --service-config <json>`; what it printed on stderr, having failed.
 fn refused(json: &str) -> String {
     let config = config_file(json);
-    let output = std::process::Command::new(env!("CARGO_BIN_EXE_retrychain"))
+    let output = std::process::Command::new(BIN)
         .args(["edge", "--listen", "127.0.0.1:0", "--service-config"])
         .arg(config.path())
         .output()

@@ -1,5 +1,7 @@
-//! The end-to-end harness: real `retrychain` processes on 127.0.0.1 port 0, real Postgres,
-//! tonic clients. Each test gets its own chain and its own database.
+//! What the end-to-end tests share: a database per test, and `retrychain-harness`'s chains
+//! with the tests' defaults — in this runtime, or as `retrychain` processes where a crash,
+//! a signal, a log or the environment is the point — on 127.0.0.1 port 0, called through
+//! tonic clients.
 //!
 //! Postgres: `DATABASE_URL` if set (each test creates its own database there), else one
 //! throwaway cluster per test binary (tempgres), started on first use.
@@ -13,16 +15,18 @@
 #![allow(dead_code, unused_imports, missing_docs, clippy::unwrap_used)]
 
 use std::{
-    process::Command,
     sync::{Arc, OnceLock},
     time::Duration,
 };
 
-pub use resilience::{classify::PUSHBACK_HEADER, retry::PREVIOUS_ATTEMPTS_HEADER};
+pub use resilience::{
+    classify::PUSHBACK_HEADER,
+    retry::{PREVIOUS_ATTEMPTS_HEADER, TIMEOUT_HEADER},
+};
 pub use retrychain_harness::faults::{delayed, failing, failing_with, losing_replies};
 pub use retrychain_harness::{
-    ChainAddrs, ChainClient, ChainOptions, ChildService, InProcessChain, Launch, LocalChain, Logs,
-    NAMES, ServiceAddr, client::LEDGER,
+    ChainAddrs, ChainClient, ChainOptions, ChildService, InProcessChain, InProcessService, Launch,
+    LocalChain, Logs, NAMES, ServiceAddr, client::LEDGER,
 };
 pub use retrychain_node::metadata::{
     IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, RETRY_MODE, TRACE_ID, TRACEPARENT,
@@ -256,17 +260,8 @@ impl Chain {
         chain
     }
 
-    /// Whether this chain's services are ours (false for an external deployment).
-    pub fn is_local(&self) -> bool {
-        !self.services.is_empty() || self.in_process.is_some()
-    }
-
     pub async fn channel(&self, i: usize) -> Channel {
         connect(&self.addrs[i]).await
-    }
-
-    pub async fn payments(&self, i: usize) -> PaymentsClient<Channel> {
-        self.client.payments(i)
     }
 
     pub async fn edge(&self) -> PaymentsClient<Channel> {
@@ -410,14 +405,9 @@ pub fn faults() -> Faults {
     Faults::default()
 }
 
-/// A ledger alone, on its own database, with fault injection on.
-pub async fn spawn_ledger(extra: &[&str]) -> (ChildService, String) {
-    let url = database().await;
-    (spawn_ledger_on(&url, extra).await, url)
-}
-
-/// A ledger process alone on the database at `url`, with fault injection on.
-pub async fn spawn_ledger_on(url: &str, extra: &[&str]) -> ChildService {
+/// The tests' lone ledger: `ledger --listen 127.0.0.1:0` with fault injection, the
+/// retry-mode override and a 60-connection pool, then `extra`.
+fn ledger_args(extra: &[&str]) -> Vec<String> {
     let mut list = args(&[
         "ledger",
         "--listen",
@@ -429,7 +419,20 @@ pub async fn spawn_ledger_on(url: &str, extra: &[&str]) -> ChildService {
         list.extend(args(&["--db-pool-size", "60"]));
     }
     list.extend(args(extra));
-    start_process("ledger", list, &[("DATABASE_URL", url)]).await
+    list
+}
+
+/// The tests' lone ledger in this runtime, on a database of its own (its URL returned).
+pub async fn start_ledger(extra: &[&str]) -> (InProcessService, String) {
+    let url = database().await;
+    let mut list = ledger_args(extra);
+    list.extend(["--database-url".to_owned(), url.clone()]);
+    (InProcessService::start("ledger", &list).await.unwrap(), url)
+}
+
+/// The tests' lone ledger as a process on the database at `url` (to be signalled).
+pub async fn spawn_ledger_on(url: &str, extra: &[&str]) -> ChildService {
+    start_process("ledger", ledger_args(extra), &[("DATABASE_URL", url)]).await
 }
 
 /// `retrychain <args>` as a child process with `env`, its log captured.
@@ -463,11 +466,7 @@ pub async fn row_counts(database_url: &str) -> (i64, i64, i64) {
 }
 
 pub async fn connect(addr: &str) -> Channel {
-    tonic::transport::Endpoint::from_shared(addr.to_owned())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap_or_else(|e| panic!("connecting to {addr}: {e}"))
+    retrychain_harness::connect(addr).await.unwrap()
 }
 
 /// `GET /metrics` on an admin address (`http://host:port`), over plain HTTP/1.1: the

@@ -487,7 +487,7 @@ impl Target {
         self.chain.fail_processor().await?;
         let mut counts = Vec::new();
         for mode in [RetryMode::EveryLayer, RetryMode::EdgeOnly] {
-            self.chain.reset_stats().await?;
+            self.chain.reset_stats_of(1..5).await?;
             edge.reset().await?;
             let result = edge
                 .payments()
@@ -526,7 +526,7 @@ impl Target {
         self.chain.fail_processor().await?;
         let mut loads = Vec::new();
         for (label, edge) in [("no-budget", no_budget), ("budget", budget)] {
-            self.chain.reset_stats().await?;
+            self.chain.reset_stats_of([LEDGER]).await?;
             edge.reset().await?;
             let bar = progress(requests, &format!("e. outage, {label}"));
             let unexpected = futures::stream::iter(0..requests)
@@ -579,7 +579,7 @@ impl Target {
         .await?;
         let mut runs = Vec::new();
         for kind in BackoffKind::ALL {
-            self.chain.reset_stats().await?;
+            self.chain.reset_stats_of([LEDGER]).await?;
             let bar = progress(clients as u64, &format!("f. storm, {kind}"));
             let retry = Retry::new(RetryPolicy {
                 max_attempts: u32::MAX,

@@ -7,9 +7,10 @@ use std::{path::PathBuf, time::Duration};
 
 use anyhow::Context;
 
+use retrychain_proto::v1::{Faults, control_client::ControlClient};
+
 use crate::{
-    addr::{ChainAddrs, NAMES, ServiceAddr, wait_serving},
-    client::ChainClient,
+    addr::{ChainAddrs, NAMES, ServiceAddr, connect, wait_serving},
     in_process::InProcessService,
     process::{ChildService, Launch, Logs, say},
 };
@@ -131,8 +132,9 @@ where
     let result = tokio::select! {
         result = work(addrs.clone()) => result,
         _ = &mut interrupted => {
-            if let Ok(client) = ChainClient::connect(&addrs).await {
-                let _ = client.clear_faults(4).await;
+            // The ledger alone: the others may be down, or unknown (storm knows two).
+            if let Ok(channel) = connect(&addrs.ledger.admin_url).await {
+                let _ = ControlClient::new(channel).set_faults(Faults::default()).await;
             }
             Err(anyhow::anyhow!("interrupted"))
         }
@@ -254,7 +256,8 @@ impl LocalChain {
 }
 
 /// The five services of a chain in this runtime, each on listeners of its own, with a
-/// throwaway Postgres when no database URL is given. Dropping it stops them.
+/// throwaway Postgres when no database URL is given. Dropping it stops them accepting
+/// calls (as [`InProcessService`]'s drop does) and removes the cluster.
 #[derive(Debug)]
 pub struct InProcessChain {
     /// Edge first, ledger last.

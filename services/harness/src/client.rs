@@ -135,7 +135,7 @@ impl ChainClient {
             .into_inner())
     }
 
-    /// All five services' counters, edge first.
+    /// Every service's counters, edge first.
     pub async fn all_stats(&self) -> Result<Vec<Stats>, Status> {
         let mut all = Vec::new();
         for i in 0..self.control.len() {
@@ -144,9 +144,18 @@ impl ChainClient {
         Ok(all)
     }
 
-    /// Zeroes all five services' counters.
+    /// Zeroes every service's counters.
     pub async fn reset_stats(&self) -> Result<(), Status> {
-        for i in 0..self.control.len() {
+        self.reset_stats_of(0..self.control.len()).await
+    }
+
+    /// Zeroes the counters of the services at `positions` (0 the edge … 4 the ledger),
+    /// leaving the others' (and their `/metrics`) as they are.
+    pub async fn reset_stats_of(
+        &self,
+        positions: impl IntoIterator<Item = usize>,
+    ) -> Result<(), Status> {
+        for i in positions {
             self.control(i).reset_stats(ResetStatsRequest {}).await?;
         }
         Ok(())

@@ -12,8 +12,10 @@ use tokio::{sync::oneshot, task::JoinHandle};
 
 use crate::addr::ServiceAddr;
 
-/// A service serving in this process. Dropping it stops serving at once (in-flight calls
-/// are cut, as in a crash); [`InProcessService::stop`] drains them first.
+/// A service serving in this process. Dropping it stops it accepting connections; the open
+/// ones are closed gracefully in the background (not a crash: for that, use a
+/// [`ChildService`](crate::ChildService) and SIGKILL it). [`InProcessService::stop`] waits
+/// for the drain.
 #[derive(Debug)]
 pub struct InProcessService {
     /// Its name.

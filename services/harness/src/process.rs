@@ -24,8 +24,9 @@ use crate::addr::ServiceAddr;
 pub enum Logs {
     /// To our stdout, each line prefixed by the service's name.
     Prefixed,
-    /// Kept, for [`ChildService::log`], and printed on our stderr if the thread that owns
-    /// the service panics (a failing test shows what its services said).
+    /// Kept, for [`ChildService::log`], and printed on our stderr when the service is
+    /// dropped while its thread panics, or with `TEST_LOG` set (a failing test shows what
+    /// its services said).
     Capture,
     /// Nowhere.
     Discard,
@@ -90,8 +91,8 @@ impl ChildService {
         self.log.lock().map(|log| log.clone()).unwrap_or_default()
     }
 
-    /// Starts the service again, the same way and on the same ports, after it exited (or
-    /// after [`ChildService::crash`]).
+    /// Starts the service again, the same way and on the same ports; a process still
+    /// running is killed first (SIGKILL, as [`ChildService::crash`]).
     pub async fn restart(&mut self) -> anyhow::Result<()> {
         self.crash().await;
         let mut launch = self.launch.clone();
@@ -143,7 +144,8 @@ impl ChildService {
         }
     }
 
-    /// Completes when the process exits: its exit status, as text.
+    /// Completes when the process exits: its exit status, as text; at once, "not running",
+    /// when there is no process (it was crashed, stopped, or did not restart).
     pub async fn exited(&mut self) -> String {
         match &mut self.child {
             Some(child) => match child.wait().await {

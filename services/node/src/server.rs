@@ -28,8 +28,10 @@ use crate::{Node, control::ControlService};
 const PAYMENTS: &str = <PaymentsServer<()> as tonic::server::NamedService>::NAME;
 const CONTROL: &str = <ControlServer<ControlService> as tonic::server::NamedService>::NAME;
 
-/// What a service prints on stderr once it accepts calls, followed by [`ReadyAddrs`]'s
-/// `Display` form: `retrychain ready: listening on 127.0.0.1:50051 admin 127.0.0.1:51051`.
+/// What a service process prints on stderr once its ports are bound (calls made from then
+/// on are served), followed by [`ReadyAddrs`]'s `Display` form: `retrychain ready:
+/// listening on 127.0.0.1:50051 admin 127.0.0.1:51051`. `retrychain-serve` prints it;
+/// `retrychain-harness` reads it to find a process started on port 0.
 pub const READY_PREFIX: &str = "retrychain ready: listening on ";
 
 /// The largest Payments request accepted, encoded: a Charge is well under 1 KiB, so a

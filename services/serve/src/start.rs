@@ -47,7 +47,9 @@ impl std::fmt::Debug for Started {
 }
 
 impl Started {
-    /// Serves until the shutdown future completes, then drains in-flight calls.
+    /// Serves until the shutdown future completes, then drains in-flight calls; the
+    /// ledger's key purge runs alongside. Calls that arrive before this is polled wait in
+    /// the sockets' queues.
     pub async fn serve(self) -> anyhow::Result<()> {
         self.serving.await
     }
@@ -60,24 +62,26 @@ pub async fn start(
     command: ServiceCommand,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<Started> {
+    let name = command.name();
     match command {
-        ServiceCommand::Edge(args) => hop(args, Role::Edge, shutdown).await,
-        ServiceCommand::Relay(args) => hop(args, Role::Relay, shutdown).await,
-        ServiceCommand::Ledger(args) => ledger(args, shutdown).await,
+        ServiceCommand::Edge(args) => hop(args, Role::Edge, name, shutdown).await,
+        ServiceCommand::Relay(args) => hop(args, Role::Relay, name, shutdown).await,
+        ServiceCommand::Ledger(args) => ledger(args, name, shutdown).await,
     }
 }
 
 async fn hop(
     args: HopArgs,
     role: Role,
+    name: String,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<Started> {
     let service = &args.service;
     let edge = role == Role::Edge;
-    let (default_listen, default_name) = if edge {
-        ("0.0.0.0:50051", "edge")
+    let default_listen = if edge {
+        "0.0.0.0:50051"
     } else {
-        ("0.0.0.0:50052", "hop2")
+        "0.0.0.0:50052"
     };
     let downstream = match (&args.downstream, edge) {
         (Some(url), _) => url.clone(),
@@ -92,12 +96,7 @@ async fn hop(
     } else {
         None
     };
-    let node = node(
-        service,
-        default_name,
-        budget.clone(),
-        policies.default_deadline,
-    );
+    let node = node(service, name, budget.clone(), policies.default_deadline);
     // Connect lazily: services may start in any order, and a downstream that is not up
     // yet is an UNAVAILABLE attempt like any other.
     let channel = Endpoint::from_shared(downstream.clone())
@@ -134,6 +133,7 @@ async fn hop(
 
 async fn ledger(
     args: LedgerArgs,
+    name: String,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<Started> {
     let service = &args.service;
@@ -160,7 +160,7 @@ async fn ledger(
     )
     .await?;
     let listeners = bind(service, "0.0.0.0:50055").await?;
-    let node = node(service, "ledger", None, policies.default_deadline);
+    let node = node(service, name, None, policies.default_deadline);
     let in_flight = match args.in_flight {
         InFlightArg::Wait => InFlight::Wait,
         InFlightArg::Reject => InFlight::Reject,
@@ -274,22 +274,14 @@ impl Policies {
     }
 }
 
-/// The service's name: `--name`, or its role's default.
-fn name(service: &ServiceArgs, default_name: &str) -> String {
-    service
-        .name
-        .clone()
-        .unwrap_or_else(|| default_name.to_owned())
-}
-
 fn node(
     service: &ServiceArgs,
-    default_name: &str,
+    name: String,
     budget: Option<Arc<dyn Throttle>>,
     default_deadline: Duration,
 ) -> Arc<Node> {
     Arc::new(Node::new(NodeConfig {
-        name: name(service, default_name),
+        name,
         fault_injection: service.fault_injection,
         default_deadline,
         max_deadline: Duration::from_millis(service.max_deadline_ms),
