@@ -19,6 +19,7 @@ use std::{
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use retrychain_bench::{BareForwarder, Sink, cpu_seconds, load, rss_kib, serve};
+use retrychain_harness::{ChildService, Launch, Logs};
 use serde::Serialize;
 use tokio::net::TcpListener;
 
@@ -184,7 +185,9 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
     };
     let _sink =
         spawn(Command::new(&me).args(["sink", "--listen", &format!("127.0.0.1:{sink_port}")]))?;
-    let mut relay_command = Command::new(&retrychain);
+    // The relay is a retrychain service, started as `up` starts one; the sink, the bare
+    // forwarder and the collector are this binary's own.
+    let mut relay_env = vec![("RUST_LOG".to_owned(), cli.relay_log.clone())];
     let _collector = match cli.otlp_sample {
         Some(ratio) => {
             let port = free_port()?;
@@ -194,20 +197,23 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
                 &format!("127.0.0.1:{port}"),
             ]))?;
             wait_listening(port).await?;
-            relay_command
-                .env(
-                    "OTEL_EXPORTER_OTLP_ENDPOINT",
+            relay_env.extend([
+                (
+                    "OTEL_EXPORTER_OTLP_ENDPOINT".to_owned(),
                     format!("http://127.0.0.1:{port}"),
-                )
-                .env("OTEL_TRACES_SAMPLER", "traceidratio")
-                .env("OTEL_TRACES_SAMPLER_ARG", ratio.to_string());
+                ),
+                ("OTEL_TRACES_SAMPLER".to_owned(), "traceidratio".to_owned()),
+                ("OTEL_TRACES_SAMPLER_ARG".to_owned(), ratio.to_string()),
+            ]);
             Some(collector)
         }
         None => None,
     };
-    let relay = spawn(
-        relay_command
-            .args([
+    let relay = ChildService::start(
+        "relay",
+        Launch {
+            program: Some(retrychain.clone()),
+            args: [
                 "relay",
                 "--listen",
                 &format!("127.0.0.1:{relay_port}"),
@@ -215,10 +221,16 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
                 "127.0.0.1:0",
                 "--downstream",
                 &sink_url,
-            ])
-            .env("RUST_LOG", &cli.relay_log),
+            ]
+            .map(String::from)
+            .into(),
+            env: relay_env,
+            logs: Logs::Discard,
+        },
     )
+    .await
     .with_context(|| format!("starting {}", retrychain.display()))?;
+    let relay_pid = relay.pid().context("the relay runs")?;
     let bare = spawn(Command::new(&me).args([
         "forward",
         "--listen",
@@ -226,11 +238,11 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
         "--downstream",
         &sink_url,
     ]))?;
-    for port in [sink_port, relay_port, bare_port] {
+    for port in [sink_port, bare_port] {
         wait_listening(port).await?;
     }
     let targets = [
-        (format!("http://127.0.0.1:{relay_port}"), relay.0.id()),
+        (relay.url().to_owned(), relay_pid),
         (format!("http://127.0.0.1:{bare_port}"), bare.0.id()),
     ];
     // Warm both up, then alternate rounds so drift on a shared machine hits both alike.
