@@ -243,13 +243,25 @@ fn p99(mut times: Vec<Duration>) -> Duration {
     times[(times.len() * 99 / 100).min(times.len() - 1)]
 }
 
-/// A throwaway cluster of this test's own (the fault is applied to the whole server), a
-/// database on it, and a chain over that database.
-async fn own_postgres_chain() -> (tempgres::TempCluster, String, Chain) {
-    let cluster = tokio::task::spawn_blocking(tempgres::TempCluster::start)
+/// A throwaway Postgres cluster of this test's own: the faults apply to the whole server.
+async fn own_cluster() -> tempgres::TempCluster {
+    off_runtime(tempgres::TempCluster::start)
         .await
-        .unwrap()
-        .expect("a throwaway Postgres");
+        .expect("a throwaway Postgres")
+}
+
+/// `pg_ctl restart -m fast`: every connection to the server is broken.
+async fn restart_postgres(cluster: tempgres::TempCluster) -> tempgres::TempCluster {
+    off_runtime(move || {
+        cluster.restart_server().expect("pg_ctl restart -m fast");
+        cluster
+    })
+    .await
+}
+
+/// A cluster of this test's own, a database on it, and a chain over that database.
+async fn own_postgres_chain() -> (tempgres::TempCluster, String, Chain) {
+    let cluster = own_cluster().await;
     let url = cluster.url("postgres");
     let chain = Chain::spawn_on(Options::default(), url.clone()).await;
     (cluster, url, chain)
@@ -262,12 +274,7 @@ async fn postgres_restarted_mid_stream_loses_nothing_and_charges_once() {
     let load = Load::start(&chain.addrs[EDGE], 4);
     tokio::time::sleep(Duration::from_millis(1500)).await;
 
-    let cluster = tokio::task::spawn_blocking(move || {
-        cluster.restart_server().expect("pg_ctl restart -m fast");
-        cluster
-    })
-    .await
-    .unwrap();
+    let cluster = restart_postgres(cluster).await;
     let restarted = Instant::now();
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let sent = load.finish().await;
@@ -697,10 +704,7 @@ async fn after_a_restart_only_the_first_charge_meets_a_broken_connection() {
     use retrychain_node::{AccountId, AmountCents, IdempotencyKey};
 
     let _one = ONE_AT_A_TIME.lock().await;
-    let cluster = tokio::task::spawn_blocking(tempgres::TempCluster::start)
-        .await
-        .unwrap()
-        .expect("a throwaway Postgres");
+    let cluster = own_cluster().await;
     let store = key_store(&cluster.url("postgres"), 6).await;
     let account = AccountId::parse(&new_account()).unwrap();
     let charge = |store: KeyStore| {
@@ -728,12 +732,7 @@ async fn after_a_restart_only_the_first_charge_meets_a_broken_connection() {
     for w in warm {
         w.await.unwrap().expect("warm-up charge");
     }
-    let cluster = tokio::task::spawn_blocking(move || {
-        cluster.restart_server().expect("restart");
-        cluster
-    })
-    .await
-    .unwrap();
+    let cluster = restart_postgres(cluster).await;
 
     let mut failures = 0;
     for _ in 0..6 {

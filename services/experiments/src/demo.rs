@@ -678,27 +678,30 @@ pub fn print_report(r: &DemoReport) {
     );
     let d = &r.layered;
     println!("d. One request against a failing processor");
-    println!(
-        "   every-layer: {:>4} bottom calls, received {:?}  (design notes: 243; 1, 3, 9, 27, 81)",
-        d.every_layer.bottom_calls, d.every_layer.received
-    );
-    println!(
-        "   edge-only:   {:>4} bottom calls, received {:?}     (design notes: 3)",
-        d.edge_only.bottom_calls, d.edge_only.received
-    );
+    for (mode, counts, notes) in [
+        ("every-layer:", &d.every_layer, "243; 1, 3, 9, 27, 81"),
+        ("edge-only:", &d.edge_only, "3"),
+    ] {
+        let received = format!("{:?}", counts.received);
+        println!(
+            "   {mode:<12} {:>4} bottom calls, received {received:<18} (design notes: {notes})",
+            counts.bottom_calls
+        );
+    }
     let e = &r.outage;
     println!(
         "e. Total outage: {} requests, up to 4 attempts each",
         e.requests
     );
-    println!(
-        "   no budget:      {:>6} bottom calls = {:.2}x   (design notes: 4.00x)",
-        e.no_budget.bottom_calls, e.no_budget.load
-    );
-    println!(
-        "   default budget: {:>6} bottom calls = {:.2}x   (design notes: 1.10x)",
-        e.budget.bottom_calls, e.budget.load
-    );
+    for (budget, load, notes) in [
+        ("no budget:", e.no_budget, "4.00x"),
+        ("default budget:", e.budget, "1.10x"),
+    ] {
+        println!(
+            "   {budget:<15} {:>6} bottom calls = {:.2}x   (design notes: {notes})",
+            load.bottom_calls, load.load
+        );
+    }
     let f = &r.storm;
     println!(
         "f. Contention storm: {} clients, processor serves one charge at a time ({} ms each), every client retries until it succeeds",
