@@ -436,7 +436,7 @@ pub async fn spawn_ledger_on(url: &str, extra: &[&str]) -> ChildService {
 }
 
 /// `retrychain <args>` as a child process with `env`, its log captured.
-pub async fn start_process(name: &str, args: Vec<String>, env: &[(&str, &str)]) -> ChildService {
+async fn start_process(name: &str, args: Vec<String>, env: &[(&str, &str)]) -> ChildService {
     let launch = Launch {
         program: Some(BIN.into()),
         args,

@@ -147,3 +147,19 @@ pub(crate) async fn wait_serving(name: &str, addr: &str) -> anyhow::Result<()> {
     }
     anyhow::bail!("{name} did not report SERVING within 30 s")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_external_service_has_its_admin_port_1000_up_unless_told() {
+        let edge = ServiceAddr::external("localhost:50051", None);
+        assert_eq!(edge.url, "http://localhost:50051");
+        assert_eq!(edge.admin_url, "http://localhost:51051");
+        let told = ServiceAddr::external("http://edge:50051", Some("10.0.0.1:9000"));
+        assert_eq!(told.admin_url, "http://10.0.0.1:9000");
+        assert_eq!(told.host_port(), "edge:50051");
+        assert_eq!(told.admin_host_port(), "10.0.0.1:9000");
+    }
+}

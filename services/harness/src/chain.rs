@@ -311,3 +311,45 @@ fn addrs_of(addrs: impl Iterator<Item = ServiceAddr>) -> ChainAddrs {
         Err(addrs) => unreachable!("a chain has five services, not {}", addrs.len()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_service_gets_its_role_port_name_and_downstream_then_the_flags() {
+        let options = ChainOptions {
+            base_port: 50051,
+            edge_flags: vec!["--max-attempts".into(), "4".into()],
+            ledger_flags: vec!["--db-pool-size".into(), "8".into()],
+            ..ChainOptions::default()
+        };
+        let edge = options.args(0, "http://127.0.0.1:50052");
+        assert_eq!(
+            edge,
+            [
+                "edge",
+                "--listen",
+                "127.0.0.1:50051",
+                "--name",
+                "edge",
+                "--downstream",
+                "http://127.0.0.1:50052",
+                "--fault-injection",
+                "--allow-retry-mode-override",
+                "--max-attempts",
+                "4",
+            ]
+        );
+        let hop3 = options.args(2, "http://127.0.0.1:50054");
+        assert_eq!(
+            hop3[..5],
+            ["relay", "--listen", "127.0.0.1:50053", "--name", "hop3"]
+        );
+        let ledger = options.args(4, "");
+        assert!(!ledger.contains(&"--downstream".to_owned()), "{ledger:?}");
+        assert!(ledger.ends_with(&["--db-pool-size".to_owned(), "8".to_owned()]));
+        let any_port = ChainOptions::default().args(4, "");
+        assert_eq!(any_port[2], "127.0.0.1:0");
+    }
+}
