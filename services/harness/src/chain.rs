@@ -262,8 +262,9 @@ impl LocalChain {
 pub struct InProcessChain {
     /// Edge first, ledger last.
     pub services: Vec<InProcessService>,
-    /// The throwaway cluster, if we started one (dropped last: the fields drop in order).
-    cluster: Option<tempgres::TempCluster>,
+    /// The throwaway cluster, if we started one: held to be removed on drop, after the
+    /// services (fields drop in order).
+    _cluster: Option<tempgres::TempCluster>,
 }
 
 impl InProcessChain {
@@ -283,24 +284,15 @@ impl InProcessChain {
             downstream = service.addr.url.clone();
             services.insert(0, service);
         }
-        Ok(Self { services, cluster })
+        Ok(Self {
+            services,
+            _cluster: cluster,
+        })
     }
 
     /// The services' addresses.
     pub fn addrs(&self) -> ChainAddrs {
         addrs_of(self.services.iter().map(|s| s.addr.clone()))
-    }
-
-    /// Stops the services top-down, each draining its calls, then removes the throwaway
-    /// cluster.
-    pub async fn stop(mut self) -> anyhow::Result<()> {
-        for service in std::mem::take(&mut self.services) {
-            service.stop().await?;
-        }
-        if let Some(cluster) = self.cluster.take() {
-            let _ = tokio::task::spawn_blocking(move || cluster.stop()).await;
-        }
-        Ok(())
     }
 }
 

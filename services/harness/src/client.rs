@@ -1,8 +1,6 @@
 //! A chain's caller, named by intent: charge, read an account, set faults, read and reset
 //! counters — over the same Payments and Control APIs any client uses.
 
-use std::time::Duration;
-
 use retrychain_proto::v1::{
     ChargeReply, ChargeRequest, Faults, GetAccountRequest, GetStatsRequest, ResetStatsRequest,
     Stats, control_client::ControlClient, payments_client::PaymentsClient,
@@ -68,24 +66,6 @@ impl ChainClient {
         request: Request<ChargeRequest>,
     ) -> Result<Response<ChargeReply>, Status> {
         self.edge().charge(request).await
-    }
-
-    /// Charges `amount_cents` to `account` through the edge under `key`, within `deadline`.
-    pub async fn charge_with_key(
-        &self,
-        account: &str,
-        amount_cents: i64,
-        key: &str,
-        deadline: Duration,
-    ) -> Result<Response<ChargeReply>, Status> {
-        self.charge(crate::charge_request(
-            account,
-            amount_cents,
-            Some(key),
-            deadline,
-            None,
-        ))
-        .await
     }
 
     /// The balance and charge count of `account`, read through the edge; `None` for an

@@ -2,11 +2,10 @@
 //! as the binary's (`retrychain-serve`), on a listener of its own, without a process — for
 //! tests where no crash or signal is the point, and the demo's extra edges.
 
-use std::{sync::Arc, time::Duration};
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use retrychain_node::Node;
 use retrychain_serve::ServiceCli;
 use tokio::{sync::oneshot, task::JoinHandle};
 
@@ -22,8 +21,6 @@ pub struct InProcessService {
     pub name: String,
     /// Its addresses.
     pub addr: ServiceAddr,
-    /// Its node: counters and faults, also reachable over Control.
-    pub node: Arc<Node>,
     /// Completes the shutdown future the service serves under.
     stop: Option<oneshot::Sender<()>>,
     /// The serving task.
@@ -48,7 +45,6 @@ impl InProcessService {
         Ok(Self {
             name: name.to_owned(),
             addr: ServiceAddr::from(&started.addrs),
-            node: Arc::clone(&started.node),
             stop: Some(stop),
             task: tokio::spawn(started.serve()),
         })

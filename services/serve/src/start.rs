@@ -32,8 +32,6 @@ pub async fn run(command: ServiceCommand) -> anyhow::Result<()> {
 pub struct Started {
     /// Where it listens.
     pub addrs: ReadyAddrs,
-    /// Its node (counters, faults), for whoever runs it in process.
-    pub node: Arc<Node>,
     /// Serving until the shutdown future given to [`start`] completes.
     serving: Pin<Box<dyn Future<Output = anyhow::Result<()>> + Send>>,
 }
@@ -120,13 +118,12 @@ async fn hop(
         },
         channel,
     );
-    tracing::info!(%downstream, mode = %hop_mode(service), "forwarding");
+    tracing::info!(%downstream, mode = %service.retry_mode.as_str(), "forwarding");
     let addrs = listeners.addrs();
     let reserve = service.reserve();
-    let serving = retrychain_node::serve(listeners, Arc::clone(&node), hop, reserve, shutdown);
+    let serving = retrychain_node::serve(listeners, node, hop, reserve, shutdown);
     Ok(Started {
         addrs,
-        node,
         serving: Box::pin(async move { Ok(serving.await?) }),
     })
 }
@@ -177,16 +174,9 @@ async fn ledger(
     let retention = args.key_retention;
     tracing::info!(?retention, in_flight = ?args.in_flight, "ledger ready");
     let addrs = listeners.addrs();
-    let serving = retrychain_node::serve(
-        listeners,
-        Arc::clone(&node),
-        ledger,
-        service.reserve(),
-        shutdown,
-    );
+    let serving = retrychain_node::serve(listeners, node, ledger, service.reserve(), shutdown);
     Ok(Started {
         addrs,
-        node,
         serving: Box::pin(async move {
             let purging = tokio::spawn(run_retention(store, retention, every));
             let served = serving.await;
@@ -194,10 +184,6 @@ async fn ledger(
             Ok(served?)
         }),
     })
-}
-
-fn hop_mode(service: &ServiceArgs) -> &'static str {
-    service.retry_mode.as_str()
 }
 
 /// How a service retries, from its flags or, with `--service-config`, from that document.
