@@ -758,6 +758,7 @@ async fn key_store(url: &str, pool_size: u32) -> retrychain_ledger::KeyStore {
         retrychain_ledger::StoreOptions {
             pool_size,
             acquire_timeout: Duration::from_millis(500),
+            round_trip_timeout: Duration::from_secs(1),
         },
     )
     .await
@@ -987,6 +988,55 @@ async fn hostile_input_gets_its_documented_code_and_writes_nothing() {
             vec![],
             Code::InvalidArgument,
         ),
+        // Ids that look like `alice`, `bob` or `café` on a screen but are other strings.
+        (
+            "a zero-width space in the account id",
+            request("ali\u{200b}ce", 500),
+            vec![],
+            Code::InvalidArgument,
+        ),
+        (
+            "a BOM before the account id",
+            request("\u{feff}alice", 500),
+            vec![],
+            Code::InvalidArgument,
+        ),
+        (
+            "a right-to-left override in the account id",
+            request("\u{202e}ecila", 500),
+            vec![],
+            Code::InvalidArgument,
+        ),
+        (
+            "a word joiner after the account id",
+            request("bob\u{2060}", 500),
+            vec![],
+            Code::InvalidArgument,
+        ),
+        (
+            "an account id in NFD",
+            request("cafe\u{301}", 500),
+            vec![],
+            Code::InvalidArgument,
+        ),
+        (
+            "a Cyrillic letter among Latin ones",
+            request("\u{430}lice", 500),
+            vec![],
+            Code::InvalidArgument,
+        ),
+        (
+            "a fullwidth letter",
+            request("\u{ff41}lice", 500),
+            vec![],
+            Code::InvalidArgument,
+        ),
+        (
+            "a private-use character",
+            request("bob\u{e000}", 500),
+            vec![],
+            Code::InvalidArgument,
+        ),
         (
             "65 multi-byte characters",
             request(&"é".repeat(65), 500),
@@ -1188,4 +1238,456 @@ async fn the_edge_stops_clients_retrying_on_top() {
         .expect_err("fails");
     assert_eq!(status.code(), Code::FailedPrecondition);
     assert_eq!(status_header(&status, PUSHBACK_HEADER), None);
+}
+
+/// The edge's resident memory, in KiB.
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap()
+}
+
+/// A raw HTTP/2 connection to `addr` (`host:port`), for requests no gRPC client sends.
+async fn h2_connection(addr: &str) -> h2::client::SendRequest<bytes::Bytes> {
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (send, connection) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    send
+}
+
+/// A Charge whose body never ends: a gRPC message header announcing 100 bytes, then 10 of
+/// them. The body's sender is returned too: dropping it would end the stream.
+async fn unfinished_charge(
+    connection: &h2::client::SendRequest<bytes::Bytes>,
+    addr: &str,
+    grpc_timeout: Option<&str>,
+) -> (h2::client::ResponseFuture, h2::SendStream<bytes::Bytes>) {
+    let mut request = http::Request::post(format!("http://{addr}/retrychain.v1.Payments/Charge"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .header(IDEMPOTENCY_KEY, new_key());
+    if let Some(timeout) = grpc_timeout {
+        request = request.header(TIMEOUT_HEADER, timeout);
+    }
+    let mut sender = connection.clone().ready().await.unwrap();
+    let (response, mut body) = sender
+        .send_request(request.body(()).unwrap(), false)
+        .unwrap();
+    let mut partial = vec![0u8, 0, 0, 0, 100];
+    partial.extend([7u8; 10]);
+    body.send_data(bytes::Bytes::from(partial), false).unwrap();
+    (response, body)
+}
+
+/// The `grpc-status` of an HTTP/2 answer (a trailers-only answer's headers, else its
+/// trailers), or its HTTP status when it has none.
+async fn grpc_status_of(response: h2::client::ResponseFuture) -> String {
+    let response = response.await.unwrap();
+    if let Some(status) = response.headers().get("grpc-status") {
+        return status.to_str().unwrap().to_owned();
+    }
+    let http_status = response.status();
+    let mut body = response.into_body();
+    while let Some(data) = body.data().await {
+        if data.is_err() {
+            break;
+        }
+    }
+    match body.trailers().await {
+        Ok(Some(trailers)) if trailers.contains_key("grpc-status") => {
+            trailers["grpc-status"].to_str().unwrap().to_owned()
+        }
+        _ => format!("HTTP {http_status}"),
+    }
+}
+
+/// What a hostile HTTP/2 client can do to the edge: too much metadata, bodies that never
+/// end (with and without `grpc-timeout`), hundreds of idle connections. Each gets a gRPC
+/// status, meanwhile other clients are served, and the edge's memory is printed.
+// Multi-threaded: the test reads a process's memory while its load goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn protocol_abuse_gets_grpc_statuses_while_others_are_served() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut options = Options::processes();
+    options
+        .edge
+        .extend(args(&["--default-deadline-ms", "3000"]));
+    let chain = Chain::spawn(options).await;
+    let addr = host_port(&chain.addrs[EDGE]);
+    let pid = chain.services[EDGE].pid().unwrap();
+    chain
+        .charge_new(Duration::from_secs(5), &[])
+        .await
+        .expect("a warm-up charge");
+    let rss_before = rss_kib(pid);
+
+    // 1,000 metadata entries, about 38 KiB: RESOURCE_EXHAUSTED, a gRPC status.
+    let mut request = charge(
+        &new_account(),
+        500,
+        Some(&new_key()),
+        Duration::from_secs(5),
+        &[],
+    );
+    for i in 0..1000 {
+        let key = tonic::metadata::AsciiMetadataKey::from_bytes(format!("x-h{i}").as_bytes());
+        request.metadata_mut().insert(
+            key.unwrap(),
+            tonic::metadata::MetadataValue::from_static("v"),
+        );
+    }
+    let status = chain
+        .edge()
+        .await
+        .charge(request)
+        .await
+        .expect_err("refused");
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+
+    // Past HTTP/2's own header-list limit (64 KiB), the transport answers, not gRPC: the
+    // documented result (README) is a failure the client sees at once, never a charge.
+    let mut request = charge(
+        &new_account(),
+        500,
+        Some(&new_key()),
+        Duration::from_secs(5),
+        &[],
+    );
+    for i in 0..3000 {
+        let key = tonic::metadata::AsciiMetadataKey::from_bytes(format!("x-h{i}").as_bytes());
+        request.metadata_mut().insert(
+            key.unwrap(),
+            tonic::metadata::MetadataValue::from_static("v"),
+        );
+    }
+    let status = chain
+        .edge()
+        .await
+        .charge(request)
+        .await
+        .expect_err("refused by HTTP/2");
+    println!(
+        "3,000 metadata entries (~114 KiB): {:?} {}",
+        status.code(),
+        status.message()
+    );
+
+    // A body that never ends, with grpc-timeout 1S: DEADLINE_EXCEEDED, not CANCELLED.
+    let connection = h2_connection(&addr).await;
+    let sent = Instant::now();
+    let (response, _body) = unfinished_charge(&connection, &addr, Some("1S")).await;
+    let status = grpc_status_of(response).await;
+    assert_eq!(
+        status,
+        "4",
+        "DEADLINE_EXCEEDED (4), after {:?}",
+        sent.elapsed()
+    );
+    println!(
+        "unfinished body, grpc-timeout 1S: status {status} after {:?}",
+        sent.elapsed()
+    );
+
+    // 500 connections that send nothing, and 200 unfinished bodies without grpc-timeout on
+    // four connections: the default deadline (3 s here) counts from each request's arrival.
+    let mut silent = Vec::new();
+    for _ in 0..500 {
+        silent.push(tokio::net::TcpStream::connect(&addr).await.unwrap());
+    }
+    let opened = Instant::now();
+    let connections = [
+        h2_connection(&addr).await,
+        h2_connection(&addr).await,
+        h2_connection(&addr).await,
+        h2_connection(&addr).await,
+    ];
+    let mut open = Vec::new();
+    for i in 0..200 {
+        open.push(unfinished_charge(&connections[i % 4], &addr, None).await);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let rss_loaded = rss_kib(pid);
+    // Meanwhile, another client is served.
+    chain
+        .charge_new(Duration::from_secs(5), &[])
+        .await
+        .expect("a normal charge beside the abuse");
+    let answers = futures::future::join_all(open.into_iter().map(|(response, body)| async move {
+        let status = grpc_status_of(response).await;
+        drop(body);
+        status
+    }))
+    .await;
+    let took = opened.elapsed();
+    assert!(
+        answers.iter().all(|s| s == "4"),
+        "every unfinished body gets DEADLINE_EXCEEDED: {answers:?}"
+    );
+    println!("200 unfinished bodies without grpc-timeout: DEADLINE_EXCEEDED within {took:?}");
+
+    // A connection that never sent a byte is closed after 10 s (it reads the server's
+    // SETTINGS, then the end).
+    let mut silent_one = silent.pop().unwrap();
+    tokio::time::timeout(Duration::from_secs(15), async {
+        use tokio::io::AsyncReadExt;
+        let mut buf = [0u8; 64];
+        while let Ok(n) = silent_one.read(&mut buf).await
+            && n > 0
+        {}
+    })
+    .await
+    .expect("the edge closes a silent connection");
+    println!(
+        "a silent connection was closed after {:?}",
+        opened.elapsed()
+    );
+    drop(silent);
+    drop(connections);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let rss_after = rss_kib(pid);
+    println!(
+        "edge RSS: {rss_before} KiB before, {rss_loaded} KiB with 500 silent connections and 200 open streams, {rss_after} KiB after"
+    );
+    chain
+        .charge_new(Duration::from_secs(5), &[])
+        .await
+        .expect("served after the abuse");
+}
+
+/// SIGTERM to the ledger under load, three times: the calls that meet its draining
+/// connection (GOAWAY) or its closed port are retried or answered UNAVAILABLE, never
+/// CANCELLED, the code for "the caller cancelled" that no client retries. Every key is
+/// charged once after re-sending.
+// Multi-threaded: the test waits for processes while the load goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_ledger_never_makes_a_caller_see_cancelled() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut chain = Chain::spawn(Options::processes()).await;
+    let url = chain.database_url.clone().unwrap();
+    let load = Load::start(&chain.addrs[EDGE], 16);
+    for _ in 0..3 {
+        chain.set_faults(LEDGER, delayed(200)).await;
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        let status = chain.services[LEDGER]
+            .terminate(retrychain_node::DRAIN_GRACE + Duration::from_secs(5))
+            .await;
+        assert!(
+            status.is_some_and(|s| s.success()),
+            "the ledger drains and exits cleanly: {status:?}"
+        );
+        chain.services[LEDGER].restart().await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let sent = load.finish().await;
+    println!(
+        "ledger drained 3 times: {} charges, {:?}",
+        sent.len(),
+        codes(&sent)
+    );
+    assert!(
+        !sent.iter().any(|s| s.code == Code::Cancelled),
+        "no client saw CANCELLED: {:?}",
+        codes(&sent)
+    );
+    resend_and_check(&chain.addrs[EDGE], &url, &sent).await;
+}
+
+/// The ledger's round-trip bound in the test chains (its default).
+const ROUND_TRIP_BOUND: Duration = Duration::from_millis(1000);
+
+/// Loads the chain (`edge`, on the database at `url`), stalls the database with `stall`
+/// for 7 s, mends it with `mend`, and checks what a stalled database must not do: hold a
+/// charge past the ledger's round-trip bound (plus the edge's retries, each bounded by the
+/// pool's 250 ms acquire timeout), answer anything but UNAVAILABLE, take more than 2 s to
+/// serve again once mended, or charge a key twice.
+async fn stall_the_database_under_load<S, M>(
+    what: &str,
+    edge: &str,
+    url: &str,
+    stall: impl FnOnce() -> S,
+    mend: impl FnOnce() -> M,
+) where
+    S: Future<Output = ()>,
+    M: Future<Output = ()>,
+{
+    let load = Load::start(edge, 8);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    stall().await;
+    let stalled = Instant::now();
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    mend().await;
+    let mended = Instant::now();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let sent = load.finish().await;
+
+    let during: Vec<&Sent> = sent
+        .iter()
+        .filter(|s| s.started + s.took > stalled && s.started < mended)
+        .collect();
+    let failed: Vec<&&Sent> = during.iter().filter(|s| s.code != Code::Ok).collect();
+    assert!(!failed.is_empty(), "{what}: the stall failed some charges");
+    for s in &failed {
+        assert_eq!(s.code, Code::Unavailable, "{what}: {s:?}");
+    }
+    let longest = during.iter().map(|s| s.took).max().unwrap_or_default();
+    let in_flight: Vec<Duration> = during
+        .iter()
+        .filter(|s| s.started < stalled)
+        .map(|s| s.started + s.took - stalled)
+        .collect();
+    let first_success = sent
+        .iter()
+        .filter(|s| s.code == Code::Ok && s.started + s.took > mended)
+        .map(|s| s.started + s.took - mended)
+        .min()
+        .expect("charges succeed once the database is back");
+    println!(
+        "{what}: {} charges during the stall, {} failed ({:?}); in flight when it began: {} \
+         ended after at most {:?}; longest charge {longest:?}; first success {first_success:?} \
+         after it ended",
+        during.len(),
+        failed.len(),
+        codes(&sent),
+        in_flight.len(),
+        in_flight.iter().max().copied().unwrap_or_default(),
+    );
+    let allowed = ROUND_TRIP_BOUND + Duration::from_millis(1500);
+    assert!(
+        longest <= allowed,
+        "{what}: a charge waited {longest:?}, past the round-trip bound and the edge's retries ({allowed:?})"
+    );
+    assert!(
+        first_success <= Duration::from_secs(2),
+        "{what}: the first success came {first_success:?} after the database was back"
+    );
+    resend_and_check(edge, url, &sent).await;
+}
+
+/// Postgres frozen, the postmaster first and then every backend (SIGSTOP: a stalled VM or
+/// a paused container), for 7 s under load. A frozen server applies none of its own
+/// timeouts; the ledger's round-trip bound ends the charges it holds.
+#[tokio::test]
+async fn a_frozen_database_holds_no_charge_past_the_round_trip_bound() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (cluster, url, chain) = own_postgres_chain().await;
+    chain.set_faults(LEDGER, delayed(20)).await;
+    let pids = cluster.server_pids().unwrap();
+    let signal = |signal: &'static str, pids: Vec<u32>| async move {
+        off_runtime(move || {
+            for pid in pids {
+                let _ = Command::new("kill")
+                    .args([format!("-{signal}"), pid.to_string()])
+                    .status();
+            }
+        })
+        .await
+    };
+    stall_the_database_under_load(
+        "Postgres frozen 7 s",
+        &chain.addrs[EDGE],
+        &url,
+        || async {
+            // The backends of the ledger's connections, started after `pids` was read too.
+            let pids = cluster.server_pids().unwrap();
+            signal("STOP", pids).await
+        },
+        || async {
+            let pids = cluster.server_pids().unwrap();
+            signal("CONT", pids).await
+        },
+    )
+    .await;
+    drop(pids);
+}
+
+/// A TCP path that black-holes both ways (nothing arrives, nothing is refused, no FIN
+/// gets through) between the ledger and Postgres: a proxy in this test, which either
+/// forwards or holds everything until it heals.
+struct BlackHole {
+    /// Where the ledger connects.
+    port: u16,
+    /// `true` while the path is cut.
+    cut: tokio::sync::watch::Sender<bool>,
+}
+
+impl BlackHole {
+    async fn start(target: u16) -> BlackHole {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (cut, cut_rx) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let mut cut = cut_rx.clone();
+                tokio::spawn(async move {
+                    // A connection made while the path is cut gets no further.
+                    let _ = cut.wait_for(|cut| !*cut).await;
+                    let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await
+                    else {
+                        return;
+                    };
+                    let (client_read, client_write) = client.into_split();
+                    let (server_read, server_write) = server.into_split();
+                    tokio::spawn(Self::pipe(client_read, server_write, cut.clone()));
+                    tokio::spawn(Self::pipe(server_read, client_write, cut));
+                });
+            }
+        });
+        BlackHole { port, cut }
+    }
+
+    /// Forwards `from` to `to` while the path is whole; holds everything, the end of the
+    /// stream included, while it is cut.
+    async fn pipe(
+        mut from: tokio::net::tcp::OwnedReadHalf,
+        mut to: tokio::net::tcp::OwnedWriteHalf,
+        mut cut: tokio::sync::watch::Receiver<bool>,
+    ) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            let _ = cut.wait_for(|cut| !*cut).await;
+            let n = match from.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            let _ = cut.wait_for(|cut| !*cut).await;
+            if to.write_all(&buf[..n]).await.is_err() {
+                break;
+            }
+        }
+        let _ = cut.wait_for(|cut| !*cut).await;
+        let _ = to.shutdown().await;
+    }
+}
+
+/// The ledger's path to Postgres black-holed for 7 s under load: the same promises as a
+/// frozen server.
+#[tokio::test]
+async fn a_black_holed_database_path_holds_no_charge_past_the_round_trip_bound() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let cluster = own_cluster().await;
+    let url = cluster.url("postgres");
+    let hole = BlackHole::start(cluster.port()).await;
+    let through_hole = format!("postgres://postgres@127.0.0.1:{}/postgres", hole.port);
+    let chain = Chain::spawn_on(Options::default(), through_hole).await;
+    chain.set_faults(LEDGER, delayed(20)).await;
+    stall_the_database_under_load(
+        "database path black-holed 7 s",
+        &chain.addrs[EDGE],
+        &url,
+        || async {
+            hole.cut.send_replace(true);
+        },
+        || async {
+            hole.cut.send_replace(false);
+        },
+    )
+    .await;
+    drop(cluster);
 }

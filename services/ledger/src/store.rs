@@ -4,7 +4,8 @@
 //!
 //! ```text
 //! (same key already running in this process? wait for it in memory: key_locks)
-//! BEGIN; SET LOCAL lock_timeout, statement_timeout = <time left>,
+//! BEGIN; SET LOCAL lock_timeout = <half the round-trip bound>,
+//!        statement_timeout = <time left, at most 3/4 of the bound>,
 //!        idle_in_transaction_session_timeout = <time left + slack>   -- one round trip
 //! INSERT INTO idempotency_keys … ON CONFLICT DO NOTHING    -- claim the key
 //!   claimed:   processor call(s), then one statement that updates the balance,
@@ -33,6 +34,19 @@
 //!   pool still inside a transaction if BEGIN was cancelled — so it is closed, never reused.
 //!   Whether a cut-off COMMIT took effect is unknown too; the caller's retry with the same
 //!   key finds out (replay, or a fresh charge).
+//! - **The database frozen or unreachable mid-charge** (SIGSTOP, a host that stopped
+//!   answering, a network path that black-holes packets): a frozen server cannot apply its
+//!   own `statement_timeout`, so every round trip of a charge is also bounded by the
+//!   ledger's clock ([`StoreOptions::round_trip_timeout`]). Past it the charge answers
+//!   UNAVAILABLE, its connection is closed (never reused), and whether anything committed
+//!   is left to the key: the server rolls the abandoned transaction back when it notices
+//!   the closed connection (or when its idle-in-transaction timeout fires), and the
+//!   caller's retry with the same key replays or charges. The server's own timeouts sit
+//!   below that bound (statements at three quarters of it, lock waits at half), so a live
+//!   but slow server cancels its own work first and keeps the connection usable. A wait
+//!   for another ledger instance's transaction on the same key is a lock wait, not a
+//!   silent server: it is taken in turns of half the bound, each a fresh transaction,
+//!   until the request's deadline.
 //! - **This process frozen** (SIGSTOP, a stalled VM) while it holds a key: Postgres ends
 //!   the session once it has sat idle in its transaction longer than the request could
 //!   have lived, which rolls it back and frees the key for another ledger instance; TCP
@@ -48,6 +62,7 @@ use std::{
     time::Duration,
 };
 
+use prometheus_client::metrics::histogram::Histogram;
 use resilience::Deadline;
 use retrychain_node::{AccountId, AmountCents, IdempotencyKey};
 use sqlx::{
@@ -65,11 +80,6 @@ static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
 /// How long after a lost connection idle connections are pinged before use.
 pub const SUSPICION: Duration = Duration::from_secs(10);
-
-/// How long past the request's deadline a charge's statements may run before the
-/// connection is given up as unresponsive. The server-side timeouts fire first; this is for
-/// a database host that stopped answering altogether.
-pub const UNRESPONSIVE_AFTER: Duration = Duration::from_secs(2);
 
 /// Added to the request's remaining time for `idle_in_transaction_session_timeout`: the
 /// transaction is idle while the processor works, which ends before the deadline; past
@@ -203,6 +213,80 @@ pub struct StoreOptions {
     pub pool_size: u32,
     /// Longest wait for a connection, opening one included; past it, UNAVAILABLE.
     pub acquire_timeout: Duration,
+    /// Longest wait for one round trip (a statement, BEGIN, COMMIT) by the ledger's clock;
+    /// past it, UNAVAILABLE and the connection closed. See the module docs.
+    pub round_trip_timeout: Duration,
+}
+
+/// The bound on one database round trip, by this process's clock, within one request.
+#[derive(Debug, Clone, Copy)]
+struct RoundTrip<'g> {
+    /// [`StoreOptions::round_trip_timeout`].
+    limit: Duration,
+    /// Where each round trip's time goes.
+    times: &'g Histogram,
+    /// The request's deadline: a server-side timeout that fires before it was set from
+    /// this bound (the server was too slow), not from the request's time.
+    deadline: Deadline,
+}
+
+impl RoundTrip<'_> {
+    /// `work`, one round trip named `what`, or UNAVAILABLE once the bound has passed
+    /// without an answer (the caller's [`Checkout`] then closes the connection).
+    async fn bound<T, E: Into<StoreError>>(
+        self,
+        what: &'static str,
+        work: impl Future<Output = Result<T, E>>,
+    ) -> Result<T, StoreError> {
+        self.answer(what, work)
+            .await?
+            .map_err(|error| self.judge(what, error.into()))
+    }
+
+    /// `work`'s own result, or UNAVAILABLE once the bound has passed without an answer.
+    async fn answer<T, E>(
+        self,
+        what: &'static str,
+        work: impl Future<Output = Result<T, E>>,
+    ) -> Result<Result<T, E>, StoreError> {
+        let started = tokio::time::Instant::now();
+        let answer = tokio::time::timeout(self.limit, work).await;
+        self.times.observe(started.elapsed().as_secs_f64());
+        answer.map_err(|_| {
+            StoreError::Unavailable(format!(
+                "Postgres did not answer {what} within {:?}; the connection is abandoned and the key is left for a retry",
+                self.limit
+            ))
+        })
+    }
+
+    /// A server-side statement or lock timeout while the request still has time was set
+    /// from this bound: the database is too slow (UNAVAILABLE), the request is not late.
+    fn judge(self, what: &'static str, error: StoreError) -> StoreError {
+        match error {
+            StoreError::DeadlineWhileWaiting(_) if self.has_time() => StoreError::Unavailable(
+                format!("Postgres took longer than {:?} for {what}", self.limit),
+            ),
+            other => other,
+        }
+    }
+
+    /// Whether the request still has time.
+    fn has_time(self) -> bool {
+        !self.deadline.remaining().is_zero()
+    }
+
+    /// The server's `statement_timeout` within a request with `left_ms` to go: the
+    /// request's time, but under this bound, so a live server cancels its own statement
+    /// before this process gives up on the connection.
+    fn statement_timeout_ms(self, left_ms: u128) -> u128 {
+        left_ms.min(self.limit.as_millis() * 3 / 4).max(1)
+    }
+
+    /// The server's `lock_timeout`: one turn of waiting on another transaction.
+    fn lock_turn_ms(self) -> u128 {
+        (self.limit.as_millis() / 2).max(1)
+    }
 }
 
 /// After a connection was lost, idle connections are suspect (a restart broke them all)
@@ -251,15 +335,29 @@ pub struct KeyStore {
     gauges: Arc<StoreGauges>,
     /// The pool's size limit, to tell a busy pool from a lost database.
     max_connections: u32,
+    /// The bound on each round trip ([`StoreOptions::round_trip_timeout`]).
+    round_trip_timeout: Duration,
 }
 
 /// What the store counts for `/metrics`.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct StoreGauges {
     /// Requests waiting for a connection now.
     acquiring: AtomicU64,
     /// Requests that waited for another request with their key, since start.
     key_waits: AtomicU64,
+    /// Round-trip times.
+    round_trips: Histogram,
+}
+
+impl Default for StoreGauges {
+    fn default() -> Self {
+        Self {
+            acquiring: AtomicU64::default(),
+            key_waits: AtomicU64::default(),
+            round_trips: Histogram::new(retrychain_node::metrics::round_trip_buckets()),
+        }
+    }
 }
 
 /// One request counted in a gauge while it waits, however the wait ends (cancellation
@@ -294,6 +392,10 @@ impl retrychain_node::metrics::DatabaseGauges for KeyStore {
 
     fn key_waits_total(&self) -> u64 {
         self.gauges.key_waits.load(Ordering::Relaxed)
+    }
+
+    fn round_trip_seconds(&self) -> Histogram {
+        self.gauges.round_trips.clone()
     }
 }
 
@@ -356,6 +458,7 @@ impl KeyStore {
             keys: Arc::new(KeyLocks::default()),
             gauges: Arc::default(),
             max_connections: options.pool_size,
+            round_trip_timeout: options.round_trip_timeout,
         })
     }
 
@@ -407,27 +510,24 @@ impl KeyStore {
                 // Running here now — unless it already finished and this is a repeat.
                 None => {
                     let mut conn = self.acquire(deadline).await?;
-                    let result = within(
-                        deadline,
-                        replay_or_in_flight(conn.get(), account, key, amount),
-                    )
-                    .await;
+                    let rt = self.round_trip(deadline);
+                    let result = replay_or_in_flight(conn.get(), rt, account, key, amount).await;
                     return self.settle(conn, result);
                 }
             },
         };
         let mut conn = self.acquire(deadline).await?;
-        let result = within(
-            deadline,
-            charge_in_transaction(
-                conn.get(),
+        let result = charge_in_transaction(
+            conn.get(),
+            self.round_trip(deadline),
+            Charge {
                 account,
                 key,
                 amount,
                 deadline,
                 in_flight,
-                process,
-            ),
+            },
+            process,
         )
         .await;
         self.settle(conn, result)
@@ -441,15 +541,21 @@ impl KeyStore {
     ) -> Result<Option<(i64, i64)>, StoreError> {
         let mut conn = self.acquire(deadline).await?;
         let read = async {
-            let row =
-                sqlx::query("SELECT balance_cents, charges FROM accounts WHERE account_id = $1")
+            let row = self
+                .round_trip(deadline)
+                .bound(
+                    "reading the account",
+                    sqlx::query(
+                        "SELECT balance_cents, charges FROM accounts WHERE account_id = $1",
+                    )
                     .bind(account.as_str())
-                    .fetch_optional(conn.get())
-                    .await?;
+                    .fetch_optional(conn.get()),
+                )
+                .await?;
             row.map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
                 .transpose()
         };
-        let result = within(deadline, read).await;
+        let result = read.await;
         self.settle(conn, result)
     }
 
@@ -477,6 +583,15 @@ impl KeyStore {
             if deleted < batch as u64 {
                 return Ok(purged);
             }
+        }
+    }
+
+    /// The round-trip bound for a request ending at `deadline`.
+    fn round_trip(&self, deadline: Deadline) -> RoundTrip<'_> {
+        RoundTrip {
+            limit: self.round_trip_timeout,
+            times: &self.gauges.round_trips,
+            deadline,
         }
     }
 
@@ -556,122 +671,79 @@ impl Drop for Checkout {
     }
 }
 
-/// Runs one use of a connection, giving up on it [`UNRESPONSIVE_AFTER`] past the deadline
-/// (the server-side timeouts end statements at the deadline; only a host that stopped
-/// answering gets this far).
-async fn within<T>(
-    deadline: Deadline,
-    work: impl Future<Output = Result<T, StoreError>>,
-) -> Result<T, StoreError> {
-    tokio::time::timeout_at(deadline.instant() + UNRESPONSIVE_AFTER, work)
-        .await
-        .unwrap_or_else(|_| {
-            Err(StoreError::Unavailable(format!(
-                "Postgres did not answer within {UNRESPONSIVE_AFTER:?} past the deadline"
-            )))
-        })
-}
-
-/// The transaction of one charge; see the module docs.
+/// The transaction of one charge; see the module docs. A turn that found the key held by
+/// another transaction (another ledger instance) rolls back and starts over, until the
+/// request's deadline; so a wait for a live lock is told apart from a server that stopped
+/// answering.
 async fn charge_in_transaction<F, Fut>(
     conn: &mut PgConnection,
-    account: &AccountId,
-    key: &IdempotencyKey,
-    amount: AmountCents,
-    deadline: Deadline,
-    in_flight: InFlight,
+    rt: RoundTrip<'_>,
+    charge: Charge<'_>,
     process: F,
 ) -> Result<ChargeOutcome, StoreError>
 where
     F: FnOnce() -> Fut,
     Fut: Future<Output = Result<(), tonic::Status>>,
 {
-    // Every wait and statement ends at the deadline: at least 1 ms (0 would mean "no
-    // limit"), at most what Postgres accepts (a 1000-hour grpc-timeout would otherwise fail
-    // BEGIN). The session ends if it idles in this transaction well past the deadline: only
-    // a frozen ledger does that, and its key must not stay locked.
-    let left_ms = deadline.remaining().as_millis().clamp(1, i32::MAX as u128);
-    let idle_ms = (left_ms + IDLE_SLACK_MS).min(i32::MAX as u128);
-    let begin = format!(
-        "BEGIN; SET LOCAL lock_timeout = {left_ms}; SET LOCAL statement_timeout = {left_ms}; \
-         SET LOCAL idle_in_transaction_session_timeout = {idle_ms}"
-    );
-    // Whatever went wrong in BEGIN, the session's state is unknown (sqlx counts the
-    // transaction only once BEGIN has answered): the connection is not to be reused.
-    let mut tx =
-        conn.begin_with(AssertSqlSafe(begin))
-            .await
-            .map_err(|error| match StoreError::from(error) {
-                in_doubt @ (StoreError::Unavailable(_) | StoreError::Database(_)) => in_doubt,
-                other => StoreError::Unavailable(format!("BEGIN failed: {other}")),
-            })?;
-
-    if in_flight == InFlight::Reject {
-        // A transaction-scoped advisory lock on (account, key) tells "another ledger
-        // instance is running this key" without waiting. Two keys whose hashes collide can
-        // only cause a spurious ABORTED, which the caller retries.
-        let free: bool =
-            sqlx::query_scalar("SELECT pg_try_advisory_xact_lock(hashtext($1), hashtext($2))")
-                .bind(account.as_str())
-                .bind(key.as_str())
-                .fetch_one(&mut *tx)
-                .await?;
-        if !free {
-            return match saved(&mut tx, account, key).await? {
-                Some(row) => row.replay(account, amount),
-                None => Err(StoreError::InFlight),
-            };
+    let Charge {
+        account,
+        key,
+        amount,
+        deadline,
+        ..
+    } = charge;
+    let mut tx = loop {
+        let mut tx = begin(&mut *conn, rt, deadline).await?;
+        match claim(&mut tx, rt, &charge).await? {
+            Claim::Claimed => break tx,
+            Claim::Settled(outcome) => return Ok(outcome),
+            Claim::Busy => {
+                rt.bound("ROLLBACK", tx.rollback()).await?;
+                if deadline.remaining().is_zero() {
+                    return Err(StoreError::DeadlineWhileWaiting(
+                        "waiting for a request with the same key to finish",
+                    ));
+                }
+            }
         }
-    }
-
-    let claimed = sqlx::query(
-        "INSERT INTO idempotency_keys (account_id, idempotency_key, request_amount_cents) \
-         VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
-    )
-    .bind(account.as_str())
-    .bind(key.as_str())
-    .bind(amount.get())
-    .execute(&mut *tx)
-    .instrument(tracing::info_span!("claim_key"))
-    .await?
-    .rows_affected()
-        == 1;
-
-    if !claimed {
-        return saved(&mut tx, account, key)
-            .await?
-            .ok_or(StoreError::Purged)?
-            .replay(account, amount);
-    }
+    };
 
     process().await.map_err(StoreError::Processor)?;
 
     let charge_id = Uuid::new_v4();
-    let balance_cents: i64 = sqlx::query_scalar(
-        "WITH account AS ( \
-             INSERT INTO accounts (account_id, balance_cents, charges) VALUES ($1, $2, 1) \
-             ON CONFLICT (account_id) DO UPDATE \
-             SET balance_cents = accounts.balance_cents + EXCLUDED.balance_cents, \
-                 charges = accounts.charges + 1, updated_at = now() \
-             RETURNING balance_cents), \
-         charge AS ( \
-             INSERT INTO charges (charge_id, account_id, amount_cents, balance_cents, idempotency_key) \
-             SELECT $3, $1, $2, balance_cents, $4 FROM account \
-             RETURNING charge_id, balance_cents) \
-         UPDATE idempotency_keys SET charge_id = charge.charge_id, balance_cents = charge.balance_cents \
-         FROM charge WHERE idempotency_keys.account_id = $1 AND idempotency_keys.idempotency_key = $4 \
-         RETURNING charge.balance_cents",
-    )
-    .bind(account.as_str())
-    .bind(amount.get())
-    .bind(charge_id)
-    .bind(key.as_str())
-    .fetch_one(&mut *tx)
-    .instrument(tracing::info_span!("record_charge"))
-    .await?;
-    tx.commit()
-        .instrument(tracing::info_span!("commit"))
+    let balance_cents: i64 = rt
+        .bound(
+            "recording the charge",
+            sqlx::query_scalar(
+                "WITH account AS ( \
+                     INSERT INTO accounts (account_id, balance_cents, charges) VALUES ($1, $2, 1) \
+                     ON CONFLICT (account_id) DO UPDATE \
+                     SET balance_cents = accounts.balance_cents + EXCLUDED.balance_cents, \
+                         charges = accounts.charges + 1, updated_at = now() \
+                     RETURNING balance_cents), \
+                 charge AS ( \
+                     INSERT INTO charges (charge_id, account_id, amount_cents, balance_cents, idempotency_key) \
+                     SELECT $3, $1, $2, balance_cents, $4 FROM account \
+                     RETURNING charge_id, balance_cents) \
+                 UPDATE idempotency_keys SET charge_id = charge.charge_id, balance_cents = charge.balance_cents \
+                 FROM charge WHERE idempotency_keys.account_id = $1 AND idempotency_keys.idempotency_key = $4 \
+                 RETURNING charge.balance_cents",
+            )
+            .bind(account.as_str())
+            .bind(amount.get())
+            .bind(charge_id)
+            .bind(key.as_str())
+            .fetch_one(&mut *tx)
+            .instrument(tracing::info_span!("record_charge")),
+        )
         .await?;
+    // A COMMIT that does not answer in time is an ambiguous outcome: UNAVAILABLE, and the
+    // caller's retry with the same key finds out which (replay, or a fresh charge).
+    rt.bound(
+        "COMMIT",
+        tx.commit().instrument(tracing::info_span!("commit")),
+    )
+    .await?;
     Ok(ChargeOutcome::Executed(SavedReply {
         charge_id,
         account_id: account.as_str().to_owned(),
@@ -680,15 +752,130 @@ where
     }))
 }
 
+/// What one charge is: the request's values, parsed, and how it waits.
+#[derive(Clone, Copy)]
+struct Charge<'a> {
+    account: &'a AccountId,
+    key: &'a IdempotencyKey,
+    amount: AmountCents,
+    deadline: Deadline,
+    in_flight: InFlight,
+}
+
+/// What one turn of claiming a key came to.
+enum Claim {
+    /// This request holds the key, in the open transaction: charge.
+    Claimed,
+    /// The key was already there (or running elsewhere, with `--in-flight reject`).
+    Settled(ChargeOutcome),
+    /// Another transaction holds the key and did not finish within this turn.
+    Busy,
+}
+
+/// BEGIN, with the transaction's timeouts, in one round trip.
+async fn begin<'c>(
+    conn: &'c mut PgConnection,
+    rt: RoundTrip<'_>,
+    deadline: Deadline,
+) -> Result<sqlx::Transaction<'c, Postgres>, StoreError> {
+    // Every statement ends by the deadline and under the round-trip bound: at least 1 ms
+    // (0 would mean "no limit"), at most what Postgres accepts (a 1000-hour grpc-timeout
+    // would otherwise fail BEGIN). The session ends if it idles in this transaction well
+    // past the deadline: only a frozen ledger does that, and its key must not stay locked.
+    let left_ms = deadline.remaining().as_millis().clamp(1, i32::MAX as u128);
+    let statement_ms = rt.statement_timeout_ms(left_ms);
+    let lock_ms = rt.lock_turn_ms().min(statement_ms);
+    let idle_ms = (left_ms + IDLE_SLACK_MS).min(i32::MAX as u128);
+    let begin = format!(
+        "BEGIN; SET LOCAL lock_timeout = {lock_ms}; SET LOCAL statement_timeout = {statement_ms}; \
+         SET LOCAL idle_in_transaction_session_timeout = {idle_ms}"
+    );
+    // Whatever went wrong in BEGIN, the session's state is unknown (sqlx counts the
+    // transaction only once BEGIN has answered): the connection is not to be reused.
+    rt.bound("BEGIN", conn.begin_with(AssertSqlSafe(begin)))
+        .await
+        .map_err(|error| match error {
+            in_doubt @ (StoreError::Unavailable(_) | StoreError::Database(_)) => in_doubt,
+            other => StoreError::Unavailable(format!("BEGIN failed: {other}")),
+        })
+}
+
+/// One turn of claiming the charge's key in `tx`; see [`charge_in_transaction`].
+async fn claim(
+    tx: &mut PgConnection,
+    rt: RoundTrip<'_>,
+    charge: &Charge<'_>,
+) -> Result<Claim, StoreError> {
+    let Charge {
+        account,
+        key,
+        amount,
+        in_flight,
+        ..
+    } = *charge;
+    if in_flight == InFlight::Reject {
+        // A transaction-scoped advisory lock on (account, key) tells "another ledger
+        // instance is running this key" without waiting. Two keys whose hashes collide can
+        // only cause a spurious ABORTED, which the caller retries.
+        let free: bool = rt
+            .bound(
+                "taking the key's advisory lock",
+                sqlx::query_scalar("SELECT pg_try_advisory_xact_lock(hashtext($1), hashtext($2))")
+                    .bind(account.as_str())
+                    .bind(key.as_str())
+                    .fetch_one(&mut *tx),
+            )
+            .await?;
+        if !free {
+            return match saved(tx, rt, account, key).await? {
+                Some(row) => row.replay(account, amount).map(Claim::Settled),
+                None => Err(StoreError::InFlight),
+            };
+        }
+    }
+    let inserted = rt
+        .answer(
+            "claiming the key",
+            sqlx::query(
+                "INSERT INTO idempotency_keys (account_id, idempotency_key, request_amount_cents) \
+                 VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
+            )
+            .bind(account.as_str())
+            .bind(key.as_str())
+            .bind(amount.get())
+            .execute(&mut *tx)
+            .instrument(tracing::info_span!("claim_key")),
+        )
+        .await?;
+    match inserted {
+        Ok(done) if done.rows_affected() == 1 => Ok(Claim::Claimed),
+        Ok(_) => saved(tx, rt, account, key)
+            .await?
+            .ok_or(StoreError::Purged)?
+            .replay(account, amount)
+            .map(Claim::Settled),
+        // lock_not_available, our lock_timeout, with time left: this turn is over, not the
+        // request.
+        Err(error) if is_lock_timeout(&error) && rt.has_time() => Ok(Claim::Busy),
+        Err(error) => Err(rt.judge("claiming the key", error.into())),
+    }
+}
+
+/// Whether `error` is Postgres's `lock_not_available` (our `lock_timeout`).
+fn is_lock_timeout(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(db) if db.code().as_deref() == Some("55P03"))
+}
+
 /// `--in-flight reject`, when this key is already running in this process: its saved
 /// reply if it has in fact finished (a plain read, no lock), else ABORTED.
 async fn replay_or_in_flight(
     conn: &mut PgConnection,
+    rt: RoundTrip<'_>,
     account: &AccountId,
     key: &IdempotencyKey,
     amount: AmountCents,
 ) -> Result<ChargeOutcome, StoreError> {
-    match saved(conn, account, key).await? {
+    match saved(conn, rt, account, key).await? {
         Some(row) if row.reply.is_some() => row.replay(account, amount),
         _ => Err(StoreError::InFlight),
     }
@@ -730,17 +917,22 @@ impl KeyRow {
 /// The committed row of (account, key), if any.
 async fn saved(
     conn: &mut PgConnection,
+    rt: RoundTrip<'_>,
     account: &AccountId,
     key: &IdempotencyKey,
 ) -> Result<Option<KeyRow>, StoreError> {
-    let row = sqlx::query(
-        "SELECT request_amount_cents, charge_id, balance_cents FROM idempotency_keys \
-         WHERE account_id = $1 AND idempotency_key = $2",
-    )
-    .bind(account.as_str())
-    .bind(key.as_str())
-    .fetch_optional(conn)
-    .await?;
+    let row = rt
+        .bound(
+            "reading the key's saved reply",
+            sqlx::query(
+                "SELECT request_amount_cents, charge_id, balance_cents FROM idempotency_keys \
+                 WHERE account_id = $1 AND idempotency_key = $2",
+            )
+            .bind(account.as_str())
+            .bind(key.as_str())
+            .fetch_optional(conn),
+        )
+        .await?;
     let Some(row) = row else { return Ok(None) };
     let reply = match (
         row.try_get::<Option<Uuid>, _>("charge_id")?,

@@ -11,9 +11,10 @@ pub enum InvalidInput {
     /// The idempotency key is missing or malformed.
     #[error("idempotency-key {0}")]
     Key(&'static str),
-    /// The account id is empty, too long, or holds a control character.
+    /// The account id is empty, too long, or not written in its one spelling
+    /// ([`AccountId::parse`]).
     #[error("account_id {0}")]
-    Account(&'static str),
+    Account(String),
     /// The amount is outside 1..=1_000_000_000_000 cents.
     #[error("amount_cents must be between 1 and {max}, got {got}", max = AmountCents::MAX)]
     Amount {
@@ -78,23 +79,127 @@ impl AccountId {
     /// Longest id accepted, in characters.
     pub const MAX_CHARS: usize = 64;
 
-    /// 1 to 64 characters (Unicode scalar values, not bytes), none of them a control
-    /// character (Unicode category Cc: U+0000..=U+001F and U+007F..=U+009F).
+    /// 1 to 64 characters (Unicode scalar values, not bytes) in the id's one spelling.
     ///
-    /// An account id is shown in logs, statements and support tools, so it must be printable
-    /// text; and Postgres refuses NUL in `TEXT` outright, which would otherwise surface as a
-    /// database error instead of a clear INVALID_ARGUMENT.
+    /// An account id names money. Two ids that look the same on a screen, in a log or in a
+    /// support tool must be the same account, or one customer can be made to pay into, or
+    /// be mistaken for, another (`alice` and `ali\u{200B}ce`). So an id is refused
+    /// (INVALID_ARGUMENT, nothing written) unless it is written the one way its characters
+    /// allow, rather than normalised: a normalised id would be stored under a spelling the
+    /// caller never sent, and the caller's own records would disagree with ours. Refused:
+    ///
+    /// - control characters (Cc: NUL, tab, newline, DEL, C1) — Postgres refuses NUL in
+    ///   `TEXT` outright, and the rest corrupt logs;
+    /// - format characters (Cf: zero-width space and joiners, bidi controls such as the
+    ///   right-to-left override, BOM, word joiner, soft hyphen) — invisible;
+    /// - unassigned code points and noncharacters (Cn), and private-use ones (Co) — no agreed
+    ///   glyph, so no agreed meaning;
+    /// - any space but one ASCII space between two other characters (no-break, ideographic
+    ///   and other spaces, line and paragraph separators, leading, trailing or doubled
+    ///   spaces);
+    /// - outside ASCII, any character that Unicode's security profile for identifiers
+    ///   (UTS #39, Identifier_Status) does not allow: invisible fillers and variation
+    ///   selectors, compatibility forms that look like another character (fullwidth `ａ`,
+    ///   ligatures, superscripts), obsolete scripts, symbols;
+    /// - text not in Unicode Normalization Form C (`café` with a combining accent, which
+    ///   looks exactly like the precomposed `café`);
+    /// - letters from scripts that do not go together (UTS #39 "highly restrictive": one
+    ///   script, or Latin with Han and the Japanese kana, or with Han and Bopomofo, or with
+    ///   Han and Hangul), so a Cyrillic `а` cannot stand in for the Latin `a` in `alice`.
+    ///
+    /// Ids written wholly in one non-Latin script that happen to look like a Latin word are
+    /// still different accounts, as they are in every system that names things in more than
+    /// one script.
     pub fn parse(raw: &str) -> Result<Self, InvalidInput> {
+        use unicode_normalization::{IsNormalized, is_nfc_quick};
+        use unicode_properties::{GeneralCategory, UnicodeGeneralCategory};
+        use unicode_security::{
+            GeneralSecurityProfile, RestrictionLevel, RestrictionLevelDetection,
+        };
+
+        let refuse = |why: String| Err(InvalidInput::Account(why));
         if raw.is_empty() {
-            return Err(InvalidInput::Account("must not be empty"));
+            return refuse("must not be empty".into());
         }
         if raw.chars().count() > Self::MAX_CHARS {
-            return Err(InvalidInput::Account("must be at most 64 characters"));
+            return refuse(format!("must be at most {} characters", Self::MAX_CHARS));
         }
-        if raw.chars().any(char::is_control) {
-            return Err(InvalidInput::Account(
-                "must not contain control characters (NUL, tab, newline, BEL, DEL, …)",
-            ));
+        for c in raw.chars() {
+            if c.is_ascii_graphic() || c == ' ' {
+                continue; // the common case, and a spelling of its own
+            }
+            let point = format!("U+{:04X}", u32::from(c));
+            match c.general_category() {
+                GeneralCategory::Control => {
+                    return refuse(format!(
+                        "must not contain control characters (NUL, tab, newline, BEL, DEL, …): it holds {point}"
+                    ));
+                }
+                GeneralCategory::Format => {
+                    return refuse(format!(
+                        "must not contain invisible format characters (zero-width characters, bidi controls, BOM, word joiner, soft hyphen): it holds {point}"
+                    ));
+                }
+                GeneralCategory::Unassigned => {
+                    return refuse(format!(
+                        "must not contain unassigned code points or noncharacters: it holds {point}"
+                    ));
+                }
+                GeneralCategory::PrivateUse => {
+                    return refuse(format!(
+                        "must not contain private-use code points: it holds {point}"
+                    ));
+                }
+                GeneralCategory::SpaceSeparator
+                | GeneralCategory::LineSeparator
+                | GeneralCategory::ParagraphSeparator
+                    if c != ' ' =>
+                {
+                    return refuse(format!(
+                        "may separate words only with the ASCII space: it holds {point}"
+                    ));
+                }
+                _ => {}
+            }
+            if !c.is_ascii() && !c.identifier_allowed() {
+                return refuse(format!(
+                    "must not contain {point}: Unicode's identifier profile (UTS #39) excludes it as invisible, a look-alike compatibility form, obsolete or a symbol"
+                ));
+            }
+        }
+        if raw.starts_with(' ') || raw.ends_with(' ') || raw.contains("  ") {
+            return refuse(
+                "must not begin or end with a space, or hold two spaces in a row".into(),
+            );
+        }
+        if raw.is_ascii() {
+            return Ok(Self(raw.to_owned())); // ASCII is in NFC and of one script
+        }
+        let nfc = match is_nfc_quick(raw.chars()) {
+            IsNormalized::Yes => true,
+            IsNormalized::No => false,
+            IsNormalized::Maybe => unicode_normalization::is_nfc(raw),
+        };
+        if !nfc {
+            return refuse(
+                "must be in Unicode Normalization Form C (a combining accent written apart from its letter, say); send the composed form".into(),
+            );
+        }
+        // Scripts are judged on the letters: ASCII digits, spaces and punctuation belong to
+        // every script, but UTS #39's detection would refuse them as non-identifier
+        // characters.
+        let letters: String = raw
+            .chars()
+            .filter(|c| !c.is_ascii() || c.is_ascii_alphanumeric())
+            .collect();
+        if !letters
+            .as_str()
+            .check_restriction_level(RestrictionLevel::HighlyRestrictive)
+        {
+            return refuse(
+                "must not mix letters of different scripts (a Cyrillic а among Latin letters, say)"
+                    .into(),
+            );
         }
         Ok(Self(raw.to_owned()))
     }
@@ -175,6 +280,58 @@ mod tests {
             AccountId::parse("Zoë Smith-Ångström 名前").is_ok(),
             "printable Unicode"
         );
+    }
+
+    /// Every pair here looks like one account on a screen; the second of each is refused.
+    #[test]
+    fn look_alike_account_ids_are_refused() {
+        for (plain, look_alike) in [
+            ("alice", "ali\u{200B}ce"),        // zero-width space
+            ("alice", "\u{FEFF}alice"),        // BOM
+            ("alice", "\u{202E}ecila"),        // right-to-left override
+            ("bob", "bob\u{2060}"),            // word joiner
+            ("bob", "b\u{200D}ob"),            // zero-width joiner
+            ("bob", "bo\u{00AD}b"),            // soft hyphen
+            ("alice", "\u{061C}alice"),        // Arabic letter mark
+            ("café", "cafe\u{0301}"),          // NFD
+            ("Å", "A\u{030A}"),                // NFD
+            ("alice", "аlice"),                // Cyrillic а
+            ("paypal", "pаypal"),              // Cyrillic а inside
+            ("alice", "ａlice"),               // fullwidth
+            ("office", "o\u{FB03}ce"),         // ligature ffi
+            ("bob", "bob\u{FE0F}"),            // variation selector
+            ("bob", "bob\u{034F}"),            // combining grapheme joiner
+            ("bob", "bob\u{3164}"),            // Hangul filler
+            ("bob smith", "bob\u{00A0}smith"), // no-break space
+            ("bob smith", "bob\u{3000}smith"), // ideographic space
+            ("bob smith", "bob  smith"),       // two spaces
+            ("bob", "bob "),                   // trailing space
+            ("bob", " bob"),                   // leading space
+            ("bob", "bob\u{2028}"),            // line separator
+            ("bob", "bob\u{E000}"),            // private use
+            ("bob", "bob\u{F0000}"),           // supplementary private use
+            ("bob", "bob\u{FFFF}"),            // noncharacter
+            ("bob", "bob\u{0378}"),            // unassigned
+            ("bob", "bob\u{E0041}"),           // tag character
+        ] {
+            assert!(AccountId::parse(plain).is_ok(), "{plain:?}");
+            let refused = AccountId::parse(look_alike).expect_err(look_alike);
+            assert!(
+                matches!(&refused, InvalidInput::Account(why) if why.len() > 20),
+                "{look_alike:?}: {refused}"
+            );
+        }
+        for fine in [
+            "café",
+            "Ωμέγα",
+            "Москва",
+            "東京タワー",
+            "서울",
+            "user_42.acct-7@example",
+            "Zoë Smith",
+        ] {
+            assert!(AccountId::parse(fine).is_ok(), "{fine:?}");
+        }
     }
 
     #[test]

@@ -9,6 +9,8 @@
 //!   port's `/metrics`.
 //! - [`faults`]: [`FaultSwitch`], the fault knobs on a service's downstream call.
 //! - [`control`]: the `Control` gRPC service over a [`Node`].
+//! - [`limits`]: what a port facing untrusted clients bounds below gRPC: connections,
+//!   silent connections, metadata size.
 //! - [`rpc`]: [`RpcScope`], the first and last thing every Payments handler does.
 //! - [`server`]: [`serve`], the one server stack all five services run, on a public and
 //!   an admin port.
@@ -22,6 +24,7 @@ use retrychain_proto::v1::Stats;
 pub mod control;
 pub mod domain;
 pub mod faults;
+pub mod limits;
 pub mod metadata;
 pub mod metrics;
 pub mod rpc;
@@ -63,6 +66,8 @@ pub struct Node {
     pub budget: Option<Arc<dyn Throttle>>,
     /// The ledger's database gauges for `/metrics`, once it has connected.
     pub database: std::sync::OnceLock<Arc<dyn metrics::DatabaseGauges>>,
+    /// Bounds on the public port's connections.
+    pub connection_limits: limits::ConnectionLimits,
 }
 
 /// How a [`Node`] is set up; the rest of its state starts empty.
@@ -80,6 +85,8 @@ pub struct NodeConfig {
     pub allow_retry_mode_override: bool,
     /// See [`Node::budget`].
     pub budget: Option<Arc<dyn Throttle>>,
+    /// See [`Node::connection_limits`].
+    pub connection_limits: limits::ConnectionLimits,
 }
 
 impl Node {
@@ -95,6 +102,7 @@ impl Node {
             allow_retry_mode_override: config.allow_retry_mode_override,
             budget: config.budget,
             database: std::sync::OnceLock::new(),
+            connection_limits: config.connection_limits,
         }
     }
 

@@ -18,6 +18,7 @@
 //! | `ledger_executions_total`, `ledger_replays_total` | counter | Stats `executions`, `replays` |
 //! | `ledger_in_flight_waits_total` | counter | duplicates that waited for their key |
 //! | `ledger_db_connections{state="in_use"\|"idle"}`, `ledger_db_acquires_waiting` | gauge | the ledger's pool |
+//! | `ledger_db_round_trip_seconds` | histogram | each database round trip of a request |
 //!
 //! The counters are the Stats counters' totals since the process started (see
 //! [`crate::stats`]), so the two always agree up to the last `ResetStats`.
@@ -32,7 +33,7 @@ use std::{
 use prometheus_client::{
     collector::Collector,
     encoding::{DescriptorEncoder, EncodeMetric},
-    metrics::{counter::ConstCounter, gauge::ConstGauge},
+    metrics::{counter::ConstCounter, gauge::ConstGauge, histogram::Histogram},
     registry::Registry,
 };
 use tower::{Layer, Service};
@@ -49,6 +50,18 @@ pub trait DatabaseGauges: std::fmt::Debug + Send + Sync {
     fn acquires_waiting(&self) -> u64;
     /// Requests that waited for another request with their key, since start.
     fn key_waits_total(&self) -> u64;
+    /// How long each database round trip of a request took (the ledger's own clock), for
+    /// choosing the round-trip bound from what a healthy database does.
+    fn round_trip_seconds(&self) -> Histogram;
+}
+
+/// The buckets of the database round-trip histogram, in seconds: 100 µs to 5 s.
+pub fn round_trip_buckets() -> impl Iterator<Item = f64> {
+    [
+        0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+        5.0,
+    ]
+    .into_iter()
 }
 
 /// The registry a node's `/metrics` renders.
@@ -78,6 +91,13 @@ pub fn registry(node: &Arc<Node>) -> Registry {
         "Attempts made per downstream call (1 = no retry)",
         counters.attempts_per_call.clone(),
     );
+    if let Some(db) = node.database.get() {
+        registry.register(
+            "ledger_db_round_trip_seconds",
+            "Time of each database round trip of a request (a statement, BEGIN, COMMIT), by the ledger's clock",
+            db.round_trip_seconds(),
+        );
+    }
     registry.register_collector(Box::new(NodeCollector(Arc::clone(node))));
     registry
 }

@@ -23,7 +23,7 @@ use tonic_health::{
     pb::health_server::{Health, HealthServer},
 };
 
-use crate::{Node, control::ControlService};
+use crate::{Node, control::ControlService, limits};
 
 const PAYMENTS: &str = <PaymentsServer<()> as tonic::server::NamedService>::NAME;
 const CONTROL: &str = <ControlServer<ControlService> as tonic::server::NamedService>::NAME;
@@ -38,6 +38,27 @@ pub const READY_PREFIX: &str = "retrychain ready: listening on ";
 /// megabyte-sized one is an attack or a bug, refused (OUT_OF_RANGE, by tonic) before it is
 /// decoded. tonic's default would be 4 MiB.
 pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
+
+/// Concurrent streams (calls) per HTTP/2 connection; a client with more queues them. The
+/// hops' own clients multiplex every call over one connection, so it is well above the
+/// concurrency any test or benchmark here uses; an internet-facing edge lowers it.
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 1024;
+
+/// HTTP/2 flow-control window per stream: room for the largest request
+/// ([`MAX_REQUEST_BYTES`]) and its framing, not hyper's 1 MiB, so a stream that never
+/// finishes its body holds little.
+pub const STREAM_WINDOW: u32 = 128 * 1024;
+
+/// HTTP/2 flow-control window per connection: what one connection's unread request bodies
+/// may hold in all.
+pub const CONNECTION_WINDOW: u32 = 1024 * 1024;
+
+/// How often an HTTP/2 connection is pinged, so a peer that vanished (no FIN, no RST) is
+/// noticed and its streams and buffers freed.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
+
+/// How long a ping may go unanswered before the connection is closed.
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How long a stopping service waits for open connections to close.
 pub const DRAIN_GRACE: Duration = Duration::from_secs(5);
@@ -187,6 +208,17 @@ where
     };
 
     let public = Server::builder()
+        // HTTP/2 limits for a port that faces untrusted clients (the README's table).
+        .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
+        .http2_max_header_list_size(limits::MAX_HEADER_LIST_BYTES)
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+        .http2_max_local_error_reset_streams(Some(1024))
+        .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+        .layer(tower::filter::FilterLayer::new(
+            limits::MetadataLimit::check,
+        ))
         .layer(DeadlineLayer::new(node.default_deadline, reserve).with_max(node.max_deadline))
         .layer(CarryHeadersLayer::new(node.carried_headers()))
         .add_service(health_service.clone())
@@ -194,7 +226,7 @@ where
         .add_service(reflection_v1alpha(&[PAYMENTS])?)
         .add_service(PaymentsServer::new(payments).max_decoding_message_size(MAX_REQUEST_BYTES))
         .serve_with_incoming_shutdown(
-            TcpListenerStream::new(listeners.public),
+            limits::incoming(listeners.public, node.connection_limits),
             stopped(stop_rx.clone()),
         );
     let admin = admin_server(

@@ -44,6 +44,53 @@ pub fn transport_failure_as_unavailable(status: Status) -> Status {
     }
 }
 
+/// Whether a call's error proves that the request never reached the server's application,
+/// so that sending it again cannot do anything twice (gRFC A6's transparent retry):
+///
+/// - the connection could not be made (`tonic::ConnectError`);
+/// - the request was still queued in the client when its connection closed (hyper's
+///   `Canceled`, which tonic would report as CANCELLED, the caller's code);
+/// - the server's GOAWAY named a last stream below this one, or it refused the stream
+///   (RST_STREAM REFUSED_STREAM): both promise the stream was not processed (RFC 9113
+///   §8.7).
+///
+/// A connection reset or closed after the request was written is not among them: the
+/// server may have acted on it.
+pub fn never_processed(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(error);
+    while let Some(error) = next {
+        if error.is::<tonic::ConnectError>() {
+            return true;
+        }
+        if let Some(error) = error.downcast_ref::<hyper::Error>()
+            && error.is_canceled()
+        {
+            return true;
+        }
+        if let Some(error) = error.downcast_ref::<h2::Error>()
+            && error.is_remote()
+            && (error.is_go_away() || error.reason() == Some(h2::Reason::REFUSED_STREAM))
+        {
+            return true;
+        }
+        next = error.source();
+    }
+    false
+}
+
+/// Whether a call's error is the client channel's own timer enforcing the `grpc-timeout`
+/// it sent (tonic reports it as CANCELLED): the attempt's deadline passed.
+pub fn is_local_timeout(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(error);
+    while let Some(error) = next {
+        if error.is::<tonic::TimeoutExpired>() {
+            return true;
+        }
+        next = error.source();
+    }
+    false
+}
+
 /// What a failed call's `grpc-retry-pushback-ms` says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Pushback {

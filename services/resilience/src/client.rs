@@ -55,6 +55,7 @@ use std::{
         atomic::{AtomicUsize, Ordering},
     },
     task::{Context, Poll},
+    time::Duration,
 };
 
 use bytes::{Bytes, BytesMut};
@@ -67,8 +68,8 @@ use tracing::Instrument;
 
 use crate::{
     backoff::Backoff,
-    classify::transport_failure_as_unavailable,
     classify::{PUSHBACK_HEADER, Pushback, parse_pushback},
+    classify::{is_local_timeout, never_processed, transport_failure_as_unavailable},
     deadline::{format_grpc_timeout, parse_grpc_timeout},
     observe::{AttemptInfo, Refusal, RetryObserver},
     retry::{PREVIOUS_ATTEMPTS_HEADER, TIMEOUT_HEADER},
@@ -277,10 +278,14 @@ where
         let timeout = method.and_then(|m| m.timeout);
         let policy = method.and_then(|m| m.policy.clone());
         match policy {
-            None => {
-                let mut ready = ready;
-                Box::pin(ready.call(request))
-            }
+            // No retries, but a call that never reached the server is still sent again.
+            None => Box::pin(retrying(
+                ready,
+                shared,
+                RetryPolicyConfig::single_attempt(),
+                timeout,
+                request,
+            )),
             Some(CallPolicy::Retry(policy)) => {
                 Box::pin(retrying(ready, shared, policy, timeout, request))
             }
@@ -427,22 +432,41 @@ enum Verdict<R> {
     Committed(R),
     /// A Trailers-Only failure, or no answer: maybe retry.
     Failed { status: Status, answer: Option<R> },
+    /// No answer, and the request provably never reached the server's application (see
+    /// [`never_processed`]): sending it again is safe whatever the policy says, once
+    /// (gRFC A6's transparent retry). Otherwise it is an UNAVAILABLE failure.
+    Unprocessed { status: Status, answer: Option<R> },
 }
 
-/// A CANCELLED answer once the call's deadline has passed is the deadline's doing: a tonic
-/// `Channel` enforces the `grpc-timeout` it sends with a timer of its own, which reports
-/// CANCELLED — a code no caller should retry or see for a deadline.
+/// Judges an attempt's answer. CANCELLED means "the caller cancelled", and this layer's
+/// caller did not — it is still waiting for the answer — so CANCELLED never passes up:
+///
+/// - the call's deadline passed (the channel's own timer enforcing the `grpc-timeout` it
+///   sent reports CANCELLED): DEADLINE_EXCEEDED;
+/// - the request never left, or was refused unprocessed, because its connection was
+///   closing (a draining server's GOAWAY): a transparent retry, else UNAVAILABLE;
+/// - a server or connection that cancelled the call otherwise: UNAVAILABLE, the code for
+///   "try again".
 fn judge<B: Default, E: Into<BoxError>>(
     result: Result<http::Response<B>, E>,
     deadline: Option<tokio::time::Instant>,
 ) -> Verdict<Result<http::Response<B>, E>> {
     let deadline_passed = || deadline.is_some_and(|d| tokio::time::Instant::now() >= d);
+    let failed = |status: Status| Verdict::Failed {
+        answer: Some(Ok(status.clone().into_http())),
+        status,
+    };
     match result {
         Ok(response) => match Status::from_header_map(response.headers()) {
-            Some(status) if status.code() == Code::Cancelled && deadline_passed() => {
-                Verdict::Failed {
-                    status: Status::deadline_exceeded(status.message().to_owned()),
-                    answer: Some(Ok(deadline_exceeded())),
+            Some(status) if status.code() == Code::Cancelled => {
+                if deadline_passed() {
+                    failed(Status::deadline_exceeded(status.message().to_owned()))
+                } else {
+                    failed(Status::with_metadata(
+                        Code::Unavailable,
+                        format!("the server cancelled the call: {}", status.message()),
+                        status.metadata().clone(),
+                    ))
                 }
             }
             Some(status) if status.code() != Code::Ok => Verdict::Failed {
@@ -451,19 +475,34 @@ fn judge<B: Default, E: Into<BoxError>>(
             },
             _ => Verdict::Committed(Ok(response)),
         },
-        // No answer: the status tonic would have made of the error (a broken connection
-        // is UNAVAILABLE, a reset stream CANCELLED, …), answered as a gRPC response.
+        // No answer: the status tonic would have made of the error, answered as a gRPC
+        // response, with CANCELLED told apart as above.
         Err(error) => {
-            let status = transport_failure_as_unavailable(Status::from_error(error.into()));
-            if status.code() == Code::Cancelled && deadline_passed() {
-                return Verdict::Failed {
-                    status: Status::deadline_exceeded(status.message().to_owned()),
-                    answer: Some(Ok(deadline_exceeded())),
+            let error: BoxError = error.into();
+            if is_local_timeout(&*error) {
+                return failed(Status::deadline_exceeded(
+                    "the call's deadline passed before an answer",
+                ));
+            }
+            if never_processed(&*error) {
+                let status = Status::unavailable(format!(
+                    "the call never reached the server (its connection was closing or could not be made): {error}"
+                ));
+                return Verdict::Unprocessed {
+                    answer: Some(Ok(status.clone().into_http())),
+                    status,
                 };
             }
-            Verdict::Failed {
-                answer: Some(Ok(status.clone().into_http())),
-                status,
+            let status = transport_failure_as_unavailable(Status::from_error(error));
+            match status.code() {
+                Code::Cancelled if deadline_passed() => {
+                    failed(Status::deadline_exceeded(status.message().to_owned()))
+                }
+                Code::Cancelled => failed(Status::unavailable(format!(
+                    "the connection cancelled the call: {}",
+                    status.message()
+                ))),
+                _ => failed(status),
             }
         }
     }
@@ -533,6 +572,14 @@ where
         shared.throttle.as_deref(),
     );
     let mut retry_of = None;
+    let mut resent_unprocessed = false;
+    // Whether an attempt could still start after `wait`.
+    let has_room = |wait: Duration| {
+        deadline.is_none_or(|deadline| {
+            deadline.saturating_duration_since(tokio::time::Instant::now())
+                > wait + shared.min_attempt
+        })
+    };
     // The failed answer to give, and why; a success returns from inside.
     let (answer, stop) = loop {
         let previous = retrying.attempts;
@@ -581,7 +628,21 @@ where
                 shared.observer.call_finished(&path, retrying.attempts);
                 return answer;
             }
-            Verdict::Failed { status, answer } => (status, answer),
+            // Sent again at once, whatever the policy: it never reached the server. Once
+            // only, so a server that keeps refusing is not hammered; and not one of
+            // `maxAttempts` (gRFC A6), so it neither spends nor marks an attempt.
+            Verdict::Unprocessed { status, .. }
+                if !resent_unprocessed && has_room(Duration::ZERO) =>
+            {
+                span.record("outcome", "never processed");
+                resent_unprocessed = true;
+                retrying.attempts -= 1;
+                retry_of = Some(status.code());
+                continue;
+            }
+            Verdict::Failed { status, answer } | Verdict::Unprocessed { status, answer } => {
+                (status, answer)
+            }
         };
         span.record("outcome", format!("{:?}", status.code()));
         span.record("otel.status_code", "ERROR");
@@ -591,13 +652,7 @@ where
             .as_ref()
             .map(|response| pushback_of(response.headers()))
             .unwrap_or(Pushback::Absent);
-        let room = |wait| {
-            deadline.is_none_or(|deadline| {
-                deadline.saturating_duration_since(tokio::time::Instant::now())
-                    > wait + shared.min_attempt
-            })
-        };
-        match retrying.after_failure(status.code(), pushback, room, &shared.rng) {
+        match retrying.after_failure(status.code(), pushback, has_room, &shared.rng) {
             Next::RetryAfter(wait) => {
                 retry_of = Some(status.code());
                 tokio::time::sleep(wait).await;
@@ -773,7 +828,13 @@ where
         drop(inner);
         fresh
     };
+    // An attempt on its way, yielding its `grpc-previous-rpc-attempts` with its answer.
+    let send = move |previous: u32, attempt| {
+        let inner = inner.clone();
+        async move { (previous, inner.oneshot(attempt).await) }
+    };
     let mut running = FuturesUnordered::new();
+    let mut resent_unprocessed = false;
     let mut last_failure = None;
     let mut last_failure_code = None;
     let mut next_hedge = Some(tokio::time::Instant::now());
@@ -812,8 +873,7 @@ where
                     },
                 );
                 *sent += 1;
-                let inner = inner.clone();
-                running.push(async move { inner.oneshot(attempt).await });
+                running.push(send(*sent - 1, attempt));
                 if *sent < policy.max_attempts {
                     next_hedge = Some(tokio::time::Instant::now() + policy.hedging_delay);
                 }
@@ -833,15 +893,23 @@ where
         };
         tokio::select! {
             biased;
-            Some(result) = running.next(), if !running.is_empty() => {
+            Some((previous, result)) = running.next(), if !running.is_empty() => {
                 match judge(result, deadline) {
+                    // Never reached the server: sent again at once, once, not counted.
+                    Verdict::Unprocessed { .. }
+                        if !resent_unprocessed
+                            && deadline.is_none_or(|d| tokio::time::Instant::now() < d) =>
+                    {
+                        resent_unprocessed = true;
+                        running.push(send(previous, attempt_request(&parts, &body, previous, deadline)));
+                    }
                     Verdict::Committed(answer) => {
                         if let Some(throttle) = &shared.throttle {
                             throttle.attempt_succeeded();
                         }
                         return answer; // the others are dropped: cancelled
                     }
-                    Verdict::Failed { status, answer } => {
+                    Verdict::Failed { status, answer } | Verdict::Unprocessed { status, answer } => {
                         let non_fatal = policy.non_fatal_status_codes.contains(&status.code());
                         if !non_fatal {
                             return answer.unwrap_or_else(|| unreachable!("failed with an answer"));

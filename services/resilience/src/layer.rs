@@ -7,8 +7,14 @@
 //! That matters because tonic enforces `grpc-timeout` by dropping the handler and answering
 //! CANCELLED, which a caller must not retry and cannot tell from a user's cancel; a handler
 //! that answers first keeps the status honest and can put its own metadata (trace id, the
-//! key the edge made) on the answer. The layer sets no timer of its own: the handler's
-//! guard (`RpcScope::run` in retrychain-node) is the one place the deadline is enforced.
+//! key the edge made) on the answer.
+//!
+//! The layer also enforces `answer_by` itself, from the moment the request's headers
+//! arrived: tonic calls a unary handler only once the whole request body has arrived, so a
+//! client that never finishes its body (or sends it slowly) would otherwise hold a stream
+//! open with no deadline at all, and tonic's own timer would answer CANCELLED. The
+//! handler's guard (`RpcScope::run` in retrychain-node) fires at the same instant and is
+//! polled first, so a handler that is running answers with its own metadata.
 //!
 //! The handler's task also carries the deadline ([`IncomingDeadline::current`]), so a
 //! client layer below the handler ([`PropagateDeadlineLayer`]) hands every downstream call
@@ -119,7 +125,11 @@ pin_project_lite::pin_project! {
     #[project = ResponseProj]
     #[allow(missing_docs)] // the variants' fields are described above; the macro takes no field docs
     pub enum ResponseFuture<F, B> {
-        Inner { #[pin] future: TaskLocalFuture<IncomingDeadline, F> },
+        Inner {
+            #[pin] future: TaskLocalFuture<IncomingDeadline, F>,
+            #[pin] answer_by: tokio::time::Sleep,
+            timeout: Duration,
+        },
         Refused { response: Option<http::Response<B>> },
     }
 }
@@ -127,12 +137,29 @@ pin_project_lite::pin_project! {
 impl<F, B, E> Future for ResponseFuture<F, B>
 where
     F: Future<Output = Result<http::Response<B>, E>>,
+    B: Default,
 {
     type Output = Result<http::Response<B>, E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project() {
-            ResponseProj::Inner { future } => future.poll(cx),
+            ResponseProj::Inner {
+                future,
+                answer_by,
+                timeout,
+            } => {
+                if let Poll::Ready(answer) = future.poll(cx) {
+                    return Poll::Ready(answer);
+                }
+                // Dropping the inner future (done by whoever drops this one) stops reading
+                // the request's body.
+                answer_by.poll(cx).map(|()| {
+                    Ok(Status::deadline_exceeded(format!(
+                        "the deadline of {timeout:?} passed before the request was answered (or before its body had arrived)"
+                    ))
+                    .into_http())
+                })
+            }
             ResponseProj::Refused { response } => match response.take() {
                 Some(response) => Poll::Ready(Ok(response)),
                 None => Poll::Pending,
@@ -184,6 +211,8 @@ where
         let future = CURRENT.sync_scope(incoming, || self.inner.call(request));
         ResponseFuture::Inner {
             future: CURRENT.scope(incoming, future),
+            answer_by: tokio::time::sleep_until(incoming.answer_by.instant()),
+            timeout,
         }
     }
 }

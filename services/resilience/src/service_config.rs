@@ -100,6 +100,18 @@ pub struct RetryPolicyConfig {
 }
 
 impl RetryPolicyConfig {
+    /// One attempt, no retries: a method without a `retryPolicy`.
+    pub fn single_attempt() -> Self {
+        Self {
+            max_attempts: 1,
+            initial_backoff: Duration::ZERO,
+            max_backoff: Duration::ZERO,
+            backoff_multiplier: 1.0,
+            retryable_status_codes: Vec::new(),
+            jitter: BackoffKind::None,
+        }
+    }
+
     /// Up to `max_attempts` attempts, waiting as `backoff` says between them, retrying
     /// the failures whose code is in `retryable`.
     pub fn new(max_attempts: u32, backoff: crate::Backoff, retryable: Vec<Code>) -> Self {

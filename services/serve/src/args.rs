@@ -145,6 +145,10 @@ pub struct ServiceArgs {
     /// Log format.
     #[arg(long, env = "RETRYCHAIN_LOG_FORMAT", value_enum, default_value_t = LogFormatArg::Text)]
     pub log_format: LogFormatArg,
+    /// Connections the public port holds at once; more wait in the kernel's accept queue
+    /// until one closes. A connection that sends nothing for 10 s after connecting is closed.
+    #[arg(long, env = "RETRYCHAIN_MAX_CONNECTIONS", default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections: u32,
 }
 
 impl ServiceArgs {
@@ -213,4 +217,12 @@ pub struct LedgerArgs {
     /// answers UNAVAILABLE at once instead of holding the chain until its deadline.
     #[arg(long, env = "RETRYCHAIN_DB_ACQUIRE_TIMEOUT_MS", default_value_t = 250, value_parser = clap::value_parser!(u64).range(1..))]
     pub db_acquire_timeout_ms: u64,
+    /// Longest wait for one database round trip (a statement, BEGIN, COMMIT), in ms, by the
+    /// ledger's own clock: past it the charge answers UNAVAILABLE, its connection is closed
+    /// and never reused, and the key is left for a retry to resolve. A frozen or
+    /// unreachable database cannot enforce its own statement_timeout; this bound holds
+    /// anyway. Too low, and a slow but live database fails charges it would have committed
+    /// (RELIABILITY.md).
+    #[arg(long, env = "RETRYCHAIN_DB_ROUND_TRIP_TIMEOUT_MS", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..))]
+    pub db_round_trip_timeout_ms: u64,
 }

@@ -153,6 +153,7 @@ async fn ledger(
         StoreOptions {
             pool_size: args.db_pool_size,
             acquire_timeout: Duration::from_millis(args.db_acquire_timeout_ms),
+            round_trip_timeout: Duration::from_millis(args.db_round_trip_timeout_ms),
         },
     )
     .await?;
@@ -273,6 +274,10 @@ fn node(
         max_deadline: Duration::from_millis(service.max_deadline_ms),
         allow_retry_mode_override: service.allow_retry_mode_override,
         budget,
+        connection_limits: retrychain_node::limits::ConnectionLimits {
+            max_connections: service.max_connections as usize,
+            ..Default::default()
+        },
     }))
 }
 

@@ -282,6 +282,40 @@ impl TempCluster {
         &self.dir
     }
 
+    /// The server's processes: the postmaster first, then its children (backends,
+    /// background workers) — what a test freezes to stall the whole server, as a stalled
+    /// VM or a stopped container would.
+    pub fn server_pids(&self) -> Result<Vec<u32>, Error> {
+        let pidfile = fs::read_to_string(self.dir.join("data").join("postmaster.pid"))?;
+        let postmaster: u32 = pidfile
+            .lines()
+            .next()
+            .and_then(|line| line.trim().parse().ok())
+            .ok_or_else(|| Error::Io(std::io::Error::other("postmaster.pid names no pid")))?;
+        let mut pids = vec![postmaster];
+        for entry in fs::read_dir("/proc")?.flatten() {
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| n.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            // /proc/<pid>/stat: "pid (comm) state ppid …"; comm may hold spaces.
+            let Ok(stat) = fs::read_to_string(entry.path().join("stat")) else {
+                continue;
+            };
+            let parent = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+                .and_then(|ppid| ppid.parse::<u32>().ok());
+            if parent == Some(postmaster) {
+                pids.push(pid);
+            }
+        }
+        Ok(pids)
+    }
+
     /// Stops the server and removes its files, waiting until both are done.
     pub fn stop(mut self) {
         self.shutdown();
