@@ -6,25 +6,79 @@
 
 use std::process::Command;
 
+/// `docker-compose config` with `env` (and a database password unless `env` names one).
 fn config(env: &[(&str, &str)]) -> String {
-    let mut command = Command::new("docker-compose");
-    command.args([
-        "-f",
-        concat!(env!("CARGO_MANIFEST_DIR"), "/docker-compose.yml"),
-        "config",
-    ]);
-    for (k, v) in env {
-        command.env(k, v);
-    }
-    let output = command.output().expect(
-        "docker-compose is needed to validate the compose file (apt-get install docker-compose)",
-    );
+    let output = run_config(env);
     assert!(
         output.status.success(),
         "{}",
         String::from_utf8_lossy(&output.stderr)
     );
     String::from_utf8(output.stdout).unwrap()
+}
+
+fn run_config(env: &[(&str, &str)]) -> std::process::Output {
+    let mut command = Command::new("docker-compose");
+    command.args([
+        "-f",
+        concat!(env!("CARGO_MANIFEST_DIR"), "/docker-compose.yml"),
+        "config",
+    ]);
+    command.env("POSTGRES_PASSWORD", "test-password");
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    command.output().expect(
+        "docker-compose is needed to validate the compose file (apt-get install docker-compose)",
+    )
+}
+
+/// The lines of `service`'s section in resolved compose output (up to the next key at the
+/// same indentation).
+fn section(resolved: &str, service: &str) -> String {
+    let header = format!("  {service}:");
+    let mut lines = resolved.lines().skip_while(|l| *l != header);
+    assert!(lines.next().is_some(), "{service} missing");
+    lines
+        .take_while(|l| l.starts_with("   ") || l.starts_with("  -"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Only the edge faces the network: the other services' ports are published on the host's
+/// loopback only, Postgres not at all, and the database password has no default.
+#[test]
+fn only_the_edge_is_published_beyond_loopback() {
+    let resolved = config(&[]);
+    for line in resolved.lines().map(str::trim) {
+        let Some(mapping) = line.strip_prefix("- ") else {
+            continue;
+        };
+        let published = mapping.split('/').next().unwrap_or_default();
+        let parts: Vec<&str> = published.split(':').collect();
+        if parts.len() == 2 && parts.iter().all(|p| p.parse::<u16>().is_ok()) {
+            assert_eq!(
+                parts[0], "50051",
+                "only the edge's port is published on every interface: {line}"
+            );
+        }
+    }
+    assert!(
+        !section(&resolved, "postgres").contains("ports:"),
+        "Postgres is not published:\n{}",
+        section(&resolved, "postgres")
+    );
+    for port in [50052, 50053, 50054, 50055] {
+        assert!(
+            resolved.contains(&format!("127.0.0.1:{port}:{port}")),
+            "{port} on loopback"
+        );
+    }
+    let without = run_config(&[("POSTGRES_PASSWORD", "")]);
+    assert!(
+        !without.status.success(),
+        "no database password, no deployment"
+    );
 }
 
 #[test]
@@ -96,6 +150,7 @@ fn the_retry_mode_comes_from_the_shell() {
 fn the_observability_profile_is_valid_and_scrapes_the_five_admin_ports() {
     let output = Command::new("docker-compose")
         .args(["--profile", "observability", "config"])
+        .env("POSTGRES_PASSWORD", "test-password")
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .expect("docker-compose is installed");

@@ -1451,8 +1451,27 @@ async fn protocol_abuse_gets_grpc_statuses_while_others_are_served() {
     drop(connections);
     tokio::time::sleep(Duration::from_secs(1)).await;
     let rss_after = rss_kib(pid);
+
+    // The same again: memory freed by the first round is reused, not taken anew.
+    let mut silent = Vec::new();
+    for _ in 0..500 {
+        silent.push(tokio::net::TcpStream::connect(&addr).await.unwrap());
+    }
+    let connection = h2_connection(&addr).await;
+    let mut open = Vec::new();
+    for _ in 0..200 {
+        open.push(unfinished_charge(&connection, &addr, None).await);
+    }
+    for (response, _body) in open {
+        assert_eq!(grpc_status_of(response).await, "4");
+    }
+    drop(silent);
+    drop(connection);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let rss_again = rss_kib(pid);
     println!(
-        "edge RSS: {rss_before} KiB before, {rss_loaded} KiB with 500 silent connections and 200 open streams, {rss_after} KiB after"
+        "edge RSS: {rss_before} KiB before, {rss_loaded} KiB with 500 silent connections and \
+         200 open streams, {rss_after} KiB after, {rss_again} KiB after a second round"
     );
     chain
         .charge_new(Duration::from_secs(5), &[])
