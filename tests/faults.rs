@@ -1251,6 +1251,27 @@ fn rss_kib(pid: u32) -> u64 {
         .unwrap()
 }
 
+/// `count` TCP connections to `addr` from the loopback address `from` (127.x.y.z: each is
+/// a peer of its own to the server), sending nothing.
+async fn connections_from(from: &str, addr: &str, count: usize) -> Vec<tokio::net::TcpStream> {
+    let target: std::net::SocketAddr = addr.parse().unwrap();
+    let mut connections = Vec::new();
+    for _ in 0..count {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind(format!("{from}:0").parse().unwrap()).unwrap();
+        connections.push(socket.connect(target).await.unwrap());
+    }
+    connections
+}
+
+/// `count` silent connections to `addr`, from two loopback addresses (each under the
+/// per-peer limit of 256).
+async fn silent_connections(addr: &str, count: usize) -> Vec<tokio::net::TcpStream> {
+    let mut connections = connections_from("127.0.0.2", addr, count / 2).await;
+    connections.extend(connections_from("127.0.0.3", addr, count - count / 2).await);
+    connections
+}
+
 /// A raw HTTP/2 connection to `addr` (`host:port`), for requests no gRPC client sends.
 async fn h2_connection(addr: &str) -> h2::client::SendRequest<bytes::Bytes> {
     let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
@@ -1394,13 +1415,16 @@ async fn protocol_abuse_gets_grpc_statuses_while_others_are_served() {
         sent.elapsed()
     );
 
-    // 500 connections that send nothing, and 200 unfinished bodies without grpc-timeout on
-    // four connections: the default deadline (3 s here) counts from each request's arrival.
-    let mut silent = Vec::new();
-    for _ in 0..500 {
-        silent.push(tokio::net::TcpStream::connect(&addr).await.unwrap());
-    }
+    // 500 connections that send nothing (from two addresses), and 200 unfinished bodies
+    // without grpc-timeout on four connections: the default deadline (3 s here) counts
+    // from each request's arrival.
+    let silent = silent_connections(&addr, 500).await;
     let opened = Instant::now();
+    // And one that sends a single byte of the preface: not enough to keep its slot.
+    let mut one_byte = connections_from("127.0.0.5", &addr, 1).await.pop().unwrap();
+    tokio::io::AsyncWriteExt::write_all(&mut one_byte, b"P")
+        .await
+        .unwrap();
     let connections = [
         h2_connection(&addr).await,
         h2_connection(&addr).await,
@@ -1431,8 +1455,30 @@ async fn protocol_abuse_gets_grpc_statuses_while_others_are_served() {
     );
     println!("200 unfinished bodies without grpc-timeout: DEADLINE_EXCEEDED within {took:?}");
 
+    // One address may hold 256 connections (the default): the 257th is closed at once,
+    // while everybody else is still served.
+    let mut one_peer = connections_from("127.0.0.4", &addr, 257).await;
+    let mut refused = one_peer.pop().unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(2), async {
+        use tokio::io::AsyncReadExt;
+        let mut buf = [0u8; 64];
+        refused.read(&mut buf).await
+    })
+    .await
+    .expect("the 257th connection from one address is closed at once");
+    assert!(
+        matches!(ended, Ok(0) | Err(_)),
+        "closed unanswered: {ended:?}"
+    );
+    chain
+        .charge_new(Duration::from_secs(5), &[])
+        .await
+        .expect("another address is served");
+    drop(one_peer);
+
     // A connection that never sent a byte is closed after 10 s (it reads the server's
     // SETTINGS, then the end).
+    let mut silent = silent;
     let mut silent_one = silent.pop().unwrap();
     tokio::time::timeout(Duration::from_secs(15), async {
         use tokio::io::AsyncReadExt;
@@ -1443,6 +1489,15 @@ async fn protocol_abuse_gets_grpc_statuses_while_others_are_served() {
     })
     .await
     .expect("the edge closes a silent connection");
+    tokio::time::timeout(Duration::from_secs(5), async {
+        use tokio::io::AsyncReadExt;
+        let mut buf = [0u8; 64];
+        while let Ok(n) = one_byte.read(&mut buf).await
+            && n > 0
+        {}
+    })
+    .await
+    .expect("the edge closes a connection that sent one byte of its preface");
     println!(
         "a silent connection was closed after {:?}",
         opened.elapsed()
@@ -1453,10 +1508,7 @@ async fn protocol_abuse_gets_grpc_statuses_while_others_are_served() {
     let rss_after = rss_kib(pid);
 
     // The same again: memory freed by the first round is reused, not taken anew.
-    let mut silent = Vec::new();
-    for _ in 0..500 {
-        silent.push(tokio::net::TcpStream::connect(&addr).await.unwrap());
-    }
+    let silent = silent_connections(&addr, 500).await;
     let connection = h2_connection(&addr).await;
     let mut open = Vec::new();
     for _ in 0..200 {

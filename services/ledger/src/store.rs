@@ -4,8 +4,7 @@
 //!
 //! ```text
 //! (same key already running in this process? wait for it in memory: key_locks)
-//! BEGIN; SET LOCAL lock_timeout = <half the round-trip bound>,
-//!        statement_timeout = <time left, at most 3/4 of the bound>,
+//! BEGIN; SET LOCAL lock_timeout, statement_timeout = <time left, at most 3/4 of the bound>,
 //!        idle_in_transaction_session_timeout = <time left + slack>   -- one round trip
 //! INSERT INTO idempotency_keys … ON CONFLICT DO NOTHING    -- claim the key
 //!   claimed:   processor call(s), then one statement that updates the balance,
@@ -41,12 +40,12 @@
 //!   UNAVAILABLE, its connection is closed (never reused), and whether anything committed
 //!   is left to the key: the server rolls the abandoned transaction back when it notices
 //!   the closed connection (or when its idle-in-transaction timeout fires), and the
-//!   caller's retry with the same key replays or charges. The server's own timeouts sit
-//!   below that bound (statements at three quarters of it, lock waits at half), so a live
-//!   but slow server cancels its own work first and keeps the connection usable. A wait
-//!   for another ledger instance's transaction on the same key is a lock wait, not a
-//!   silent server: it is taken in turns of half the bound, each a fresh transaction,
-//!   until the request's deadline.
+//!   caller's retry with the same key replays or charges. The server's own timeouts
+//!   (statements and lock waits) sit at three quarters of that bound, so a live but slow
+//!   server cancels its own work first. A wait for another ledger instance's transaction
+//!   on the same key is a lock wait, not a silent server: it is taken in turns of that
+//!   length, each a fresh transaction, until the request's deadline. Every transaction
+//!   that does not commit is rolled back within the bound too, not left for the pool.
 //! - **This process frozen** (SIGSTOP, a stalled VM) while it holds a key: Postgres ends
 //!   the session once it has sat idle in its transaction longer than the request could
 //!   have lived, which rolls it back and frees the key for another ledger instance; TCP
@@ -281,11 +280,6 @@ impl RoundTrip<'_> {
     /// before this process gives up on the connection.
     fn statement_timeout_ms(self, left_ms: u128) -> u128 {
         left_ms.min(self.limit.as_millis() * 3 / 4).max(1)
-    }
-
-    /// The server's `lock_timeout`: one turn of waiting on another transaction.
-    fn lock_turn_ms(self) -> u128 {
-        (self.limit.as_millis() / 2).max(1)
     }
 }
 
@@ -694,10 +688,13 @@ where
     } = charge;
     let mut tx = loop {
         let mut tx = begin(&mut *conn, rt, deadline).await?;
-        match claim(&mut tx, rt, &charge).await? {
-            Claim::Claimed => break tx,
-            Claim::Settled(outcome) => return Ok(outcome),
-            Claim::Busy => {
+        match claim(&mut tx, rt, &charge).await {
+            Ok(Claim::Claimed) => break tx,
+            Ok(Claim::Settled(outcome)) => {
+                rt.bound("ROLLBACK", tx.rollback()).await?;
+                return Ok(outcome);
+            }
+            Ok(Claim::Busy) => {
                 rt.bound("ROLLBACK", tx.rollback()).await?;
                 if deadline.remaining().is_zero() {
                     return Err(StoreError::DeadlineWhileWaiting(
@@ -705,11 +702,43 @@ where
                     ));
                 }
             }
+            Err(error) => return Err(rolled_back(tx, rt, error).await),
         }
     };
 
-    process().await.map_err(StoreError::Processor)?;
+    let recorded = async {
+        process().await.map_err(StoreError::Processor)?;
+        record_charge(&mut tx, rt, account, key, amount).await
+    }
+    .await;
+    let (charge_id, balance_cents) = match recorded {
+        Ok(recorded) => recorded,
+        Err(error) => return Err(rolled_back(tx, rt, error).await),
+    };
+    // A COMMIT that does not answer in time is an ambiguous outcome: UNAVAILABLE, and the
+    // caller's retry with the same key finds out which (replay, or a fresh charge).
+    rt.bound(
+        "COMMIT",
+        tx.commit().instrument(tracing::info_span!("commit")),
+    )
+    .await?;
+    Ok(ChargeOutcome::Executed(SavedReply {
+        charge_id,
+        account_id: account.as_str().to_owned(),
+        amount_cents: amount.get(),
+        balance_cents,
+    }))
+}
 
+/// Updates the balance, inserts the charge and saves the reply on the key row, in one
+/// statement: the charge's id and the balance after it.
+async fn record_charge(
+    tx: &mut PgConnection,
+    rt: RoundTrip<'_>,
+    account: &AccountId,
+    key: &IdempotencyKey,
+    amount: AmountCents,
+) -> Result<(Uuid, i64), StoreError> {
     let charge_id = Uuid::new_v4();
     let balance_cents: i64 = rt
         .bound(
@@ -737,19 +766,25 @@ where
             .instrument(tracing::info_span!("record_charge")),
         )
         .await?;
-    // A COMMIT that does not answer in time is an ambiguous outcome: UNAVAILABLE, and the
-    // caller's retry with the same key finds out which (replay, or a fresh charge).
-    rt.bound(
-        "COMMIT",
-        tx.commit().instrument(tracing::info_span!("commit")),
-    )
-    .await?;
-    Ok(ChargeOutcome::Executed(SavedReply {
-        charge_id,
-        account_id: account.as_str().to_owned(),
-        amount_cents: amount.get(),
-        balance_cents,
-    }))
+    Ok((charge_id, balance_cents))
+}
+
+/// `error`, once `tx` is rolled back within the round-trip bound — not left for sqlx to
+/// roll back when the connection goes back to the pool, where nothing bounds it. A
+/// connection already in doubt is not asked: it will be closed. A ROLLBACK that does not
+/// answer in time is the error then (UNAVAILABLE: the connection is closed).
+async fn rolled_back(
+    tx: sqlx::Transaction<'_, Postgres>,
+    rt: RoundTrip<'_>,
+    error: StoreError,
+) -> StoreError {
+    if error.leaves_connection_in_doubt() {
+        return error;
+    }
+    match rt.bound("ROLLBACK", tx.rollback()).await {
+        Ok(()) => error,
+        Err(rollback) => rollback,
+    }
 }
 
 /// What one charge is: the request's values, parsed, and how it waits.
@@ -784,10 +819,9 @@ async fn begin<'c>(
     // past the deadline: only a frozen ledger does that, and its key must not stay locked.
     let left_ms = deadline.remaining().as_millis().clamp(1, i32::MAX as u128);
     let statement_ms = rt.statement_timeout_ms(left_ms);
-    let lock_ms = rt.lock_turn_ms().min(statement_ms);
     let idle_ms = (left_ms + IDLE_SLACK_MS).min(i32::MAX as u128);
     let begin = format!(
-        "BEGIN; SET LOCAL lock_timeout = {lock_ms}; SET LOCAL statement_timeout = {statement_ms}; \
+        "BEGIN; SET LOCAL lock_timeout = {statement_ms}; SET LOCAL statement_timeout = {statement_ms}; \
          SET LOCAL idle_in_transaction_session_timeout = {idle_ms}"
     );
     // Whatever went wrong in BEGIN, the session's state is unknown (sqlx counts the

@@ -103,16 +103,23 @@ impl AccountId {
     ///   ligatures, superscripts), obsolete scripts, symbols;
     /// - text not in Unicode Normalization Form C (`café` with a combining accent, which
     ///   looks exactly like the precomposed `café`);
+    /// - outside ASCII, anything but letters, marks and decimal digits, and letters that are
+    ///   look-alikes of ASCII punctuation (`‐` U+2010, `’` U+2019, `ʼ` U+02BC beside `-`
+    ///   and `'`);
     /// - letters from scripts that do not go together (UTS #39 "highly restrictive": one
     ///   script, or Latin with Han and the Japanese kana, or with Han and Bopomofo, or with
-    ///   Han and Hangul), so a Cyrillic `а` cannot stand in for the Latin `a` in `alice`.
+    ///   Han and Hangul), so a Cyrillic `а` cannot stand in for the Latin `a` in `alice`;
+    /// - digits of two numbering systems (`1००` beside `100`; UTS #39 §5.3);
+    /// - a dot above on i, j or a dotless ı (`alı̇ce`, `ali̇ce` beside `alice`), the same
+    ///   nonspacing mark twice in a row, or more than four in a row (UTS #39 §5.4).
     ///
     /// Ids written wholly in one non-Latin script that happen to look like a Latin word are
     /// still different accounts, as they are in every system that names things in more than
-    /// one script.
+    /// one script. Zero-width joiners are refused with the other format characters, so the
+    /// Persian and Indic spellings that use one must be written without it.
     pub fn parse(raw: &str) -> Result<Self, InvalidInput> {
         use unicode_normalization::{IsNormalized, is_nfc_quick};
-        use unicode_properties::{GeneralCategory, UnicodeGeneralCategory};
+        use unicode_properties::{GeneralCategory, GeneralCategoryGroup, UnicodeGeneralCategory};
         use unicode_security::{
             GeneralSecurityProfile, RestrictionLevel, RestrictionLevelDetection,
         };
@@ -161,11 +168,25 @@ impl AccountId {
                 }
                 _ => {}
             }
-            if !c.is_ascii() && !c.identifier_allowed() {
+            if !c.identifier_allowed() {
                 return refuse(format!(
                     "must not contain {point}: Unicode's identifier profile (UTS #39) excludes it as invisible, a look-alike compatibility form, obsolete or a symbol"
                 ));
             }
+            // Outside ASCII only letters, marks and digits: a `‐` (U+2010) or `’` beside
+            // the ASCII `-` and `'` is a second spelling.
+            let letter_mark_or_digit = matches!(
+                c.general_category_group(),
+                GeneralCategoryGroup::Letter | GeneralCategoryGroup::Mark
+            ) || c.general_category() == GeneralCategory::DecimalNumber;
+            if !letter_mark_or_digit || looks_like_ascii_punctuation(c) {
+                return refuse(format!(
+                    "must not contain {point}: outside ASCII only letters, marks and digits are allowed (punctuation has its ASCII spelling)"
+                ));
+            }
+        }
+        if let Some(why) = confusable_marks(raw).or_else(|| mixed_digits(raw)) {
+            return refuse(why);
         }
         if raw.starts_with(' ') || raw.ends_with(' ') || raw.contains("  ") {
             return refuse(
@@ -208,6 +229,74 @@ impl AccountId {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+}
+
+/// Whether `c` (outside ASCII) is confusable with an ASCII punctuation character or space
+/// (UTS #39 confusables: `ʼ` U+02BC → `'`).
+fn looks_like_ascii_punctuation(c: char) -> bool {
+    let mut buf = [0u8; 4];
+    let skeleton: String = unicode_security::skeleton(c.encode_utf8(&mut buf)).collect();
+    !skeleton.is_empty()
+        && skeleton
+            .chars()
+            .all(|p| p.is_ascii() && !p.is_ascii_alphanumeric())
+}
+
+/// UTS #39 §5.4's invisible-mark checks, on the decomposed text: a combining dot above (U+0307) after a letter
+/// that has or hides a dot (i, j, ı, ȷ), the same nonspacing mark twice in a row, or more
+/// than four nonspacing marks in a row. `None` when there is none.
+fn confusable_marks(raw: &str) -> Option<String> {
+    use unicode_normalization::UnicodeNormalization;
+    use unicode_properties::{GeneralCategory, UnicodeGeneralCategory};
+    let mut previous: Option<char> = None;
+    let mut marks_in_a_row = 0;
+    // Decomposed, as §5.4 says: `é` followed by U+0301 is an `e` with the acute twice.
+    for c in raw.chars().nfd() {
+        if c.general_category() == GeneralCategory::NonspacingMark {
+            marks_in_a_row += 1;
+            if c == '\u{0307}' && matches!(previous, Some('i' | 'j' | 'ı' | 'ȷ')) {
+                return Some(
+                    "must not put a dot above (U+0307) on i, j or a dotless ı: it looks like the plain letter"
+                        .into(),
+                );
+            }
+            if previous == Some(c) {
+                return Some(format!(
+                    "must not repeat the mark U+{:04X}: twice looks like once",
+                    u32::from(c)
+                ));
+            }
+            if marks_in_a_row > 4 {
+                return Some("must not stack more than four marks on one letter".into());
+            }
+        } else {
+            marks_in_a_row = 0;
+        }
+        previous = Some(c);
+    }
+    None
+}
+
+/// UTS #39 §5.3: the decimal digits of one id come from one numbering system (each system
+/// is ten consecutive code points). `None` when they do.
+fn mixed_digits(raw: &str) -> Option<String> {
+    use unicode_properties::{GeneralCategory, UnicodeGeneralCategory};
+    let mut ascii = false;
+    let mut others: Option<(u32, u32)> = None;
+    for c in raw.chars() {
+        if c.is_ascii_digit() {
+            ascii = true;
+        } else if c.general_category() == GeneralCategory::DecimalNumber {
+            let point = u32::from(c);
+            let (low, high) = others.unwrap_or((point, point));
+            others = Some((low.min(point), high.max(point)));
+        }
+    }
+    let mixed = match others {
+        Some((low, high)) => ascii || high - low > 9,
+        None => false,
+    };
+    mixed.then(|| "must not mix digits of two numbering systems (`1००` beside `100`)".into())
 }
 
 impl fmt::Display for AccountId {
@@ -313,6 +402,14 @@ mod tests {
             ("bob", "bob\u{FFFF}"),            // noncharacter
             ("bob", "bob\u{0378}"),            // unassigned
             ("bob", "bob\u{E0041}"),           // tag character
+            ("user-42", "user\u{2010}42"),     // hyphen
+            ("o'brien", "o\u{2019}brien"),     // right single quotation mark
+            ("o'brien", "o\u{02BC}brien"),     // modifier letter apostrophe
+            ("alice", "al\u{0131}\u{0307}ce"), // dotless i + dot above
+            ("alice", "ali\u{0307}ce"),        // i + dot above
+            ("café", "café\u{0301}"),          // the mark twice
+            ("100", "1\u{0966}\u{0966}"),      // Devanagari zeros among ASCII digits
+            ("১০০", "১\u{0966}\u{0966}"),      // Bengali one, Devanagari zeros
         ] {
             assert!(AccountId::parse(plain).is_ok(), "{plain:?}");
             let refused = AccountId::parse(look_alike).expect_err(look_alike);
@@ -329,6 +426,10 @@ mod tests {
             "서울",
             "user_42.acct-7@example",
             "Zoë Smith",
+            "१००",
+            "İstanbul",
+            "Işık",
+            "Nguyễn",
         ] {
             assert!(AccountId::parse(fine).is_ok(), "{fine:?}");
         }

@@ -1,6 +1,6 @@
 //! What a service facing untrusted clients bounds, below gRPC: how many connections it
-//! holds, how long a connection may stay silent before its first bytes, how large a
-//! request's metadata may be. Deadlines (how long a request may take to arrive and be
+//! holds (in all and per peer), how long a connection may take to say it speaks HTTP/2,
+//! how many requests it serves at once, how large a request's metadata may be. Deadlines (how long a request may take to arrive and be
 //! answered) are `resilience::DeadlineLayer`'s; the HTTP/2 settings are in
 //! [`crate::server`].
 //!
@@ -37,61 +37,132 @@ pub struct ConnectionLimits {
     /// Connections held at once; past it, new ones wait in the kernel's accept queue until
     /// one closes.
     pub max_connections: usize,
-    /// How long a new connection may stay silent before it is closed: a real client sends
-    /// the HTTP/2 preface at once.
-    pub first_bytes_within: Duration,
+    /// Connections held at once from one IP address; past it, a new one from that address
+    /// is closed at once. Without it, one client could take every slot of
+    /// `max_connections` and lock everybody else out.
+    pub max_per_peer: usize,
+    /// How long a new connection may take to send the HTTP/2 preface and its first SETTINGS
+    /// frame before it is closed: a real client sends them at once.
+    pub preface_within: Duration,
+    /// Requests being served at once, over all connections; past it, a new request is
+    /// answered RESOURCE_EXHAUSTED at once. It bounds the memory that unfinished requests
+    /// can hold (each up to the message limit), whatever the number of connections.
+    pub max_in_flight: usize,
 }
 
 impl Default for ConnectionLimits {
     fn default() -> Self {
         Self {
             max_connections: 4096,
-            first_bytes_within: Duration::from_secs(10),
+            max_per_peer: 256,
+            preface_within: Duration::from_secs(10),
+            max_in_flight: 4096,
         }
     }
 }
 
-/// The connections `listener` accepts, at most `limits.max_connections` open at once, each
-/// closed if it sends nothing within `limits.first_bytes_within`. Accept errors (out of file
-/// descriptors, say) are yielded after a short pause, so that a persistent one does not
-/// spin the accept loop.
+/// The HTTP/2 client preface (24 bytes) and the frame header of the SETTINGS frame that
+/// must follow it (9 bytes): what a connection must have sent before its silence timer
+/// stops. One byte is not enough to hold a slot.
+const PREFACE_BYTES: usize = 24 + 9;
+
+/// Connections per peer address, shared by a listener's accepted connections.
+#[derive(Debug, Default)]
+struct PeerCounts(std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>);
+
+impl PeerCounts {
+    /// One more connection from `peer`, unless it already holds `max`.
+    fn admit(self: &Arc<Self>, peer: std::net::IpAddr, max: usize) -> Option<PeerSlot> {
+        let mut counts = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let count = counts.entry(peer).or_default();
+        if *count >= max {
+            return None;
+        }
+        *count += 1;
+        Some(PeerSlot {
+            counts: Arc::clone(self),
+            peer,
+        })
+    }
+}
+
+/// A connection's place among its peer's, given back when the connection is dropped.
+#[derive(Debug)]
+struct PeerSlot {
+    counts: Arc<PeerCounts>,
+    peer: std::net::IpAddr,
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        let mut counts = self.counts.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(count) = counts.get_mut(&self.peer) {
+            *count -= 1;
+            if *count == 0 {
+                counts.remove(&self.peer);
+            }
+        }
+    }
+}
+
+/// The connections `listener` accepts: at most `limits.max_connections` open at once and
+/// `limits.max_per_peer` from one address (more are closed as they come), each closed if
+/// it has not sent the HTTP/2 preface within `limits.preface_within`. Accept errors (out
+/// of file descriptors, say) are yielded after a short pause, so that a persistent one
+/// does not spin the accept loop.
 pub fn incoming(
     listener: TcpListener,
     limits: ConnectionLimits,
 ) -> impl Stream<Item = io::Result<GuardedStream>> + Send + 'static {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
-    futures::stream::unfold((listener, slots), move |(listener, slots)| async move {
-        let slot = Arc::clone(&slots).acquire_owned().await.ok()?;
-        let accepted = match listener.accept().await {
-            Ok((stream, peer)) => {
-                let _ = stream.set_nodelay(true);
-                Ok(GuardedStream {
-                    stream,
-                    peer,
-                    _slot: slot,
-                    silence: Some(Box::pin(tokio::time::sleep(limits.first_bytes_within))),
-                })
-            }
-            Err(error) => {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-                Err(error)
-            }
-        };
-        Some((accepted, (listener, slots)))
-    })
+    let peers = Arc::new(PeerCounts::default());
+    futures::stream::unfold(
+        (listener, slots, peers),
+        move |(listener, slots, peers)| async move {
+            let accepted = loop {
+                let slot = Arc::clone(&slots).acquire_owned().await.ok()?;
+                match listener.accept().await {
+                    Ok((stream, peer)) => {
+                        let Some(peer_slot) = peers.admit(peer.ip(), limits.max_per_peer) else {
+                            tracing::debug!(%peer, "refused a connection: its address holds too many");
+                            continue; // dropped: closed
+                        };
+                        let _ = stream.set_nodelay(true);
+                        break Ok(GuardedStream {
+                            stream,
+                            peer,
+                            _slot: slot,
+                            _peer_slot: peer_slot,
+                            received: 0,
+                            silence: Some(Box::pin(tokio::time::sleep(limits.preface_within))),
+                        });
+                    }
+                    Err(error) => {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        break Err(error);
+                    }
+                }
+            };
+            Some((accepted, (listener, slots, peers)))
+        },
+    )
 }
 
-/// An accepted connection holding its slot of the connection limit until it is dropped,
-/// and closed (a read error) if its first bytes do not come in time.
+/// An accepted connection holding its slots (of the listener's limit and of its peer's)
+/// until it is dropped, and closed (a read error) if its preface does not come in time.
 #[derive(Debug)]
 pub struct GuardedStream {
     /// The socket.
     stream: TcpStream,
     /// The peer, for tonic's connect info.
     peer: SocketAddr,
-    /// The connection's place under the limit.
+    /// The connection's place under the listener's limit.
     _slot: OwnedSemaphorePermit,
-    /// Until the first bytes arrive: when the connection is given up.
+    /// The connection's place under its peer's limit.
+    _peer_slot: PeerSlot,
+    /// Bytes read so far, until the preface is in.
+    received: usize,
+    /// Until the preface is in: when the connection is given up.
     silence: Option<Pin<Box<Sleep>>>,
 }
 
@@ -117,14 +188,17 @@ impl AsyncRead for GuardedStream {
             return read;
         };
         match read {
-            Poll::Ready(Ok(())) if buf.filled().len() > before => {
-                self.silence = None;
+            Poll::Ready(Ok(())) => {
+                self.received += buf.filled().len() - before;
+                if self.received >= PREFACE_BYTES {
+                    self.silence = None;
+                }
                 Poll::Ready(Ok(()))
             }
             Poll::Pending => match silence.as_mut().poll(cx) {
                 Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
                     io::ErrorKind::TimedOut,
-                    "the client sent nothing after connecting",
+                    "the client did not send the HTTP/2 preface in time",
                 ))),
                 Poll::Pending => Poll::Pending,
             },
@@ -196,5 +270,104 @@ impl MetadataLimit {
             )));
         }
         Ok(request)
+    }
+}
+
+/// Answers RESOURCE_EXHAUSTED at once when `max` requests are already being served (over
+/// all connections), instead of queueing: the caller's retry policy, with its backoff,
+/// decides what to do, and the memory unfinished requests can hold stays bounded.
+#[derive(Debug, Clone)]
+pub struct InFlightLimitLayer {
+    /// One permit per request being served.
+    permits: Arc<Semaphore>,
+    /// The limit, for the message.
+    max: usize,
+}
+
+impl InFlightLimitLayer {
+    /// At most `max` requests at once.
+    pub fn new(max: usize) -> Self {
+        Self {
+            permits: Arc::new(Semaphore::new(max)),
+            max,
+        }
+    }
+}
+
+impl<S> tower::Layer<S> for InFlightLimitLayer {
+    type Service = InFlightLimit<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        InFlightLimit {
+            inner,
+            layer: self.clone(),
+        }
+    }
+}
+
+/// The service [`InFlightLimitLayer`] makes.
+#[derive(Debug, Clone)]
+pub struct InFlightLimit<S> {
+    /// The server's services.
+    inner: S,
+    /// Permits and limit.
+    layer: InFlightLimitLayer,
+}
+
+pin_project_lite::pin_project! {
+    /// The future of [`InFlightLimit`]: the request served while holding its permit, or
+    /// its refusal.
+    #[project = InFlightProj]
+    #[allow(missing_docs)] // described above; the macro takes no field docs
+    pub enum InFlightFuture<F> {
+        Serving { #[pin] future: F, permit: OwnedSemaphorePermit },
+        Refused { status: Option<Status> },
+    }
+}
+
+impl<F, T, E> Future for InFlightFuture<F>
+where
+    F: Future<Output = Result<T, E>>,
+    E: Into<tower::BoxError>,
+{
+    type Output = Result<T, tower::BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project() {
+            InFlightProj::Serving { future, .. } => future.poll(cx).map_err(Into::into),
+            InFlightProj::Refused { status } => match status.take() {
+                Some(status) => Poll::Ready(Err(status.into())),
+                None => Poll::Pending,
+            },
+        }
+    }
+}
+
+impl<S, B> tower::Service<http::Request<B>> for InFlightLimit<S>
+where
+    S: tower::Service<http::Request<B>>,
+    S::Error: Into<tower::BoxError>,
+{
+    type Response = S::Response;
+    type Error = tower::BoxError;
+    type Future = InFlightFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        match Arc::clone(&self.layer.permits).try_acquire_owned() {
+            Ok(permit) => InFlightFuture::Serving {
+                future: self.inner.call(request),
+                permit,
+            },
+            Err(_) => InFlightFuture::Refused {
+                status: Some(Status::resource_exhausted(format!(
+                    "this service is serving {} requests, its limit; retry after a backoff",
+                    self.layer.max
+                ))),
+            },
+        }
     }
 }

@@ -42,7 +42,7 @@ pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
 /// Concurrent streams (calls) per HTTP/2 connection; a client with more queues them. The
 /// hops' own clients multiplex every call over one connection, so it is well above the
 /// concurrency any test or benchmark here uses; an internet-facing edge lowers it.
-pub const MAX_STREAMS_PER_CONNECTION: u32 = 1024;
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 512;
 
 /// HTTP/2 flow-control window per stream: room for the largest request
 /// ([`MAX_REQUEST_BYTES`]) and its framing, not hyper's 1 MiB, so a stream that never

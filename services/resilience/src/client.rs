@@ -278,14 +278,28 @@ where
         let timeout = method.and_then(|m| m.timeout);
         let policy = method.and_then(|m| m.policy.clone());
         match policy {
-            // No retries, but a call that never reached the server is still sent again.
-            None => Box::pin(retrying(
-                ready,
-                shared,
-                RetryPolicyConfig::single_attempt(),
-                timeout,
-                request,
-            )),
+            // Not the layer's to retry (and maybe streaming: its body is not buffered), but a
+            // CANCELLED the caller did not ask for is still told apart (`judge`).
+            None => {
+                let mut ready = ready;
+                let call = ready.call(request);
+                Box::pin(async move {
+                    match judge(call.await, None) {
+                        Verdict::Committed(answer)
+                        | Verdict::Failed {
+                            answer: Some(answer),
+                            ..
+                        }
+                        | Verdict::Unprocessed {
+                            answer: Some(answer),
+                            ..
+                        } => answer,
+                        Verdict::Failed { status, .. } | Verdict::Unprocessed { status, .. } => {
+                            Ok(status.into_http())
+                        }
+                    }
+                })
+            }
             Some(CallPolicy::Retry(policy)) => {
                 Box::pin(retrying(ready, shared, policy, timeout, request))
             }
@@ -625,7 +639,9 @@ where
             Verdict::Committed(answer) => {
                 span.record("outcome", "OK");
                 retrying.succeeded();
-                shared.observer.call_finished(&path, retrying.attempts);
+                shared
+                    .observer
+                    .call_finished(&path, retrying.attempts + u32::from(resent_unprocessed));
                 return answer;
             }
             // Sent again at once, whatever the policy: it never reached the server. Once
@@ -681,7 +697,9 @@ where
             }
         }
     };
-    shared.observer.call_finished(&path, retrying.attempts);
+    shared
+        .observer
+        .call_finished(&path, retrying.attempts + u32::from(resent_unprocessed));
     let max_attempts = policy.max_attempts;
     answer.map(|response| failed_answer(&shared, response, stop, retrying.attempts, max_attempts))
 }
@@ -761,6 +779,7 @@ where
     let path = request.uri().path().to_owned();
     let max_attempts = policy.max_attempts;
     let mut sent = 0;
+    let mut resent_unprocessed = false;
     let answer = hedge_attempts(
         inner,
         Arc::clone(&shared),
@@ -768,9 +787,12 @@ where
         timeout,
         request,
         &mut sent,
+        &mut resent_unprocessed,
     )
     .await;
-    shared.observer.call_finished(&path, sent);
+    shared
+        .observer
+        .call_finished(&path, sent + u32::from(resent_unprocessed));
     answer.map(
         |response| match Status::from_header_map(response.headers()) {
             Some(status) if status.code() != Code::Ok => {
@@ -797,6 +819,7 @@ async fn hedge_attempts<S, ResBody>(
     timeout: Option<std::time::Duration>,
     request: http::Request<Body>,
     sent: &mut u32,
+    resent_unprocessed: &mut bool,
 ) -> Result<http::Response<ResBody>, S::Error>
 where
     S: Service<http::Request<Body>, Response = http::Response<ResBody>> + Clone + Send,
@@ -834,7 +857,6 @@ where
         async move { (previous, inner.oneshot(attempt).await) }
     };
     let mut running = FuturesUnordered::new();
-    let mut resent_unprocessed = false;
     let mut last_failure = None;
     let mut last_failure_code = None;
     let mut next_hedge = Some(tokio::time::Instant::now());
@@ -897,10 +919,19 @@ where
                 match judge(result, deadline) {
                     // Never reached the server: sent again at once, once, not counted.
                     Verdict::Unprocessed { .. }
-                        if !resent_unprocessed
+                        if !*resent_unprocessed
                             && deadline.is_none_or(|d| tokio::time::Instant::now() < d) =>
                     {
-                        resent_unprocessed = true;
+                        *resent_unprocessed = true;
+                        shared.observer.attempt(
+                            &path,
+                            &AttemptInfo {
+                                previous,
+                                retry_of: Some(Code::Unavailable),
+                                timeout: deadline
+                                    .map(|d| d.saturating_duration_since(tokio::time::Instant::now())),
+                            },
+                        );
                         running.push(send(previous, attempt_request(&parts, &body, previous, deadline)));
                     }
                     Verdict::Committed(answer) => {

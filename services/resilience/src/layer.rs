@@ -9,12 +9,13 @@
 //! that answers first keeps the status honest and can put its own metadata (trace id, the
 //! key the edge made) on the answer.
 //!
-//! The layer also enforces `answer_by` itself, from the moment the request's headers
+//! The layer also enforces the deadline itself, from the moment the request's headers
 //! arrived: tonic calls a unary handler only once the whole request body has arrived, so a
 //! client that never finishes its body (or sends it slowly) would otherwise hold a stream
-//! open with no deadline at all, and tonic's own timer would answer CANCELLED. The
-//! handler's guard (`RpcScope::run` in retrychain-node) fires at the same instant and is
-//! polled first, so a handler that is running answers with its own metadata.
+//! open with no deadline at all, and tonic's own timer would answer CANCELLED. It fires
+//! half a reserve after `answer_by` (still before the caller's deadline), so a running
+//! handler, whose guard (`RpcScope::run` in retrychain-node) fires at `answer_by`, answers
+//! first, with its own metadata.
 //!
 //! The handler's task also carries the deadline ([`IncomingDeadline::current`]), so a
 //! client layer below the handler ([`PropagateDeadlineLayer`]) hands every downstream call
@@ -211,7 +212,9 @@ where
         let future = CURRENT.sync_scope(incoming, || self.inner.call(request));
         ResponseFuture::Inner {
             future: CURRENT.scope(incoming, future),
-            answer_by: tokio::time::sleep_until(incoming.answer_by.instant()),
+            answer_by: tokio::time::sleep_until(
+                deadline.earlier_by(self.config.reserve / 2).instant(),
+            ),
             timeout,
         }
     }

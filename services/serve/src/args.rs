@@ -146,9 +146,18 @@ pub struct ServiceArgs {
     #[arg(long, env = "RETRYCHAIN_LOG_FORMAT", value_enum, default_value_t = LogFormatArg::Text)]
     pub log_format: LogFormatArg,
     /// Connections the public port holds at once; more wait in the kernel's accept queue
-    /// until one closes. A connection that sends nothing for 10 s after connecting is closed.
+    /// until one closes. A connection that has not sent the HTTP/2 preface 10 s after
+    /// connecting is closed.
     #[arg(long, env = "RETRYCHAIN_MAX_CONNECTIONS", default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_connections: u32,
+    /// Connections the public port holds at once from one IP address; more are closed as
+    /// they come (one client cannot take every slot).
+    #[arg(long, env = "RETRYCHAIN_MAX_CONNECTIONS_PER_PEER", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections_per_peer: u32,
+    /// Requests served at once, over all connections; past it a request is answered
+    /// RESOURCE_EXHAUSTED at once (retryable, after a backoff).
+    #[arg(long, env = "RETRYCHAIN_MAX_IN_FLIGHT", default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_in_flight: u32,
 }
 
 impl ServiceArgs {

@@ -276,6 +276,8 @@ fn node(
         budget,
         connection_limits: retrychain_node::limits::ConnectionLimits {
             max_connections: service.max_connections as usize,
+            max_per_peer: service.max_connections_per_peer as usize,
+            max_in_flight: service.max_in_flight as usize,
             ..Default::default()
         },
     }))
