@@ -19,9 +19,9 @@ use std::{
     time::Duration,
 };
 
-pub use resilience::{
-    classify::PUSHBACK_HEADER,
-    retry::{PREVIOUS_ATTEMPTS_HEADER, TIMEOUT_HEADER},
+pub use resilience::wire::{
+    PREVIOUS_ATTEMPTS as PREVIOUS_ATTEMPTS_HEADER, PUSHBACK as PUSHBACK_HEADER,
+    TIMEOUT as TIMEOUT_HEADER,
 };
 pub use retrychain_harness::faults::{delayed, failing, failing_with, losing_replies};
 pub use retrychain_harness::{

@@ -14,13 +14,17 @@ use anyhow::Context;
 use clap::Args;
 use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
-use resilience::{Backoff, BackoffKind, Deadline, Retry, RetryPolicy};
+use resilience::{
+    Backoff, BackoffKind, RetryLayer, ServiceConfig,
+    service_config::{CallPolicy, RetryPolicyConfig},
+};
 use retrychain_node::{RetryMode, metadata};
 use retrychain_proto::v1::{
     ChargeReply, ChargeRequest, Faults, Stats, payments_client::PaymentsClient,
 };
 use serde::Serialize;
 use tonic::{Code, Request, Response, transport::Channel};
+use tower::Layer as _;
 
 use retrychain_harness::{
     ChainAddrs, ChainClient, ChainOptions, InProcessService, ServiceAddr, charge_request,
@@ -344,6 +348,10 @@ impl DemoEdge {
         self.client.edge()
     }
 
+    fn channel(&self) -> Channel {
+        self.client.channel(0)
+    }
+
     async fn stats(&self) -> anyhow::Result<Stats> {
         Ok(self.client.stats(0).await?)
     }
@@ -375,7 +383,7 @@ fn replayed(response: &Response<ChargeReply>) -> bool {
 }
 
 fn code_name(code: Code) -> String {
-    retrychain_node::faults::code_name(code).to_owned()
+    resilience::wire::code_name(code).to_owned()
 }
 
 impl Target {
@@ -581,31 +589,28 @@ impl Target {
         for kind in BackoffKind::ALL {
             self.chain.reset_stats_of([LEDGER]).await?;
             let bar = progress(clients as u64, &format!("f. storm, {kind}"));
-            let retry = Retry::new(RetryPolicy {
-                max_attempts: u32::MAX,
-                backoff: Backoff::new(kind, 2 * tick, 64 * tick),
-                budget: None,
-                retryable: None,
-                margin: Duration::ZERO,
-                min_attempt: Duration::from_millis(1),
-            });
-            let deadline = Deadline::after(Duration::from_secs(120));
+            // Clients that retry until they are served (within two minutes), with this
+            // backoff: the retry engine over the edge's channel, retrying the contract's
+            // retryable codes.
+            let until_served =
+                ServiceConfig::every_method(CallPolicy::Retry(RetryPolicyConfig::new(
+                    u32::MAX,
+                    Backoff::new(kind, 2 * tick, 64 * tick),
+                    resilience::classify::RETRYABLE.to_vec(),
+                )));
+            let retrying = RetryLayer::new(until_served)
+                .min_attempt(Duration::from_millis(1))
+                .layer(edge.channel());
             let start = Instant::now();
             let attempts = (0..clients).map(|i| {
-                let client = edge.payments();
-                let (retry, bar) = (&retry, &bar);
+                let mut client = PaymentsClient::new(retrying.clone());
+                let bar = &bar;
                 let account = self.name(&format!("storm-{kind}-{i}"));
                 let key = self.name(&format!("storm-{kind}-{i}"));
                 async move {
-                    let outcome = retry
-                        .run(deadline, &(), |attempt| {
-                            let mut client = client.clone();
-                            let mut request =
-                                charge(&account, 100, &key, Some(RetryMode::EdgeOnly));
-                            attempt.apply(&mut request);
-                            async move { client.charge(request).await }
-                        })
-                        .await;
+                    let mut request = charge(&account, 100, &key, Some(RetryMode::EdgeOnly));
+                    request.set_timeout(Duration::from_secs(120));
+                    let outcome = client.charge(request).await;
                     bar.inc(1);
                     outcome.is_ok()
                 }

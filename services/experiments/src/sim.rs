@@ -1,19 +1,25 @@
 //! `retrychain sim`: the design notes' three simulations, run on the resilience crate's own
-//! executor, backoff and budget — so the figures describe the code the services run, not a
+//! retry engine, backoff and budget — so the figures describe the code the services run, not a
 //! model of it. No network, no clock: ticks are milliseconds of simulated time.
 
 use std::{
-    future::Future,
-    pin::Pin,
-    sync::atomic::{AtomicU64, Ordering},
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
     time::Duration,
 };
 
 use clap::Args;
 use rand::{RngExt, SeedableRng, rngs::SmallRng};
-use resilience::{Backoff, BackoffKind, Deadline, Retry, RetryBudget, RetryPolicy};
+use resilience::{
+    Attempt, AttemptRequest, Backoff, BackoffKind, CallRequest, RetryBudget, RetryLayer,
+    ServiceConfig,
+    service_config::{CallPolicy, RetryPolicyConfig},
+};
 use serde::Serialize;
 use tonic::Status;
+use tower::{ServiceExt, util::BoxCloneSyncService};
 
 /// How many seeds the jitter storm is averaged over unless `--seeds` says otherwise.
 pub const DEFAULT_SEEDS: u64 = 20;
@@ -106,43 +112,52 @@ pub fn run(seeds: u64) -> anyhow::Result<SimReport> {
     })
 }
 
-/// Nests `layers` retry executors (each allowing `attempts` tries) over a bottom call that
-/// always fails, and counts bottom calls. Runs the real [`Retry::run`].
+/// Nests `layers` retry engines (each allowing `attempts` tries, each a
+/// [`RetryCalls`](resilience::RetryCalls) over the one below) over a bottom call that
+/// always fails, and counts bottom calls: the real engine, in process.
 pub fn layered_bottom_calls(layers: u32, attempts: u32) -> anyhow::Result<u64> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .build()?;
-    let policy = RetryPolicy {
-        max_attempts: attempts,
-        backoff: Backoff::new(BackoffKind::None, Duration::ZERO, Duration::ZERO),
-        budget: None,
-        retryable: None,
-        margin: Duration::ZERO,
-        min_attempt: Duration::from_nanos(1),
+    let policy = Arc::new(ServiceConfig::every_method(CallPolicy::Retry(
+        RetryPolicyConfig::new(
+            attempts,
+            Backoff::new(BackoffKind::None, Duration::ZERO, Duration::ZERO),
+            resilience::classify::RETRYABLE.to_vec(),
+        ),
+    )));
+    let bottom = Arc::new(AtomicU64::new(0));
+    let counted = Arc::clone(&bottom);
+    let mut service: Layer =
+        BoxCloneSyncService::new(tower::service_fn(move |_: AttemptRequest<()>| {
+            counted.fetch_add(1, Ordering::Relaxed);
+            std::future::ready(Err(Status::unavailable("the bottom service is down")))
+        }));
+    for _ in 0..layers {
+        // Each layer's call lasts as long as the attempt above it has.
+        let retrying = RetryLayer::new(Arc::clone(&policy))
+            .seed(0)
+            .calls("/sim/Layer", service)
+            .map_request(|above: AttemptRequest<()>| CallRequest {
+                request: (),
+                deadline: above.attempt.deadline,
+            });
+        service = BoxCloneSyncService::new(retrying);
+    }
+    let first = AttemptRequest {
+        request: (),
+        attempt: Attempt {
+            number: 1,
+            deadline: None,
+            retry_of: None,
+        },
     };
-    let retry = Retry::with_seed(policy, 0);
-    let bottom = AtomicU64::new(0);
-    let deadline = runtime.block_on(async { Deadline::after(Duration::from_secs(3600)) });
-    let _ = runtime.block_on(layer(layers, &retry, &bottom, deadline));
+    let _ = runtime.block_on(service.oneshot(first));
     Ok(bottom.load(Ordering::Relaxed))
 }
 
-fn layer<'a>(
-    depth: u32,
-    retry: &'a Retry,
-    bottom: &'a AtomicU64,
-    deadline: Deadline,
-) -> Pin<Box<dyn Future<Output = Result<(), Status>> + 'a>> {
-    Box::pin(async move {
-        if depth == 0 {
-            bottom.fetch_add(1, Ordering::Relaxed);
-            return Err(Status::unavailable("the bottom service is down"));
-        }
-        retry
-            .run(deadline, &(), |_| layer(depth - 1, retry, bottom, deadline))
-            .await
-    })
-}
+/// One layer of the nest: the engine over the layers below.
+type Layer = BoxCloneSyncService<AttemptRequest<()>, (), Status>;
 
 /// One simulated tick, as a duration for the backoff code.
 const TICK: Duration = Duration::from_millis(1);

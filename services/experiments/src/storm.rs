@@ -377,7 +377,7 @@ impl Tally {
             }
             Err(code) => {
                 self.errors.fetch_add(1, Ordering::Relaxed);
-                retrychain_node::faults::code_name(code)
+                resilience::wire::code_name(code)
             }
         };
         if let Ok(mut codes) = self.codes.lock() {

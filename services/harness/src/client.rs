@@ -50,6 +50,12 @@ impl ChainClient {
         PaymentsClient::new(self.payments[i].clone())
     }
 
+    /// The channel to service `i`'s public port, for a caller that puts its own layers
+    /// over it (a client that retries, say).
+    pub fn channel(&self, i: usize) -> Channel {
+        self.payments[i].clone()
+    }
+
     /// Payments on the edge, where clients call.
     pub fn edge(&self) -> PaymentsClient<Channel> {
         self.payments(0)

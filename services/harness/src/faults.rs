@@ -17,7 +17,7 @@ pub fn failing() -> Faults {
 /// Every call fails with `code`.
 pub fn failing_with(code: Code) -> Faults {
     Faults {
-        fail_code: retrychain_node::faults::code_name(code).to_owned(),
+        fail_code: resilience::wire::code_name(code).to_owned(),
         ..failing()
     }
 }

@@ -23,19 +23,17 @@
 use std::{
     sync::Arc,
     task::{Context, Poll},
+    time::Duration,
 };
 
 use resilience::{
-    Backoff, ForwardHeadersLayer, PropagateDeadlineLayer, RetryLayer, ServiceConfig, Throttle,
-    classify::{PUSHBACK_HEADER, RETRYABLE},
-    client::RetryService,
-    propagate::{ForwardHeaders, PropagateDeadline},
-    service_config::{CallPolicy, HedgingPolicy, RetryPolicyConfig},
+    PropagateDeadlineLayer, RetryLayer, ServiceConfig, client::RetryService,
+    propagate::PropagateDeadline, wire,
 };
 use retrychain_node::{
     AccountId, AmountCents, IdempotencyKey, Node, RetryMode, RpcScope,
     faults::{FaultLayer, Faulty},
-    metadata::{self, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, RETRY_MODE, TRACE_ID, TRACEPARENT},
+    metadata::{self, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, RETRY_MODE, TRACE_ID},
     telemetry::{InjectTrace, InjectTraceLayer},
 };
 use retrychain_proto::v1::{
@@ -52,16 +50,18 @@ use tower::{Layer, ServiceBuilder, ServiceExt, util::Either};
 /// A hop's downstream client stack, outermost first — where every retry decision of the
 /// chain is made:
 ///
-/// 1. [`ForwardHeaders`]: the `idempotency-key` (and, where honoured, `x-retry-mode`) of
-///    the request being served go on every call, unless the handler set them.
-/// 2. [`PropagateDeadline`]: the call's `grpc-timeout` is the served request's time left
-///    less the margin; with too little left, no call is made (DEADLINE_EXCEEDED).
-/// 3. [`ByPlan`]: the [`RetryLayer`] of the request's [`Plan`] retries the call, sending
-///    each attempt the time left and counting it in the node's Stats.
-/// 4. [`InjectTrace`]: while exporting traces, each attempt is its server's parent.
-/// 5. [`FaultLayer`], only in a service started with `--fault-injection`.
-/// 6. The channel: one HTTP/2 connection shared by all calls.
-pub type Downstream = ForwardHeaders<PropagateDeadline<ByPlan<RetryService<InjectTrace<Faults>>>>>;
+/// 1. [`PropagateDeadline`]: the call's deadline is the served request's, less the margin;
+///    with too little left, no call is made (DEADLINE_EXCEEDED).
+/// 2. [`ByPlan`]: the retry engine ([`RetryLayer`]) of the request's [`Plan`] retries the
+///    call, writing each attempt's time left, and counts it in the node's Stats.
+/// 3. [`InjectTrace`]: each attempt's trace context (the attempt's span while exporting
+///    traces, else this hop's).
+/// 4. [`FaultLayer`], only in a service started with `--fault-injection`.
+/// 5. The channel: one HTTP/2 connection shared by all calls.
+///
+/// The idempotency key and the retry mode are written once, by the handler, on the call it
+/// makes ([`Hop::outgoing`]).
+pub type Downstream = PropagateDeadline<ByPlan<RetryService<InjectTrace<Faults>>>>;
 
 /// The fault layer, when the service has one.
 pub type Faults = Either<Faulty<Channel>, Channel>;
@@ -70,9 +70,10 @@ pub type Faults = Either<Faulty<Channel>, Channel>;
 /// extensions; [`ByPlan`] reads it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Plan {
-    /// Retries without a budget (`every-layer`).
+    /// The service config's policies, without a throttle (`every-layer`).
     EveryLayer,
-    /// Budgeted retries at the edge; one attempt at a relay (`edge-only`).
+    /// At the edge, the service config's policies under the edge's throttle; at a relay, one
+    /// attempt (`edge-only`).
     EdgeOnly,
     /// One attempt: the edge's answer to a caller that retries on its own.
     Single,
@@ -122,89 +123,73 @@ pub enum Role {
     Relay,
 }
 
-/// How a hop retries.
-#[derive(Debug, Clone)]
-pub struct HopRetryConfig {
+/// How a hop's downstream calls are timed. The retry policy itself is the node's
+/// ([`Node::policy`]), its throttle the node's budget ([`Node::budget`]).
+#[derive(Debug, Clone, Copy)]
+pub struct HopSettings {
     /// The mode used when no honoured `x-retry-mode` says otherwise.
     pub mode: RetryMode,
-    /// Attempts per call in the modes where this hop retries.
-    pub max_attempts: u32,
-    /// Waits between attempts.
-    pub backoff: Backoff,
-    /// The edge's retry throttle in `edge-only` mode (the budget, or a service config's
-    /// `retryThrottling`); `None` with `--no-budget`.
-    pub budget: Option<Arc<dyn Throttle>>,
-    /// The codes worth a retry; `None`: the contract's set.
-    pub retryable: Option<Vec<tonic::Code>>,
     /// Taken off the remaining time for each downstream deadline.
-    pub margin: std::time::Duration,
+    pub margin: Duration,
     /// The shortest downstream attempt worth starting.
-    pub min_attempt: std::time::Duration,
-    /// A service config's `hedgingPolicy`: the edge hedges instead of retrying in
-    /// `edge-only` mode (safe because every copy carries the same idempotency key).
-    pub hedging: Option<HedgingPolicy>,
+    pub min_attempt: Duration,
 }
 
 /// Builds the [`Downstream`] stack over `channel`.
 fn downstream(
     node: &Arc<Node>,
     role: Role,
-    retry: &HopRetryConfig,
+    settings: &HopSettings,
     channel: Channel,
 ) -> Downstream {
     let faults = if node.fault_injection {
-        Either::Left(FaultLayer::new(Arc::clone(node)).layer(channel))
+        Either::Left(FaultLayer::new(Arc::clone(&node.faults), &node.name).layer(channel))
     } else {
         Either::Right(channel)
     };
     let below = InjectTraceLayer.layer(faults);
     let observer: Arc<dyn resilience::RetryObserver> = Arc::clone(node) as _;
-    let retrying = |policy: CallPolicy, throttle: Option<&Arc<dyn Throttle>>| {
-        let mut layer = RetryLayer::new(ServiceConfig::every_method(policy))
-            .min_attempt(retry.min_attempt)
+    // Every plan's engine: the node's observer and name, the least attempt worth making,
+    // and unary calls (a call that never reached downstream is sent again).
+    let engine = |policy: Arc<ServiceConfig>| {
+        let layer = RetryLayer::new(policy)
+            .unary()
+            .no_throttle()
+            .min_attempt(settings.min_attempt)
             .annotate_failures(&node.name)
             .observer(observer.clone());
-        if let Some(throttle) = throttle {
-            layer = layer.throttle(Arc::clone(throttle));
-        }
         // The edge is the one retrying layer: a client that retries on top of it is told
         // not to (gRFC A6: a negative pushback means "do not retry").
-        if role == Role::Edge {
-            layer = layer.refuse_caller_retries();
+        match role {
+            Role::Edge => layer.refuse_caller_retries(),
+            Role::Relay => layer,
         }
-        layer.layer(below.clone())
     };
-    let retries = |max_attempts: u32| {
-        CallPolicy::Retry(RetryPolicyConfig::new(
-            max_attempts,
-            retry.backoff,
-            retry
-                .retryable
-                .clone()
-                .unwrap_or_else(|| RETRYABLE.to_vec()),
-        ))
+    let one_attempt = Arc::new(ServiceConfig::default());
+    let every_layer = engine(Arc::clone(&node.policy));
+    let edge_only = match (role, &node.budget) {
+        (Role::Edge, Some(throttle)) => {
+            engine(Arc::clone(&node.policy)).throttle(Arc::clone(throttle))
+        }
+        (Role::Edge, None) => engine(Arc::clone(&node.policy)),
+        (Role::Relay, _) => engine(Arc::clone(&one_attempt)),
     };
     let plans = ByPlan {
-        every_layer: retrying(retries(retry.max_attempts), None),
-        edge_only: match (role, &retry.hedging) {
-            (Role::Edge, Some(hedging)) => {
-                retrying(CallPolicy::Hedging(hedging.clone()), retry.budget.as_ref())
-            }
-            (Role::Edge, None) => retrying(retries(retry.max_attempts), retry.budget.as_ref()),
-            (Role::Relay, _) => retrying(retries(1), None),
-        },
-        single: retrying(retries(1), None),
+        every_layer: every_layer.layer(below.clone()),
+        edge_only: edge_only.layer(below.clone()),
+        single: engine(one_attempt).layer(below),
     };
     ServiceBuilder::new()
-        .layer(ForwardHeadersLayer)
-        .layer(PropagateDeadlineLayer::new(retry.margin, retry.min_attempt).observer(observer))
+        .layer(
+            PropagateDeadlineLayer::new(settings.margin, settings.min_attempt).observer(observer),
+        )
         .service(plans)
 }
 
 /// Forwards `Payments` to the next service.
 #[derive(Debug, Clone)]
 pub struct Hop {
-    /// Counters, faults and name.
+    /// Counters, faults, name and policy.
     node: Arc<Node>,
     /// Edge or relay.
     role: Role,
@@ -216,18 +201,20 @@ pub struct Hop {
 
 impl Hop {
     /// A hop in `role` forwarding to `channel`.
-    pub fn new(node: Arc<Node>, role: Role, retry: HopRetryConfig, channel: Channel) -> Self {
+    pub fn new(node: Arc<Node>, role: Role, settings: HopSettings, channel: Channel) -> Self {
         Self {
             role,
-            mode: retry.mode,
-            downstream: PaymentsClient::new(downstream(&node, role, &retry, channel)),
+            mode: settings.mode,
+            downstream: PaymentsClient::new(downstream(&node, role, &settings, channel)),
             node,
         }
     }
 
-    /// The downstream call for `message`: the request's [`Plan`], and what the edge adds
-    /// that the incoming request lacks (the key it made; edge-only for a retrying caller).
-    /// Everything else the caller sent travels by the stack's propagation layers.
+    /// The downstream call for `message`, and everything it carries that the wire must
+    /// say — written here, once: the idempotency key (the caller's, or at the edge one it
+    /// makes), the retry mode where honoured (edge-only for a caller that retries on its
+    /// own), the request's [`Plan`], and this hop's trace context (written per attempt by
+    /// the stack).
     fn outgoing<T, U>(
         &self,
         request: &Request<T>,
@@ -239,13 +226,7 @@ impl Hop {
         let mut outgoing = Request::new(message);
         let key = match (metadata::idempotency_key(incoming)?, self.role) {
             (Some(key), _) => Some(key),
-            (None, Role::Edge) if key_required => {
-                let key = IdempotencyKey::generate();
-                if let Ok(value) = MetadataValue::try_from(key.as_str()) {
-                    outgoing.metadata_mut().insert(IDEMPOTENCY_KEY, value);
-                }
-                Some(key)
-            }
+            (None, Role::Edge) if key_required => Some(IdempotencyKey::generate()),
             (None, Role::Relay) if key_required => {
                 return Err(Status::invalid_argument(
                     "idempotency-key is required (the edge adds one when a client sends none)",
@@ -258,33 +239,32 @@ impl Hop {
             if self.role == Role::Edge {
                 scope.echo_key(key);
             }
+            if let Ok(value) = MetadataValue::try_from(key.as_str()) {
+                outgoing.metadata_mut().insert(IDEMPOTENCY_KEY, value);
+            }
         }
         let caller_retries = self.role == Role::Edge && scope.caller_previous_attempts > 0;
         // A service without the override neither reads the header nor passes it on.
-        let mode = match self.node.requested_retry_mode(incoming)? {
+        let requested = self.node.requested_retry_mode(incoming)?;
+        let mode = match requested {
             // A caller retrying on its own gets one attempt from the edge, and no retries
             // below it either: an honoured every-layer would make each of its retries 81
             // bottom calls.
-            Some(_) if caller_retries => {
-                outgoing.metadata_mut().insert(
-                    RETRY_MODE,
-                    MetadataValue::from_static(RetryMode::EdgeOnly.as_str()),
-                );
-                RetryMode::EdgeOnly
-            }
-            Some(mode) => mode,
-            None => self.mode,
+            Some(_) if caller_retries => Some(RetryMode::EdgeOnly),
+            requested => requested,
         };
-        let plan = match mode {
+        if let Some(mode) = mode {
+            outgoing
+                .metadata_mut()
+                .insert(RETRY_MODE, MetadataValue::from_static(mode.as_str()));
+        }
+        let plan = match mode.unwrap_or(self.mode) {
             _ if caller_retries => Plan::Single,
             RetryMode::EveryLayer => Plan::EveryLayer,
             RetryMode::EdgeOnly => Plan::EdgeOnly,
         };
         outgoing.extensions_mut().insert(plan);
-        // This hop's trace context; while exporting, each attempt's span replaces it.
-        if let Ok(traceparent) = MetadataValue::try_from(scope.trace.traceparent()) {
-            outgoing.metadata_mut().insert(TRACEPARENT, traceparent);
-        }
+        outgoing.extensions_mut().insert(scope.trace.clone());
         Ok(outgoing)
     }
 }
@@ -303,8 +283,8 @@ fn relay<T>(answer: Result<Response<T>, Status>) -> Result<Response<T>, Status> 
         Err(status) => {
             let mut metadata = MetadataMap::new();
             copy_relayed(status.metadata(), &mut metadata);
-            if let Some(value) = status.metadata().get(PUSHBACK_HEADER) {
-                metadata.insert(PUSHBACK_HEADER, value.clone());
+            if let Some(value) = status.metadata().get(wire::PUSHBACK) {
+                metadata.insert(wire::PUSHBACK, value.clone());
             }
             Err(Status::with_metadata(
                 status.code(),

@@ -1,9 +1,9 @@
 //! The ledger's `Payments` service: validation, the processor under the retry mode's
 //! policy, the key store, and the one place store errors become statuses.
 
-use std::sync::Arc;
+use std::{sync::Arc, time::Duration};
 
-use resilience::{Deadline, Retry, RetryPolicy};
+use resilience::{AttemptRequest, CallRequest, Deadline, RetryCalls, RetryLayer, ServiceConfig};
 use retrychain_node::{
     AccountId, AmountCents, IdempotencyKey, Node, RetryMode, RpcScope,
     faults::lost_reply,
@@ -14,6 +14,7 @@ use retrychain_proto::v1::{
     Account, ChargeReply, ChargeRequest, GetAccountRequest, payments_server::Payments,
 };
 use tonic::{Request, Response, Status, metadata::MetadataValue};
+use tower::{ServiceExt, util::BoxCloneSyncService};
 use tracing::Instrument;
 
 use crate::{
@@ -21,47 +22,67 @@ use crate::{
     store::{ChargeOutcome, InFlight, KeyStore, SavedReply, StoreError},
 };
 
+/// The method whose policy the processor's calls follow: they are Charge's bottom calls.
+const CHARGE: &str = "/retrychain.v1.Payments/Charge";
+
+/// The processor as a tower service, one attempt per call: what the retry engine drives.
+type ProcessorService = BoxCloneSyncService<AttemptRequest<ProcessorKey>, (), Status>;
+
 /// The bottom of the chain.
 #[derive(Debug, Clone)]
 pub struct Ledger {
-    /// Counters, faults and name.
+    /// Counters, faults, name and policy.
     node: Arc<Node>,
     /// Postgres.
     store: KeyStore,
-    /// The simulated payment processor.
-    processor: Arc<Processor>,
     /// The mode when no `x-retry-mode` came down the chain.
     mode: RetryMode,
-    /// Processor retries for `every-layer`.
-    every_layer: Arc<Retry>,
+    /// Processor calls for `every-layer`: the node's policy for Charge, counted by the same
+    /// engine (and observer) as every hop's downstream calls.
+    every_layer: RetryCalls<ProcessorService>,
     /// One processor attempt, for `edge-only`.
-    single: Arc<Retry>,
+    single: RetryCalls<ProcessorService>,
+    /// Taken off the time left for the processor's calls, so they end while the
+    /// transaction can still commit.
+    margin: Duration,
     /// Same-key behaviour while the first request runs.
     in_flight: InFlight,
 }
 
 impl Ledger {
-    /// A ledger over `store`. `every_layer` is the processor retry policy for that mode;
-    /// `edge-only` uses the same margins with one attempt.
+    /// A ledger over `store`. Its processor calls retry (in `every-layer` mode) as the
+    /// node's policy says for Charge, with attempts no shorter than `min_attempt` and each
+    /// ending `margin` before the charge must answer.
     pub fn new(
         node: Arc<Node>,
         store: KeyStore,
         mode: RetryMode,
-        every_layer: RetryPolicy,
+        margin: Duration,
+        min_attempt: Duration,
         in_flight: InFlight,
     ) -> Self {
-        let single = RetryPolicy::single_attempt(
-            every_layer.backoff,
-            every_layer.margin,
-            every_layer.min_attempt,
-        );
         let _ = node.database.set(Arc::new(store.clone()));
+        let processor = Arc::new(Processor::new(Arc::clone(&node)));
+        let service: ProcessorService = BoxCloneSyncService::new(tower::service_fn(
+            move |call: AttemptRequest<ProcessorKey>| {
+                let processor = Arc::clone(&processor);
+                async move { processor.charge(call.attempt, &call.request).await }
+            },
+        ));
+        let engine = |policy: Arc<ServiceConfig>| {
+            RetryLayer::new(policy)
+                .no_throttle()
+                .min_attempt(min_attempt)
+                .annotate_failures(&node.name)
+                .observer(Arc::clone(&node) as _)
+                .calls(CHARGE, service.clone())
+        };
         Self {
-            processor: Arc::new(Processor::new(Arc::clone(&node))),
+            every_layer: engine(Arc::clone(&node.policy)),
+            single: engine(Arc::new(ServiceConfig::default())),
             store,
             mode,
-            every_layer: Arc::new(Retry::new(every_layer).with_label(&node.name)),
-            single: Arc::new(Retry::new(single).with_label(&node.name)),
+            margin,
             in_flight,
             node,
         }
@@ -84,17 +105,18 @@ impl Ledger {
         mode: RetryMode,
         answer_by: Deadline,
     ) -> Result<(SavedReply, bool), Status> {
-        let executor = match mode {
+        let processor: &RetryCalls<ProcessorService> = match mode {
             RetryMode::EveryLayer => &self.every_layer,
             RetryMode::EdgeOnly => &self.single,
         };
-        let processor_key = ProcessorKey::new(&account, &key);
+        let call = CallRequest {
+            request: ProcessorKey::new(&account, &key),
+            deadline: Some(answer_by.earlier_by(self.margin).instant()),
+        };
         let outcome = self
             .store
             .charge(&account, &key, amount, answer_by, self.in_flight, || {
-                executor.run(answer_by, &self.node.counters, |attempt| {
-                    self.processor.charge(attempt, &processor_key)
-                })
+                processor.clone().oneshot(call)
             })
             .await?;
         Ok(match outcome {

@@ -4,7 +4,8 @@
 //!
 //! ```text
 //! (same key already running in this process? wait for it in memory: key_locks)
-//! BEGIN; SET LOCAL lock_timeout, statement_timeout = <time left, at most 3/4 of the bound>,
+//! BEGIN; SET LOCAL statement_timeout = <time left, at most 3/4 of the bound>,
+//!        lock_timeout = <4/5 of that>,
 //!        idle_in_transaction_session_timeout = <time left + slack>   -- one round trip
 //! INSERT INTO idempotency_keys … ON CONFLICT DO NOTHING    -- claim the key
 //!   claimed:   processor call(s), then one statement that updates the balance,
@@ -41,7 +42,7 @@
 //!   is left to the key: the server rolls the abandoned transaction back when it notices
 //!   the closed connection (or when its idle-in-transaction timeout fires), and the
 //!   caller's retry with the same key replays or charges. The server's own timeouts
-//!   (statements and lock waits) sit at three quarters of that bound, so a live but slow
+//!   (statements at three quarters of that bound, lock waits a little less) sit below it, so a live but slow
 //!   server cancels its own work first. A wait for another ledger instance's transaction
 //!   on the same key is a lock wait, not a silent server: it is taken in turns of that
 //!   length, each a fresh transaction, until the request's deadline. Every transaction
@@ -819,9 +820,12 @@ async fn begin<'c>(
     // past the deadline: only a frozen ledger does that, and its key must not stay locked.
     let left_ms = deadline.remaining().as_millis().clamp(1, i32::MAX as u128);
     let statement_ms = rt.statement_timeout_ms(left_ms);
+    // A lock wait ends a little before the statement would: `lock_not_available` (a turn
+    // of waiting for another transaction) is then told apart from `query_canceled`.
+    let lock_ms = (statement_ms * 4 / 5).max(1);
     let idle_ms = (left_ms + IDLE_SLACK_MS).min(i32::MAX as u128);
     let begin = format!(
-        "BEGIN; SET LOCAL lock_timeout = {statement_ms}; SET LOCAL statement_timeout = {statement_ms}; \
+        "BEGIN; SET LOCAL lock_timeout = {lock_ms}; SET LOCAL statement_timeout = {statement_ms}; \
          SET LOCAL idle_in_transaction_session_timeout = {idle_ms}"
     );
     // Whatever went wrong in BEGIN, the session's state is unknown (sqlx counts the

@@ -18,6 +18,7 @@ use std::{
 };
 
 use rand::RngExt;
+use resilience::wire;
 use retrychain_proto::v1::Faults;
 use tonic::{Code, Status};
 
@@ -97,7 +98,7 @@ impl FaultSwitch {
             .write()
             .unwrap_or_else(|poisoned| poisoned.into_inner()) = plan;
         Ok(Faults {
-            fail_code: code_name(code).to_owned(),
+            fail_code: wire::code_name(code).to_owned(),
             ..faults
         })
     }
@@ -133,9 +134,9 @@ pub fn failure(code: Code, message: String, faults: &FaultPlan) -> Status {
     let mut status = Status::new(code, message);
     if code == Code::ResourceExhausted {
         if faults.pushback_never {
-            resilience::set_pushback(&mut status, -1);
+            wire::set_pushback(&mut status, -1);
         } else if faults.pushback_ms > 0 {
-            resilience::set_pushback(&mut status, i64::from(faults.pushback_ms));
+            wire::set_pushback(&mut status, i64::from(faults.pushback_ms));
         }
     }
     status
@@ -144,14 +145,19 @@ pub fn failure(code: Code, message: String, faults: &FaultPlan) -> Status {
 /// Injects the faults in force on every call through a client; see the module docs.
 #[derive(Debug, Clone)]
 pub struct FaultLayer {
-    /// Whose faults, and whose name goes in the messages.
-    node: Arc<crate::Node>,
+    /// The faults in force.
+    faults: Arc<FaultSwitch>,
+    /// Whose name goes in the messages.
+    service: Arc<str>,
 }
 
 impl FaultLayer {
-    /// A layer injecting `node`'s faults.
-    pub fn new(node: Arc<crate::Node>) -> Self {
-        Self { node }
+    /// A layer injecting the faults of `faults`, in the name of `service`.
+    pub fn new(faults: Arc<FaultSwitch>, service: &str) -> Self {
+        Self {
+            faults,
+            service: Arc::from(service),
+        }
     }
 }
 
@@ -161,7 +167,7 @@ impl<S> tower::Layer<S> for FaultLayer {
     fn layer(&self, inner: S) -> Self::Service {
         Faulty {
             inner,
-            node: Arc::clone(&self.node),
+            layer: self.clone(),
         }
     }
 }
@@ -173,7 +179,7 @@ pub struct Faulty<S> {
     /// The downstream client.
     inner: S,
     /// Whose faults.
-    node: Arc<crate::Node>,
+    layer: FaultLayer,
 }
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
@@ -200,10 +206,9 @@ where
     fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
         let ready = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, ready);
-        let node = Arc::clone(&self.node);
+        let FaultLayer { faults, service } = self.layer.clone();
         Box::pin(async move {
-            let faults = &node.faults;
-            if let Some(status) = faults.injected_failure(&node.name) {
+            if let Some(status) = faults.injected_failure(&service) {
                 return Ok(status.into_http());
             }
             let delay = faults.delay();
@@ -227,7 +232,7 @@ where
                 .or_else(|| tonic::Status::from_header_map(&parts.headers))
                 .is_some_and(|status| status.code() == Code::Ok);
             if succeeded && faults.drop_reply() {
-                return Ok(lost_reply(&node.name).into_http());
+                return Ok(lost_reply(&service).into_http());
             }
             let mut frames: Vec<Result<http_body::Frame<bytes::Bytes>, tonic::Status>> =
                 vec![Ok(http_body::Frame::data(collected.to_bytes()))];
@@ -249,47 +254,18 @@ pub fn lost_reply(service: &str) -> Status {
     ))
 }
 
-const CODES: [(Code, &str); 16] = [
-    (Code::Cancelled, "CANCELLED"),
-    (Code::Unknown, "UNKNOWN"),
-    (Code::InvalidArgument, "INVALID_ARGUMENT"),
-    (Code::DeadlineExceeded, "DEADLINE_EXCEEDED"),
-    (Code::NotFound, "NOT_FOUND"),
-    (Code::AlreadyExists, "ALREADY_EXISTS"),
-    (Code::PermissionDenied, "PERMISSION_DENIED"),
-    (Code::ResourceExhausted, "RESOURCE_EXHAUSTED"),
-    (Code::FailedPrecondition, "FAILED_PRECONDITION"),
-    (Code::Aborted, "ABORTED"),
-    (Code::OutOfRange, "OUT_OF_RANGE"),
-    (Code::Unimplemented, "UNIMPLEMENTED"),
-    (Code::Internal, "INTERNAL"),
-    (Code::Unavailable, "UNAVAILABLE"),
-    (Code::DataLoss, "DATA_LOSS"),
-    (Code::Unauthenticated, "UNAUTHENTICATED"),
-];
-
 /// A gRPC code from its name (`UNAVAILABLE`, case-insensitive); empty means UNAVAILABLE.
 pub fn parse_code(name: &str) -> Result<Code, Status> {
     if name.is_empty() {
         return Ok(Code::Unavailable);
     }
-    CODES
-        .iter()
-        .find(|(_, n)| n.eq_ignore_ascii_case(name))
-        .map(|(code, _)| *code)
+    wire::code_by_name(name)
+        .filter(|code| *code != Code::Ok)
         .ok_or_else(|| {
             Status::invalid_argument(format!(
                 "fail_code {name:?} is not a gRPC code name other than OK (e.g. UNAVAILABLE)"
             ))
         })
-}
-
-/// The name of a gRPC code, as `fail_code` spells it.
-pub fn code_name(code: Code) -> &'static str {
-    CODES
-        .iter()
-        .find(|(c, _)| *c == code)
-        .map_or("OK", |(_, name)| name)
 }
 
 #[cfg(test)]
@@ -311,8 +287,8 @@ mod tests {
         let status = switch.injected_failure("hop2").expect("always fails");
         assert_eq!(status.code(), Code::ResourceExhausted);
         assert_eq!(
-            resilience::pushback(&status),
-            resilience::Pushback::RetryAfter(Duration::from_millis(200))
+            resilience::wire::pushback(&status),
+            resilience::wire::Pushback::RetryAfter(Duration::from_millis(200))
         );
 
         for bad in [

@@ -1,4 +1,5 @@
-//! The metadata keys of the contract, the retry mode, and W3C trace context.
+//! The contract's request metadata as types: the idempotency key and the retry mode read
+//! from a request, and W3C trace context. The header names are `resilience::wire`'s.
 
 use std::{fmt, str::FromStr};
 
@@ -7,16 +8,9 @@ use tonic::{Status, metadata::MetadataMap};
 
 use crate::IdempotencyKey;
 
-/// Request and response: the idempotency key.
-pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
-/// Request: overrides the retry mode for one request (honoured only where allowed).
-pub const RETRY_MODE: &str = "x-retry-mode";
-/// Request: W3C trace context.
-pub const TRACEPARENT: &str = "traceparent";
-/// Response: the request's trace id, for finding it in every service's log.
-pub const TRACE_ID: &str = "trace-id";
-/// Response: `true` when the ledger replayed a saved reply instead of charging.
-pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
+pub use resilience::wire::{
+    IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, RETRY_MODE, TRACE_ID, TRACEPARENT,
+};
 
 /// Where retries happen. With the `clap` feature, also a `--retry-mode` value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

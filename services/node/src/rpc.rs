@@ -8,7 +8,7 @@ use std::{
     time::Duration,
 };
 
-use resilience::{Deadline, IncomingDeadline};
+use resilience::{Deadline, IncomingDeadline, wire};
 use tokio::time::Instant;
 use tonic::{
     Request, Response, Status,
@@ -78,9 +78,7 @@ impl RpcScope {
         let metadata = request.metadata();
         let text = |key: &str| metadata.get(key).and_then(|v| v.to_str().ok());
         let mut trace = TraceContext::continue_or_start(text(TRACEPARENT));
-        let caller_previous_attempts = text(resilience::retry::PREVIOUS_ATTEMPTS_HEADER)
-            .and_then(|v| v.trim().parse::<u32>().ok())
-            .unwrap_or(0);
+        let caller_previous_attempts = wire::parse_previous_attempts(text(wire::PREVIOUS_ATTEMPTS));
         let attempt = caller_previous_attempts.saturating_add(1);
         let span = tracing::info_span!(
             "rpc",
@@ -151,7 +149,7 @@ impl RpcScope {
                 .as_ref()
                 .map_or_else(|s| s.code(), |_| tonic::Code::Ok);
             self.node.counters.call_finished(self.method, code, elapsed);
-            let code_name = crate::faults::code_name(code);
+            let code_name = wire::code_name(code);
             self.span.record("code", code_name);
             if code != tonic::Code::Ok {
                 self.span.record("otel.status_code", "ERROR");

@@ -7,7 +7,7 @@
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
-use resilience::{CarryHeadersLayer, DeadlineLayer};
+use resilience::DeadlineLayer;
 use retrychain_proto::{
     FILE_DESCRIPTOR_SET,
     v1::{
@@ -219,8 +219,11 @@ where
         .layer(tower::filter::FilterLayer::new(
             limits::MetadataLimit::check,
         ))
-        .layer(DeadlineLayer::new(node.default_deadline, reserve).with_max(node.max_deadline))
-        .layer(CarryHeadersLayer::new(node.carried_headers()))
+        .layer(
+            DeadlineLayer::new(node.default_deadline, reserve)
+                .with_max(node.max_deadline)
+                .with_method_timeouts(Arc::clone(&node.policy)),
+        )
         .add_service(health_service.clone())
         .add_service(reflection_v1(&[PAYMENTS])?)
         .add_service(reflection_v1alpha(&[PAYMENTS])?)

@@ -179,7 +179,7 @@ impl Counters {
         self.calls
             .get_or_create(&CallLabels {
                 method,
-                code: crate::faults::code_name(code),
+                code: resilience::wire::code_name(code),
             })
             .inc();
         self.latency
@@ -194,7 +194,9 @@ impl RetryObserver for Counters {
         self.downstream_attempts.inc();
         if attempt.previous > 0 {
             self.retries.inc();
-            let reason = attempt.retry_of.map_or("UNKNOWN", crate::faults::code_name);
+            let reason = attempt
+                .retry_of
+                .map_or("UNKNOWN", resilience::wire::code_name);
             self.retry_reasons
                 .get_or_create(&ReasonLabels { reason })
                 .inc();
@@ -218,6 +220,30 @@ impl RetryObserver for Counters {
             self.attempts_per_call.observe(f64::from(attempts));
         }
     }
+}
+
+/// What the ledger's database reports to `/metrics`; the node knows nothing of Postgres.
+pub trait DatabaseGauges: std::fmt::Debug + Send + Sync {
+    /// Pooled connections running a statement or transaction.
+    fn connections_in_use(&self) -> u64;
+    /// Pooled connections idle.
+    fn connections_idle(&self) -> u64;
+    /// Requests waiting for a connection now.
+    fn acquires_waiting(&self) -> u64;
+    /// Requests that waited for another request with their key, since start.
+    fn key_waits_total(&self) -> u64;
+    /// How long each database round trip of a request took (the ledger's own clock), for
+    /// choosing the round-trip bound from what a healthy database does.
+    fn round_trip_seconds(&self) -> Histogram;
+}
+
+/// The buckets of the database round-trip histogram, in seconds: 100 µs to 5 s.
+pub fn round_trip_buckets() -> impl Iterator<Item = f64> {
+    [
+        0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+        5.0,
+    ]
+    .into_iter()
 }
 
 #[cfg(test)]

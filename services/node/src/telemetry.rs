@@ -225,10 +225,12 @@ pub fn continue_trace(span: &Span, metadata: &MetadataMap) -> Option<String> {
         .then(|| span_context.trace_id().to_string())
 }
 
-/// A client layer that writes the current span's `traceparent` into each outgoing call
-/// while exporting, so the server's span is the child of the caller's attempt span. Placed
-/// below a retry layer, every attempt is its own parent. Not exporting, it leaves the
-/// request as it is (its `traceparent`, if any, was set by the caller).
+/// The client layer that writes each outgoing call's trace context — the one place it
+/// reaches the wire. Exporting, it is the current span's (placed below a retry layer, each
+/// attempt's span is the parent of the server's); otherwise the [`TraceContext`] the
+/// handler put in the call's extensions (this hop as the next one's parent).
+///
+/// [`TraceContext`]: crate::TraceContext
 #[derive(Debug, Clone, Copy, Default)]
 pub struct InjectTraceLayer;
 
@@ -263,11 +265,22 @@ where
     }
 
     fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
-        if exporting() {
-            let context = Span::current().context();
-            if context.span().span_context().is_valid() {
+        let context = exporting().then(|| Span::current().context());
+        match context {
+            Some(context) if context.span().span_context().is_valid() => {
                 TraceContextPropagator::new()
                     .inject_context(&context, &mut HeaderInjector(request.headers_mut()));
+            }
+            _ => {
+                let traceparent = request
+                    .extensions()
+                    .get::<crate::TraceContext>()
+                    .and_then(|trace| http::HeaderValue::try_from(trace.traceparent()).ok());
+                if let Some(traceparent) = traceparent {
+                    request
+                        .headers_mut()
+                        .insert(resilience::wire::TRACEPARENT, traceparent);
+                }
             }
         }
         self.inner.call(request)

@@ -1,11 +1,7 @@
-//! Which failures are worth retrying, and what a server said about when to retry.
+//! Which failures are worth retrying, and which errors prove a call never reached its
+//! server.
 
-use std::time::Duration;
-
-use tonic::{Code, Status, metadata::MetadataValue};
-
-/// Response trailer with which a server asks the caller to wait before retrying (gRFC A6).
-pub const PUSHBACK_HEADER: &str = "grpc-retry-pushback-ms";
+use tonic::{Code, Status};
 
 /// Whether a code may succeed if the same request is sent again.
 ///
@@ -91,46 +87,6 @@ pub fn is_local_timeout(error: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
-/// What a failed call's `grpc-retry-pushback-ms` says.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Pushback {
-    /// No pushback: use the backoff policy.
-    Absent,
-    /// Wait exactly this long before the retry.
-    RetryAfter(Duration),
-    /// A negative or unparseable value: do not retry.
-    DoNotRetry,
-}
-
-/// Reads the pushback a server attached to a failure.
-pub fn pushback(status: &Status) -> Pushback {
-    parse_pushback(
-        status
-            .metadata()
-            .get(PUSHBACK_HEADER)
-            .map(|value| value.to_str().unwrap_or("malformed")),
-    )
-}
-
-/// What a `grpc-retry-pushback-ms` value (absent: `None`) says: gRFC A6 reads a negative or
-/// malformed one as "do not retry".
-pub fn parse_pushback(value: Option<&str>) -> Pushback {
-    let Some(value) = value else {
-        return Pushback::Absent;
-    };
-    match value.trim().parse::<i64>() {
-        Ok(ms) if ms >= 0 => Pushback::RetryAfter(Duration::from_millis(ms.unsigned_abs())),
-        _ => Pushback::DoNotRetry,
-    }
-}
-
-/// Attaches a pushback of `ms` milliseconds (negative: do not retry) to a failure.
-pub fn set_pushback(status: &mut Status, ms: i64) {
-    status
-        .metadata_mut()
-        .insert(PUSHBACK_HEADER, MetadataValue::from(ms));
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -178,22 +134,5 @@ mod tests {
             transport_failure_as_unavailable(remote).code(),
             Code::Unknown
         );
-    }
-
-    #[test]
-    fn pushback_values() {
-        let mut status = Status::resource_exhausted("busy");
-        assert_eq!(pushback(&status), Pushback::Absent);
-        set_pushback(&mut status, 200);
-        assert_eq!(
-            pushback(&status),
-            Pushback::RetryAfter(Duration::from_millis(200))
-        );
-        set_pushback(&mut status, -1);
-        assert_eq!(pushback(&status), Pushback::DoNotRetry);
-        status
-            .metadata_mut()
-            .insert(PUSHBACK_HEADER, MetadataValue::from_static("soon"));
-        assert_eq!(pushback(&status), Pushback::DoNotRetry);
     }
 }

@@ -3,49 +3,55 @@
 //!
 //! # Layout
 //!
-//! - [`deadline`]: `grpc-timeout` parsing and formatting, [`Deadline`], and the
-//!   strictly-shorter deadline handed downstream.
+//! - [`wire`]: every header name, parse and format, and the status codes' names: the only
+//!   place text meets the types below.
+//! - [`deadline`]: [`Deadline`], [`CallDeadline`], and the strictly-shorter deadline handed
+//!   downstream.
 //! - [`backoff`]: the five backoff policies of the design notes.
 //! - [`budget`]: [`RetryBudget`], the token bucket that caps retries per process.
-//! - [`classify`]: which status codes are retryable; `grpc-retry-pushback-ms`.
 //! - [`throttle`]: [`Throttle`], what limits retries across calls: our [`RetryBudget`] or
 //!   gRFC A6's [`A6Throttle`].
-//! - [`rules`]: the decision after a failed attempt (retryable? attempts left? pushback,
-//!   backoff, deadline room, throttle), shared by both retry loops.
-//! - [`observe`]: [`RetryObserver`], what both loops report, for counters and logs.
-//! - [`retry`]: [`Retry`], the executor that runs attempts of any async call under a
-//!   [`RetryPolicy`] (the ledger's processor, the simulations).
-//! - [`client`]: [`RetryLayer`], gRFC A6 retries as a tower layer over any tonic client
-//!   (a `Channel`), configured by a service config.
+//! - [`classify`]: which codes are retryable; which errors prove a call never left.
 //! - [`service_config`]: [`ServiceConfig`], the gRPC service config JSON (retry policy,
-//!   throttling, timeouts as data), parsed and validated.
-//! - [`layer`]: [`DeadlineLayer`], the tower layer that gives each server request its
-//!   deadline and answers DEADLINE_EXCEEDED (never CANCELLED) when it is spent.
-//! - [`propagate`]: the client layers that hand every downstream call the served
-//!   request's deadline, shortened, and its chosen headers.
+//!   hedging, throttling, timeouts as data), parsed and validated once: the one policy value.
+//! - [`rules`]: the decision after a failed attempt (retryable? attempts left? pushback,
+//!   backoff, deadline room, throttle) and the stop reasons.
+//! - [`observe`]: [`RetryObserver`], what the engine reports, for counters and logs.
+//! - [`engine`]: the one retry loop, for any kind of call ([`Attempt`]).
+//! - [`replay`]: a gRPC call's body buffered once and replayed per attempt.
+//! - [`hedge`]: gRFC A6 hedging on the engine's parts.
+//! - [`client`]: [`RetryLayer`], the engine's face: a tower layer over any tonic client,
+//!   and [`client::RetryCalls`] over an in-process service.
+//! - [`server_deadline`]: [`DeadlineLayer`], the tower layer that gives each server
+//!   request its deadline and answers DEADLINE_EXCEEDED (never CANCELLED) when it is spent.
+//! - [`propagate`]: [`PropagateDeadlineLayer`], which hands every downstream call the
+//!   served request's deadline, shortened.
 
 pub mod backoff;
 pub mod budget;
 pub mod classify;
 pub mod client;
 pub mod deadline;
-pub mod layer;
+pub mod engine;
+pub mod hedge;
 pub mod observe;
 pub mod propagate;
-pub mod retry;
+pub mod replay;
 pub mod rules;
+pub mod server_deadline;
 pub mod service_config;
 pub mod throttle;
+pub mod wire;
 
 pub use backoff::{Backoff, BackoffKind, BackoffSchedule};
 pub use budget::RetryBudget;
-pub use classify::{Pushback, is_retryable, pushback, set_pushback};
-pub use client::RetryLayer;
-pub use deadline::{Deadline, NoRoom, format_grpc_timeout, parse_grpc_timeout};
-pub use layer::{DeadlineLayer, IncomingDeadline};
+pub use classify::is_retryable;
+pub use client::{AttemptRequest, CallRequest, RetryCalls, RetryLayer};
+pub use deadline::{CallDeadline, Deadline, NoRoom};
+pub use engine::Attempt;
 pub use observe::{AttemptInfo, Refusal, RetryObserver};
-pub use propagate::{CarryHeadersLayer, ForwardHeadersLayer, PropagateDeadlineLayer};
-pub use retry::{Attempt, Retry, RetryPolicy};
+pub use propagate::PropagateDeadlineLayer;
 pub use rules::StopReason;
+pub use server_deadline::{DeadlineLayer, IncomingDeadline};
 pub use service_config::{ConfigError, ServiceConfig};
 pub use throttle::{A6Throttle, Throttle};

@@ -1,7 +1,5 @@
-//! The decision both retry loops make after a failed attempt — the layer's
-//! ([`RetryLayer`](crate::RetryLayer)) for gRPC calls and the executor's
-//! ([`Retry`](crate::Retry)) for any async call — written once, so the two cannot drift
-//! apart. In order: is the code retryable; are attempts left; what does the server's
+//! The decision the retry engine makes after a failed attempt, as a pure function of the
+//! failure and the call's state, so it can be tested without time. In order: is the code retryable; are attempts left; what does the server's
 //! pushback say, else the backoff; is there room before the deadline; does the throttle
 //! allow it. The deadline comes before the throttle: a token is not spent on a retry that
 //! could not happen anyway.
@@ -13,9 +11,9 @@ use tonic::Code;
 
 use crate::{
     backoff::{Backoff, BackoffSchedule},
-    classify::Pushback,
     observe::Refusal,
     throttle::Throttle,
+    wire::Pushback,
 };
 
 /// Why retrying stopped.

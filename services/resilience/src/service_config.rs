@@ -101,15 +101,19 @@ pub struct RetryPolicyConfig {
 
 impl RetryPolicyConfig {
     /// One attempt, no retries: a method without a `retryPolicy`.
-    pub fn single_attempt() -> Self {
-        Self {
-            max_attempts: 1,
-            initial_backoff: Duration::ZERO,
-            max_backoff: Duration::ZERO,
-            backoff_multiplier: 1.0,
-            retryable_status_codes: Vec::new(),
-            jitter: BackoffKind::None,
-        }
+    pub const SINGLE_ATTEMPT: Self = Self {
+        max_attempts: 1,
+        initial_backoff: Duration::ZERO,
+        max_backoff: Duration::ZERO,
+        backoff_multiplier: 1.0,
+        retryable_status_codes: Vec::new(),
+        jitter: BackoffKind::None,
+    };
+
+    /// The waits between attempts this policy describes.
+    pub fn backoff(&self) -> crate::Backoff {
+        crate::Backoff::new(self.jitter, self.initial_backoff, self.max_backoff)
+            .with_multiplier(self.backoff_multiplier)
     }
 
     /// Up to `max_attempts` attempts, waiting as `backoff` says between them, retrying
@@ -480,7 +484,7 @@ fn codes(path: &str, value: &Value) -> Result<Vec<Code>, ConfigError> {
     for (i, code) in list.iter().enumerate() {
         let field = format!("{path}[{i}]");
         let parsed = match code {
-            Value::String(name) => code_by_name(name)
+            Value::String(name) => crate::wire::code_by_name(name)
                 .ok_or_else(|| error(&field, format!("{name:?} is not a gRPC status code")))?,
             Value::Number(n) => n
                 .as_i64()
@@ -497,33 +501,6 @@ fn codes(path: &str, value: &Value) -> Result<Vec<Code>, ConfigError> {
         }
     }
     Ok(codes)
-}
-
-const CODE_NAMES: [(&str, Code); 17] = [
-    ("OK", Code::Ok),
-    ("CANCELLED", Code::Cancelled),
-    ("UNKNOWN", Code::Unknown),
-    ("INVALID_ARGUMENT", Code::InvalidArgument),
-    ("DEADLINE_EXCEEDED", Code::DeadlineExceeded),
-    ("NOT_FOUND", Code::NotFound),
-    ("ALREADY_EXISTS", Code::AlreadyExists),
-    ("PERMISSION_DENIED", Code::PermissionDenied),
-    ("RESOURCE_EXHAUSTED", Code::ResourceExhausted),
-    ("FAILED_PRECONDITION", Code::FailedPrecondition),
-    ("ABORTED", Code::Aborted),
-    ("OUT_OF_RANGE", Code::OutOfRange),
-    ("UNIMPLEMENTED", Code::Unimplemented),
-    ("INTERNAL", Code::Internal),
-    ("UNAVAILABLE", Code::Unavailable),
-    ("DATA_LOSS", Code::DataLoss),
-    ("UNAUTHENTICATED", Code::Unauthenticated),
-];
-
-fn code_by_name(name: &str) -> Option<Code> {
-    CODE_NAMES
-        .iter()
-        .find(|(n, _)| n.eq_ignore_ascii_case(name))
-        .map(|(_, code)| *code)
 }
 
 #[cfg(test)]

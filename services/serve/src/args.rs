@@ -5,7 +5,10 @@
 use std::{net::SocketAddr, time::Duration};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use resilience::{Backoff, BackoffKind, RetryPolicy};
+use resilience::{
+    Backoff, BackoffKind, ServiceConfig,
+    service_config::{CallPolicy, RetryPolicyConfig},
+};
 use retrychain_node::{RetryMode, telemetry::LogFormat};
 
 /// One service's command line, `edge|relay|ledger <flags>`: what the harness parses to
@@ -115,11 +118,12 @@ pub struct ServiceArgs {
     /// Retry without a budget: retries limited only by --max-attempts.
     #[arg(long, env = "RETRYCHAIN_NO_BUDGET")]
     pub no_budget: bool,
-    /// Deadline applied to a request that carries no grpc-timeout, in ms.
+    /// Deadline applied to a request that carries none, in ms (a --service-config method's
+    /// `timeout` takes its place for that method).
     #[arg(long, env = "RETRYCHAIN_DEFAULT_DEADLINE_MS", default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub default_deadline_ms: u64,
-    /// Longest deadline honoured, in ms; a longer grpc-timeout is cut to this. The ledger's
-    /// --key-retention must be at least this long.
+    /// Longest deadline honoured, in ms; a longer incoming deadline is cut to this. The
+    /// ledger's --key-retention must be at least this long.
     #[arg(long, env = "RETRYCHAIN_MAX_DEADLINE_MS", default_value_t = 300_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_deadline_ms: u64,
     /// Taken off the remaining time for each downstream deadline, in ms; the service
@@ -132,10 +136,11 @@ pub struct ServiceArgs {
     /// Allow Control.SetFaults (a demo setting; production leaves it off).
     #[arg(long, env = "RETRYCHAIN_FAULT_INJECTION")]
     pub fault_injection: bool,
-    /// A gRPC service config JSON file (gRFC A6): its `retryPolicy` for
-    /// retrychain.v1.Payments/Charge replaces --max-attempts and --backoff*, its
-    /// `retryThrottling` replaces the edge's budget, its `timeout` --default-deadline-ms.
-    /// Refused at start-up, with the field and the reason, if invalid.
+    /// A gRPC service config JSON file (gRFC A6), in place of --max-attempts and
+    /// --backoff*: each method's `retryPolicy` or `hedgingPolicy` applies to that method's
+    /// calls (a method without one is not retried), its `timeout` bounds them, and
+    /// `retryThrottling` replaces the edge's budget. Refused at start-up, with the field and
+    /// the reason, if invalid.
     #[arg(long, env = "RETRYCHAIN_SERVICE_CONFIG")]
     pub service_config: Option<std::path::PathBuf>,
     /// Honour (and pass on) a caller's x-retry-mode header. It can multiply load 81-fold,
@@ -180,16 +185,19 @@ impl ServiceArgs {
         self.margin() / 2
     }
 
-    /// The retry policy for `every-layer` mode (no budget).
-    pub fn every_layer_policy(&self) -> RetryPolicy {
-        RetryPolicy {
-            max_attempts: self.max_attempts,
-            backoff: self.backoff(),
-            budget: None,
-            retryable: None,
-            margin: self.margin(),
-            min_attempt: Duration::from_millis(self.min_attempt_ms),
-        }
+    /// The shortest attempt worth starting.
+    pub fn min_attempt(&self) -> Duration {
+        Duration::from_millis(self.min_attempt_ms)
+    }
+
+    /// The retry policy the flags describe, for every method: what stands in for a
+    /// `--service-config` document when none is given.
+    pub fn retry_policy(&self) -> ServiceConfig {
+        ServiceConfig::every_method(CallPolicy::Retry(RetryPolicyConfig::new(
+            self.max_attempts,
+            self.backoff(),
+            resilience::classify::RETRYABLE.to_vec(),
+        )))
     }
 }
 

@@ -5,11 +5,8 @@
 use std::{net::SocketAddr, pin::Pin, sync::Arc, time::Duration};
 
 use anyhow::Context;
-use resilience::{
-    A6Throttle, Backoff, RetryBudget, RetryPolicy, ServiceConfig, Throttle,
-    service_config::{CallPolicy, HedgingPolicy},
-};
-use retrychain_hop::{Hop, HopRetryConfig, Role};
+use resilience::{A6Throttle, RetryBudget, ServiceConfig, Throttle};
+use retrychain_hop::{Hop, HopSettings, Role};
 use retrychain_ledger::{InFlight, KeyStore, Ledger, StoreOptions, run_retention};
 use retrychain_node::{Listeners, Node, NodeConfig, ReadyAddrs, default_admin_addr, telemetry};
 use tonic::transport::Endpoint;
@@ -94,7 +91,7 @@ async fn hop(
     } else {
         None
     };
-    let node = node(service, name, budget.clone(), policies.default_deadline);
+    let node = node(service, name, budget, policies.config);
     // Connect lazily: services may start in any order, and a downstream that is not up
     // yet is an UNAVAILABLE attempt like any other.
     let channel = Endpoint::from_shared(downstream.clone())
@@ -102,19 +99,13 @@ async fn hop(
         .tcp_nodelay(true)
         .connect_timeout(Duration::from_secs(2))
         .connect_lazy();
-    let policy = policies.retry;
     let hop = Hop::new(
         Arc::clone(&node),
         role,
-        HopRetryConfig {
+        HopSettings {
             mode: service.retry_mode,
-            max_attempts: policy.max_attempts,
-            backoff: policy.backoff,
-            budget,
-            retryable: policy.retryable,
-            margin: policy.margin,
-            min_attempt: policy.min_attempt,
-            hedging: policies.hedging,
+            margin: service.margin(),
+            min_attempt: service.min_attempt(),
         },
         channel,
     );
@@ -158,7 +149,7 @@ async fn ledger(
     )
     .await?;
     let listeners = bind(service, "0.0.0.0:50055").await?;
-    let node = node(service, name, None, policies.default_deadline);
+    let node = node(service, name, None, policies.config);
     let in_flight = match args.in_flight {
         InFlightArg::Wait => InFlight::Wait,
         InFlightArg::Reject => InFlight::Reject,
@@ -167,7 +158,8 @@ async fn ledger(
         Arc::clone(&node),
         store.clone(),
         service.retry_mode,
-        policies.retry,
+        service.margin(),
+        service.min_attempt(),
         in_flight,
     );
     // Purge a few times per retention window, at most once a minute.
@@ -187,77 +179,54 @@ async fn ledger(
     })
 }
 
-/// How a service retries, from its flags or, with `--service-config`, from that document.
+/// How a service retries, from its flags or, with `--service-config`, from that document:
+/// parsed and validated once, here, and handed down as it is.
 struct Policies {
-    /// Where this service retries (every-layer everywhere; edge-only at the edge), without
-    /// the throttle.
-    retry: RetryPolicy,
+    /// Per method: retry or hedging policy, and timeout. Every retrying layer of the
+    /// service (a hop's plans, the ledger's processor) applies this one value.
+    config: Arc<ServiceConfig>,
     /// The throttle of the edge's edge-only retries: the budget flags, or the config's
     /// `retryThrottling`; `None` with `--no-budget` and no `retryThrottling`.
     throttle: Option<Arc<dyn Throttle>>,
-    /// The deadline of a call that carries none.
-    default_deadline: Duration,
-    /// The config's `hedgingPolicy`: the edge hedges in `edge-only` mode; relays and the
-    /// ledger, which do not retry in that mode, keep their flags.
-    hedging: Option<HedgingPolicy>,
 }
-
-/// The method whose service config entry the services use: every call they make
-/// downstream is a Charge or a GetAccount, and retries matter for Charge.
-const CONFIGURED_METHOD: (&str, &str) = ("retrychain.v1.Payments", "Charge");
 
 impl Policies {
     fn from_args(service: &ServiceArgs) -> anyhow::Result<Self> {
-        let mut policies = Policies {
-            retry: service.every_layer_policy(),
-            throttle: (!service.no_budget).then(|| {
+        let config = match &service.service_config {
+            None => service.retry_policy(),
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading --service-config {}", path.display()))?;
+                ServiceConfig::parse(&text)
+                    .with_context(|| format!("--service-config {}", path.display()))?
+            }
+        };
+        let max_deadline = Duration::from_millis(service.max_deadline_ms);
+        for (i, method) in config.method_configs.iter().enumerate() {
+            if let Some(timeout) = method.timeout {
+                anyhow::ensure!(
+                    timeout <= max_deadline,
+                    "--service-config: methodConfig[{i}].timeout {timeout:?} is longer than --max-deadline-ms {}",
+                    service.max_deadline_ms
+                );
+            }
+        }
+        let throttle = match config.retry_throttling {
+            Some(throttling) => Some(Arc::new(A6Throttle::new(
+                throttling.max_tokens,
+                throttling.token_ratio,
+            )) as Arc<dyn Throttle>),
+            None => (!service.no_budget).then(|| {
                 Arc::new(RetryBudget::new(
                     service.budget_tokens,
                     service.budget_refund,
                 )) as Arc<dyn Throttle>
             }),
-            default_deadline: Duration::from_millis(service.default_deadline_ms),
-            hedging: None,
         };
-        let Some(path) = &service.service_config else {
-            return Ok(policies);
-        };
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("reading --service-config {}", path.display()))?;
-        let config = ServiceConfig::parse(&text)
-            .with_context(|| format!("--service-config {}", path.display()))?;
-        if let Some(throttling) = config.retry_throttling {
-            policies.throttle = Some(Arc::new(A6Throttle::new(
-                throttling.max_tokens,
-                throttling.token_ratio,
-            )));
-        }
-        let (service_name, method) = CONFIGURED_METHOD;
-        let Some(method_config) = config.for_method(service_name, method) else {
-            return Ok(policies);
-        };
-        if let Some(timeout) = method_config.timeout {
-            anyhow::ensure!(
-                timeout <= Duration::from_millis(service.max_deadline_ms),
-                "--service-config {}: timeout {timeout:?} is longer than --max-deadline-ms {}",
-                path.display(),
-                service.max_deadline_ms
-            );
-            policies.default_deadline = timeout;
-        }
-        match &method_config.policy {
-            // gRFC A6: a method whose config has no retry policy is not retried.
-            None => policies.retry.max_attempts = 1,
-            Some(CallPolicy::Retry(retry)) => {
-                policies.retry.max_attempts = retry.max_attempts;
-                policies.retry.backoff =
-                    Backoff::new(retry.jitter, retry.initial_backoff, retry.max_backoff)
-                        .with_multiplier(retry.backoff_multiplier);
-                policies.retry.retryable = Some(retry.retryable_status_codes.clone());
-            }
-            Some(CallPolicy::Hedging(hedging)) => policies.hedging = Some(hedging.clone()),
-        }
-        Ok(policies)
+        Ok(Policies {
+            config: Arc::new(config),
+            throttle,
+        })
     }
 }
 
@@ -265,12 +234,13 @@ fn node(
     service: &ServiceArgs,
     name: String,
     budget: Option<Arc<dyn Throttle>>,
-    default_deadline: Duration,
+    policy: Arc<ServiceConfig>,
 ) -> Arc<Node> {
     Arc::new(Node::new(NodeConfig {
         name,
         fault_injection: service.fault_injection,
-        default_deadline,
+        default_deadline: Duration::from_millis(service.default_deadline_ms),
+        policy,
         max_deadline: Duration::from_millis(service.max_deadline_ms),
         allow_retry_mode_override: service.allow_retry_mode_override,
         budget,

@@ -1,10 +1,11 @@
 //! The server side of deadline propagation, as a tower layer.
 //!
-//! [`DeadlineLayer`] reads the incoming `grpc-timeout` (or applies the default), refuses a
-//! malformed one with INVALID_ARGUMENT before any handler runs, and hands the handler an
+//! [`DeadlineLayer`] reads the incoming request's timeout once, as it arrives (or applies
+//! the default: the method config's `timeout`, else the layer's), refuses a malformed one
+//! with INVALID_ARGUMENT before any handler runs, and hands the handler an
 //! [`IncomingDeadline`] through the request extensions: when the caller stops waiting, and
 //! `answer_by`, a little earlier, when the handler must answer DEADLINE_EXCEEDED itself.
-//! That matters because tonic enforces `grpc-timeout` by dropping the handler and answering
+//! That matters because tonic enforces an incoming timeout by dropping the handler and answering
 //! CANCELLED, which a caller must not retry and cannot tell from a user's cancel; a handler
 //! that answers first keeps the status honest and can put its own metadata (trace id, the
 //! key the edge made) on the answer.
@@ -34,17 +35,14 @@ use tokio::task::futures::TaskLocalFuture;
 use tonic::Status;
 use tower::{Layer, Service};
 
-use crate::{
-    deadline::{Deadline, parse_grpc_timeout},
-    retry::TIMEOUT_HEADER,
-};
+use crate::{deadline::Deadline, service_config::ServiceConfig, wire};
 
 /// The deadline a request arrived with, put in its extensions by [`DeadlineLayer`].
 #[derive(Debug, Clone, Copy)]
 pub struct IncomingDeadline {
     /// When the caller stops waiting.
     pub deadline: Deadline,
-    /// The `grpc-timeout` the caller sent; `None` when the default was applied.
+    /// The timeout the caller sent; `None` when the default was applied.
     pub received: Option<Duration>,
     /// The timeout in force: `received`, or the default, capped at the layer's maximum.
     pub timeout: Duration,
@@ -68,16 +66,18 @@ impl IncomingDeadline {
 }
 
 /// Applies deadlines to every request of a server; see the module docs.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct DeadlineLayer {
-    /// Applied when a request carries no `grpc-timeout`.
+    /// Applied when a request carries no timeout (and its method config has none).
     default_timeout: Duration,
     /// How long before the deadline the handler must answer.
     reserve: Duration,
-    /// The longest deadline honoured; a longer `grpc-timeout` is cut to this. A server
-    /// that promises something for "as long as a request may run" (the ledger keeps keys
-    /// longer than that) needs the bound to be its own, not the caller's.
+    /// The longest deadline honoured; a longer timeout is cut to this. A server that
+    /// promises something for "as long as a request may run" (the ledger keeps keys longer
+    /// than that) needs the bound to be its own, not the caller's.
     max_timeout: Option<Duration>,
+    /// Method configs whose `timeout` is the default for their method.
+    methods: Option<std::sync::Arc<ServiceConfig>>,
 }
 
 impl DeadlineLayer {
@@ -88,7 +88,26 @@ impl DeadlineLayer {
             default_timeout,
             reserve,
             max_timeout: None,
+            methods: None,
         }
+    }
+
+    /// Uses each method's `timeout` in `config`, where it has one, as the default for
+    /// requests of that method (as a gRPC client applies it to its calls).
+    pub fn with_method_timeouts(mut self, config: std::sync::Arc<ServiceConfig>) -> Self {
+        self.methods = Some(config);
+        self
+    }
+
+    /// The default timeout of a request to `path`.
+    fn default_for(&self, path: &str) -> Duration {
+        self.methods
+            .as_ref()
+            .and_then(|config| {
+                let (service, method) = path.trim_start_matches('/').split_once('/')?;
+                config.for_method(service, method)?.timeout
+            })
+            .unwrap_or(self.default_timeout)
     }
 
     /// Caps every incoming deadline at `max` (as Envoy's `max_grpc_timeout` does): the
@@ -105,7 +124,7 @@ impl<S> Layer<S> for DeadlineLayer {
     fn layer(&self, inner: S) -> Self::Service {
         EnforceDeadline {
             inner,
-            config: *self,
+            config: self.clone(),
         }
     }
 }
@@ -122,7 +141,7 @@ pub struct EnforceDeadline<S> {
 pin_project_lite::pin_project! {
     /// The future of [`EnforceDeadline`]: the inner service's, run with the request's
     /// deadline in the task (`Inner`), or an immediate refusal of a malformed
-    /// `grpc-timeout` (`Refused`, taken when polled).
+    /// timeout (`Refused`, taken when polled).
     #[project = ResponseProj]
     #[allow(missing_docs)] // the variants' fields are described above; the macro takes no field docs
     pub enum ResponseFuture<F, B> {
@@ -183,21 +202,15 @@ where
     }
 
     fn call(&mut self, mut request: http::Request<ReqBody>) -> Self::Future {
-        let received = match request.headers().get(TIMEOUT_HEADER).map(|value| {
-            value
-                .to_str()
-                .map_err(|_| "grpc-timeout is not ASCII".to_owned())
-                .and_then(|text| parse_grpc_timeout(text).map_err(|e| e.to_string()))
-        }) {
-            None => None,
-            Some(Ok(timeout)) => Some(timeout),
-            Some(Err(message)) => {
+        let received = match wire::timeout_of(request.headers()) {
+            Ok(received) => received,
+            Err(error) => {
                 return ResponseFuture::Refused {
-                    response: Some(Status::invalid_argument(message).into_http()),
+                    response: Some(Status::invalid_argument(error.to_string()).into_http()),
                 };
             }
         };
-        let mut timeout = received.unwrap_or(self.config.default_timeout);
+        let mut timeout = received.unwrap_or_else(|| self.config.default_for(request.uri().path()));
         if let Some(max) = self.config.max_timeout {
             timeout = timeout.min(max);
         }

@@ -1,0 +1,130 @@
+//! [`Node`]: what one service shares between its Payments handler, its Control service,
+//! its client stack and its metrics. A module of its own (not the crate root), so that the
+//! modules that use it and the ones it uses form no loop.
+
+use std::{sync::Arc, time::Duration};
+
+use resilience::{RetryObserver, ServiceConfig, Throttle};
+use retrychain_proto::v1::Stats;
+
+use crate::{
+    faults::FaultSwitch,
+    limits,
+    metadata::{self, RetryMode},
+    stats::{Counters, DatabaseGauges},
+};
+
+/// The state one service shares between its Payments handler and its Control service.
+#[derive(Debug)]
+pub struct Node {
+    /// edge, hop2, hop3, hop4 or ledger: in logs and `Stats.service`.
+    pub name: String,
+    /// The counters `GetStats` reports.
+    pub counters: Counters,
+    /// The faults in force on the downstream call (shared with the fault layer).
+    pub faults: Arc<FaultSwitch>,
+    /// Whether `SetFaults` is allowed (a demo setting; production leaves it off).
+    pub fault_injection: bool,
+    /// The deadline applied to requests that carry none.
+    pub default_deadline: Duration,
+    /// The longest deadline honoured; a longer incoming `grpc-timeout` is cut to this.
+    pub max_deadline: Duration,
+    /// Whether an incoming `x-retry-mode` is honoured (and passed on). Off by default on
+    /// every service: every-layer retries multiply load, so no caller may switch them on
+    /// unless the operator allowed it — at the edge and at every service behind it, since a
+    /// caller who reaches hop2 directly must not bypass the edge's gate.
+    pub allow_retry_mode_override: bool,
+    /// This service's retry throttle, when its retries are limited by one.
+    pub budget: Option<Arc<dyn Throttle>>,
+    /// How this service's calls are retried or hedged, per method: the service config from
+    /// `--service-config`, or built from the flags, parsed once and shared by every layer.
+    pub policy: Arc<ServiceConfig>,
+    /// The ledger's database gauges for `/metrics`, once it has connected.
+    pub database: std::sync::OnceLock<Arc<dyn DatabaseGauges>>,
+    /// Bounds on the public port's connections.
+    pub connection_limits: limits::ConnectionLimits,
+}
+
+/// How a [`Node`] is set up; the rest of its state starts empty.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// See [`Node::name`].
+    pub name: String,
+    /// See [`Node::fault_injection`].
+    pub fault_injection: bool,
+    /// See [`Node::default_deadline`].
+    pub default_deadline: Duration,
+    /// See [`Node::max_deadline`].
+    pub max_deadline: Duration,
+    /// See [`Node::allow_retry_mode_override`].
+    pub allow_retry_mode_override: bool,
+    /// See [`Node::budget`].
+    pub budget: Option<Arc<dyn Throttle>>,
+    /// See [`Node::policy`].
+    pub policy: Arc<ServiceConfig>,
+    /// See [`Node::connection_limits`].
+    pub connection_limits: limits::ConnectionLimits,
+}
+
+impl Node {
+    /// A node with zeroed counters and no faults.
+    pub fn new(config: NodeConfig) -> Self {
+        Self {
+            name: config.name,
+            counters: Counters::default(),
+            faults: Arc::default(),
+            fault_injection: config.fault_injection,
+            default_deadline: config.default_deadline,
+            max_deadline: config.max_deadline,
+            allow_retry_mode_override: config.allow_retry_mode_override,
+            budget: config.budget,
+            policy: config.policy,
+            database: std::sync::OnceLock::new(),
+            connection_limits: config.connection_limits,
+        }
+    }
+
+    /// The request's `x-retry-mode` if this node honours it: `None` when absent or not
+    /// allowed (then the header is also not passed on); INVALID_ARGUMENT when malformed.
+    pub fn requested_retry_mode(
+        &self,
+        metadata: &tonic::metadata::MetadataMap,
+    ) -> Result<Option<RetryMode>, tonic::Status> {
+        if self.allow_retry_mode_override {
+            metadata::retry_mode(metadata)
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// The counters as `Control.GetStats` returns them.
+    pub fn stats(&self) -> Stats {
+        self.counters.snapshot(&self.name, self.budget.as_ref())
+    }
+}
+
+/// A node observes its downstream calls into its counters and its log, so a client stack
+/// can report to it (`Arc<Node>` as the retry layer's observer): each retry and each
+/// refused attempt is a line in the request's span.
+impl RetryObserver for Node {
+    fn attempt(&self, path: &str, attempt: &resilience::AttemptInfo) {
+        RetryObserver::attempt(&self.counters, path, attempt);
+        if attempt.previous > 0 {
+            tracing::info!(
+                attempt = attempt.previous + 1,
+                retry_of = ?attempt.retry_of,
+                timeout_ms = attempt.timeout.map(|t| t.as_millis() as u64),
+                "retrying"
+            );
+        }
+    }
+
+    fn refused(&self, path: &str, reason: resilience::Refusal) {
+        RetryObserver::refused(&self.counters, path, reason);
+        tracing::info!(reason = reason.as_str(), "downstream attempt refused");
+    }
+
+    fn call_finished(&self, path: &str, attempts: u32) {
+        RetryObserver::call_finished(&self.counters, path, attempts);
+    }
+}

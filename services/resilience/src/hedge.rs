@@ -1,0 +1,207 @@
+//! gRFC A6 hedging on the engine's parts: the first attempt at once, another every
+//! `hedgingDelay` (at once after a non-fatal failure, or after the server's pushback) up to
+//! `maxAttempts`, while the deadline has room and the throttle allows; the first committed
+//! answer, or the first fatal failure, wins, and the other attempts are dropped — their
+//! streams reset, so their servers see the cancellation.
+//!
+//! The stop reason written on a failure is the one that ended the call: a fatal code
+//! (not retryable), the attempts spent, the throttle, the server's pushback, the deadline.
+
+use futures::{StreamExt, stream::FuturesUnordered};
+use tokio::time::Instant;
+use tonic::Status;
+use tracing::Instrument;
+
+use crate::{
+    engine::{Attempt, Attempts, Call, Verdict, outcome},
+    observe::Refusal,
+    rules::StopReason,
+    service_config::HedgingPolicy,
+    wire::{self, Pushback},
+};
+
+/// One hedged attempt on its way: the attempt, its span, its answer.
+async fn launched<F: Future>(
+    sent: F,
+    attempt: Attempt,
+    span: tracing::Span,
+) -> (Attempt, tracing::Span, F::Output) {
+    let answer = sent.instrument(span.clone()).await;
+    (attempt, span, answer)
+}
+
+/// Where a hedged call stands.
+struct Hedging<'p, A: Attempts> {
+    policy: &'p HedgingPolicy,
+    /// Attempts sent (transparent resends not counted: A6 does not).
+    sent: u32,
+    /// Whether the one transparent resend was used.
+    resent_unprocessed: bool,
+    /// The latest non-fatal failure, the call's answer if nothing better comes.
+    last: Option<(Status, A::Answer)>,
+    /// When the next hedge goes; `None`: no more.
+    next_hedge: Option<Instant>,
+    /// Why no more hedges go.
+    stop: StopReason,
+}
+
+impl<A: Attempts> Hedging<'_, A> {
+    /// After a non-fatal failure with `pushback`: the next hedge at once, after the
+    /// pushback, or never.
+    fn after_failure(&mut self, call: &Call<'_>, pushback: Pushback) {
+        if self.sent >= self.policy.max_attempts {
+            return;
+        }
+        self.next_hedge = match pushback {
+            Pushback::Absent => Some(Instant::now()),
+            Pushback::RetryAfter(wait) => Some(Instant::now() + wait),
+            Pushback::DoNotRetry => {
+                call.settings.observer.refused(call.path, Refusal::Pushback);
+                self.stop = StopReason::PushbackRefused;
+                None
+            }
+        };
+    }
+
+    /// Whether a hedge (not the first attempt) may go now: the deadline has room and the
+    /// throttle allows it. A refusal is told to the observer and kept as the stop reason.
+    fn may_hedge(&mut self, call: &Call<'_>) -> bool {
+        if self.sent == 0 {
+            return true;
+        }
+        let refusal = if !call.has_room(std::time::Duration::ZERO) {
+            self.stop = StopReason::NoRoom;
+            Refusal::Deadline
+        } else if call
+            .settings
+            .throttle
+            .as_ref()
+            .is_some_and(|t| !t.try_retry())
+        {
+            self.stop = StopReason::BudgetExhausted;
+            Refusal::Throttle
+        } else {
+            return true;
+        };
+        call.settings.observer.refused(call.path, refusal);
+        false
+    }
+}
+
+/// Hedges `attempts` as `policy` says; see the module docs.
+pub(crate) async fn hedge<A: Attempts>(
+    call: Call<'_>,
+    policy: &HedgingPolicy,
+    mut attempts: A,
+) -> A::Answer {
+    let settings = call.settings;
+    if let Some(throttle) = &settings.throttle {
+        throttle.first_attempt();
+    }
+    let mut state = Hedging::<A> {
+        policy,
+        sent: 0,
+        resent_unprocessed: false,
+        last: None,
+        next_hedge: Some(Instant::now()),
+        stop: StopReason::MaxAttempts,
+    };
+    let mut running = FuturesUnordered::new();
+    let deadline_passes = async {
+        match call.deadline {
+            Some(at) => tokio::time::sleep_until(at).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(deadline_passes);
+    let (answer, stop) = loop {
+        // The hedge that is due goes now, without a timer for one due now (the first
+        // attempt, or the one after a non-fatal failure).
+        if state.next_hedge.is_some_and(|at| at <= Instant::now()) {
+            state.next_hedge = None;
+            if state.may_hedge(&call) {
+                let attempt = Attempt {
+                    number: state.sent + 1,
+                    deadline: call.deadline,
+                    retry_of: state.last.as_ref().map(|(status, _)| status.code()),
+                };
+                state.sent += 1;
+                running.push(send(&call, &mut attempts, attempt));
+                if state.sent < policy.max_attempts {
+                    state.next_hedge = Some(Instant::now() + policy.hedging_delay);
+                }
+            }
+        }
+        if running.is_empty() && state.next_hedge.is_none() {
+            // Every attempt failed, and no more may go: the latest failure is the answer.
+            // (The first attempt always goes, so there is one.)
+            match state.last.take() {
+                Some((_, answer)) => break (answer, state.stop),
+                None => {
+                    let status = Status::deadline_exceeded("no attempt could be made");
+                    break (attempts.failure(status), StopReason::NoRoom);
+                }
+            }
+        }
+        let hedge_due = async {
+            match state.next_hedge {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            biased;
+            Some((attempt, span, answer)) = running.next(), if !running.is_empty() => {
+                match attempts.judge(answer, call.deadline) {
+                    Verdict::Committed(answer) => {
+                        outcome(&span, None);
+                        if let Some(throttle) = &settings.throttle {
+                            throttle.attempt_succeeded();
+                        }
+                        settings.observer.call_finished(call.path, state.sent + u32::from(state.resent_unprocessed));
+                        return answer; // the others are dropped: cancelled
+                    }
+                    // Never reached the server: sent again at once, once, not counted.
+                    Verdict::Unprocessed { status, .. }
+                        if !state.resent_unprocessed && call.has_room(std::time::Duration::ZERO) =>
+                    {
+                        outcome(&span, Some(status.code()));
+                        state.resent_unprocessed = true;
+                        running.push(send(&call, &mut attempts, Attempt { retry_of: Some(status.code()), ..attempt }));
+                    }
+                    Verdict::Failed { status, answer } | Verdict::Unprocessed { status, answer } => {
+                        outcome(&span, Some(status.code()));
+                        if !policy.non_fatal_status_codes.contains(&status.code()) {
+                            break (answer, StopReason::NotRetryable);
+                        }
+                        if let Some(throttle) = &settings.throttle {
+                            throttle.attempt_failed();
+                        }
+                        state.after_failure(&call, wire::pushback(&status));
+                        state.last = Some((status, answer));
+                    }
+                }
+            }
+            () = hedge_due => {}
+            () = &mut deadline_passes => {
+                let status = Status::deadline_exceeded("the call's deadline passed before an answer");
+                break (attempts.failure(status), StopReason::NoRoom);
+            }
+        }
+    };
+    let made = state.sent + u32::from(state.resent_unprocessed);
+    settings.observer.call_finished(call.path, made);
+    call.finish(&attempts, answer, stop, state.sent, policy.max_attempts)
+}
+
+/// Tells the observer of `attempt` and starts it.
+fn send<A: Attempts>(
+    call: &Call<'_>,
+    attempts: &mut A,
+    attempt: Attempt,
+) -> impl Future<Output = (Attempt, tracing::Span, A::Answer)> + Send + 'static {
+    call.settings.observer.attempt(call.path, &attempt.info());
+    let span = crate::engine::attempt_span(&attempt);
+    let sent = attempts.send(&attempt);
+    launched(sent, attempt, span)
+}

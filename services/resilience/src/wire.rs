@@ -1,0 +1,349 @@
+//! Everything that is text on the wire: every header name the chain reads or writes, how
+//! each value is parsed and formatted, and the status codes' names. Nothing else in the
+//! workspace spells a header or parses one; inside a process a deadline is an `Instant`, a
+//! pushback a [`Pushback`], a code a [`Code`].
+//!
+//! Where text is read and written:
+//!
+//! | header | read | written |
+//! |---|---|---|
+//! | [`TIMEOUT`] | by a server as a request arrives (`DeadlineLayer`); by the retry engine for a caller's own deadline | by the retry engine, on each attempt |
+//! | [`PREVIOUS_ATTEMPTS`] | by a server as a request arrives | by the retry engine, on each retry or hedge |
+//! | [`PUSHBACK`] | by the retry engine, on each failed attempt | by a server (or a layer that gives up) on its failure |
+//! | [`IDEMPOTENCY_KEY`], [`RETRY_MODE`], [`TRACEPARENT`] | by a service's handler | by a hop's handler, on its downstream call; [`TRACEPARENT`] per attempt while exporting traces |
+//! | [`TRACE_ID`], [`IDEMPOTENT_REPLAYED`] | by the caller | by the service that answers |
+
+use std::time::Duration;
+
+use http::HeaderMap;
+use tonic::{Code, Status, metadata::MetadataValue};
+
+/// Request: the call's deadline as a relative timeout (`250m`, `1998548u`), gRPC over HTTP/2.
+pub const TIMEOUT: &str = "grpc-timeout";
+/// Request: attempts made before this one for the same call (gRFC A6).
+pub const PREVIOUS_ATTEMPTS: &str = "grpc-previous-rpc-attempts";
+/// Response (trailer): how long the server asks the caller to wait before retrying;
+/// negative or malformed means "do not retry" (gRFC A6).
+pub const PUSHBACK: &str = "grpc-retry-pushback-ms";
+/// Request and response: the client's name for one logical operation.
+pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+/// Request: overrides the retry mode for one request (honoured only where allowed).
+pub const RETRY_MODE: &str = "x-retry-mode";
+/// Request: W3C trace context.
+pub const TRACEPARENT: &str = "traceparent";
+/// Response: the request's trace id, for finding it in every service's log.
+pub const TRACE_ID: &str = "trace-id";
+/// Response: `true` when the ledger replayed a saved reply instead of charging.
+pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
+
+/// The largest number a timeout may carry: at most eight ASCII digits.
+const MAX_TIMEOUT_VALUE: u64 = 99_999_999;
+
+/// Why a timeout value was refused; the server answers INVALID_ARGUMENT with it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TimeoutParseError {
+    /// The header was present but empty.
+    #[error("grpc-timeout is empty")]
+    Empty,
+    /// The header was not visible ASCII.
+    #[error("grpc-timeout is not ASCII")]
+    NotAscii,
+    /// The digits were absent, not ASCII digits, or more than eight.
+    #[error("grpc-timeout {0:?} must be 1 to 8 ASCII digits followed by a unit")]
+    BadDigits(String),
+    /// The unit was not one of H M S m u n.
+    #[error("grpc-timeout {0:?} has an unknown unit (expected one of H M S m u n)")]
+    BadUnit(String),
+}
+
+/// Parses a timeout value such as `1998548u` or `2S`.
+pub fn parse_timeout(value: &str) -> Result<Duration, TimeoutParseError> {
+    let Some((split, unit)) = value.char_indices().last() else {
+        return Err(TimeoutParseError::Empty);
+    };
+    let digits = &value[..split];
+    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(TimeoutParseError::BadDigits(value.to_owned()));
+    }
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| TimeoutParseError::BadDigits(value.to_owned()))?;
+    Ok(match unit {
+        'H' => Duration::from_secs(n * 3600),
+        'M' => Duration::from_secs(n * 60),
+        'S' => Duration::from_secs(n),
+        'm' => Duration::from_millis(n),
+        'u' => Duration::from_micros(n),
+        'n' => Duration::from_nanos(n),
+        _ => return Err(TimeoutParseError::BadUnit(value.to_owned())),
+    })
+}
+
+/// The request's timeout: `None` when it carries none, an error when it is malformed.
+pub fn timeout_of(headers: &HeaderMap) -> Result<Option<Duration>, TimeoutParseError> {
+    headers
+        .get(TIMEOUT)
+        .map(|value| {
+            value
+                .to_str()
+                .map_err(|_| TimeoutParseError::NotAscii)
+                .and_then(parse_timeout)
+        })
+        .transpose()
+}
+
+/// Formats a duration as a timeout value in the finest unit that fits eight digits.
+///
+/// The value is rounded down, never up: a hop promises its downstream no more time than it
+/// has. Durations past 99,999,999 hours are clamped to that.
+pub fn format_timeout(timeout: Duration) -> String {
+    let nanos = timeout.as_nanos();
+    // (unit, nanoseconds per unit), finest first.
+    const UNITS: [(char, u128); 6] = [
+        ('n', 1),
+        ('u', 1_000),
+        ('m', 1_000_000),
+        ('S', 1_000_000_000),
+        ('M', 60_000_000_000),
+        ('H', 3_600_000_000_000),
+    ];
+    for (unit, per) in UNITS {
+        let value = nanos / per;
+        if value <= u128::from(MAX_TIMEOUT_VALUE) {
+            return format!("{value}{unit}");
+        }
+    }
+    format!("{MAX_TIMEOUT_VALUE}H")
+}
+
+/// Writes `timeout` as the request's timeout.
+pub fn set_timeout(headers: &mut HeaderMap, timeout: Duration) {
+    if let Ok(value) = http::HeaderValue::from_str(&format_timeout(timeout)) {
+        headers.insert(TIMEOUT, value);
+    }
+}
+
+/// The attempts a request says came before it (0 for a first attempt or a malformed value).
+pub fn previous_attempts(headers: &HeaderMap) -> u32 {
+    parse_previous_attempts(headers.get(PREVIOUS_ATTEMPTS).and_then(|v| v.to_str().ok()))
+}
+
+/// [`previous_attempts`] of a value read from gRPC metadata (`None`: absent).
+pub fn parse_previous_attempts(value: Option<&str>) -> u32 {
+    value.and_then(|v| v.trim().parse().ok()).unwrap_or(0)
+}
+
+/// Marks a request as attempt number `previous + 1` (no mark on a first attempt).
+pub fn set_previous_attempts(headers: &mut HeaderMap, previous: u32) {
+    if previous > 0 {
+        headers.insert(PREVIOUS_ATTEMPTS, http::HeaderValue::from(previous));
+    } else {
+        headers.remove(PREVIOUS_ATTEMPTS);
+    }
+}
+
+/// What a failure's pushback says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pushback {
+    /// No pushback: use the backoff policy.
+    Absent,
+    /// Wait exactly this long before the retry.
+    RetryAfter(Duration),
+    /// A negative or unparseable value, or more than one value: do not retry.
+    DoNotRetry,
+}
+
+/// What the pushback values of an answer say: gRFC A6 reads a negative or malformed one as
+/// "do not retry", and so does grpc-go an answer that carries two (a server cannot mean
+/// both, and guessing would retry against its wish).
+fn pushback_from<'a>(mut values: impl Iterator<Item = Option<&'a str>>) -> Pushback {
+    let Some(first) = values.next() else {
+        return Pushback::Absent;
+    };
+    if values.next().is_some() {
+        return Pushback::DoNotRetry;
+    }
+    match first.map(|value| value.trim().parse::<i64>()) {
+        Some(Ok(ms)) if ms >= 0 => Pushback::RetryAfter(Duration::from_millis(ms.unsigned_abs())),
+        _ => Pushback::DoNotRetry,
+    }
+}
+
+/// The pushback of a gRPC answer's headers (a Trailers-Only answer carries it there).
+pub fn pushback_of(headers: &HeaderMap) -> Pushback {
+    pushback_from(headers.get_all(PUSHBACK).iter().map(|v| v.to_str().ok()))
+}
+
+/// The pushback a failure carries in its metadata.
+pub fn pushback(status: &Status) -> Pushback {
+    pushback_from(
+        status
+            .metadata()
+            .get_all(PUSHBACK)
+            .iter()
+            .map(|v| v.to_str().ok()),
+    )
+}
+
+/// Attaches a pushback of `ms` milliseconds (negative: do not retry) to a failure.
+pub fn set_pushback(status: &mut Status, ms: i64) {
+    status
+        .metadata_mut()
+        .insert(PUSHBACK, MetadataValue::from(ms));
+}
+
+/// The gRPC status codes by their names, as service configs and `Faults.fail_code` spell
+/// them.
+const CODE_NAMES: [(Code, &str); 17] = [
+    (Code::Ok, "OK"),
+    (Code::Cancelled, "CANCELLED"),
+    (Code::Unknown, "UNKNOWN"),
+    (Code::InvalidArgument, "INVALID_ARGUMENT"),
+    (Code::DeadlineExceeded, "DEADLINE_EXCEEDED"),
+    (Code::NotFound, "NOT_FOUND"),
+    (Code::AlreadyExists, "ALREADY_EXISTS"),
+    (Code::PermissionDenied, "PERMISSION_DENIED"),
+    (Code::ResourceExhausted, "RESOURCE_EXHAUSTED"),
+    (Code::FailedPrecondition, "FAILED_PRECONDITION"),
+    (Code::Aborted, "ABORTED"),
+    (Code::OutOfRange, "OUT_OF_RANGE"),
+    (Code::Unimplemented, "UNIMPLEMENTED"),
+    (Code::Internal, "INTERNAL"),
+    (Code::Unavailable, "UNAVAILABLE"),
+    (Code::DataLoss, "DATA_LOSS"),
+    (Code::Unauthenticated, "UNAUTHENTICATED"),
+];
+
+/// A code's name: `UNAVAILABLE`.
+pub fn code_name(code: Code) -> &'static str {
+    CODE_NAMES
+        .iter()
+        .find(|(c, _)| *c == code)
+        .map_or("UNKNOWN", |(_, name)| name)
+}
+
+/// A code from its name, in any case.
+pub fn code_by_name(name: &str) -> Option<Code> {
+    CODE_NAMES
+        .iter()
+        .find(|(_, n)| n.eq_ignore_ascii_case(name))
+        .map(|(code, _)| *code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_unit() {
+        let cases = [
+            ("3H", Duration::from_secs(3 * 3600)),
+            ("2M", Duration::from_secs(120)),
+            ("7S", Duration::from_secs(7)),
+            ("250m", Duration::from_millis(250)),
+            ("1998548u", Duration::from_micros(1_998_548)),
+            ("42n", Duration::from_nanos(42)),
+            ("0m", Duration::ZERO),
+        ];
+        for (text, expected) in cases {
+            assert_eq!(parse_timeout(text), Ok(expected), "{text}");
+        }
+    }
+
+    #[test]
+    fn round_trips_every_unit() {
+        for text in ["3H", "2M", "7S", "250m", "1998548u", "42n", "99999999n"] {
+            let parsed = parse_timeout(text).expect("valid");
+            let formatted = format_timeout(parsed);
+            assert_eq!(
+                parse_timeout(&formatted),
+                Ok(parsed),
+                "{text} -> {formatted}"
+            );
+        }
+    }
+
+    #[test]
+    fn formats_in_the_finest_unit_that_fits_eight_digits() {
+        assert_eq!(
+            format_timeout(Duration::from_nanos(99_999_999)),
+            "99999999n"
+        );
+        assert_eq!(format_timeout(Duration::from_nanos(100_000_000)), "100000u");
+        assert_eq!(format_timeout(Duration::from_secs(2)), "2000000u");
+        assert_eq!(format_timeout(Duration::from_secs(100_000)), "100000S");
+        assert_eq!(
+            format_timeout(Duration::from_secs(3600 * 100_000_000)),
+            "99999999H"
+        );
+        for value in [1u64, 999, 123_456_789, 98_765_432_109, 7_000_000_000_000] {
+            let formatted = format_timeout(Duration::from_nanos(value));
+            let digits = formatted.len() - 1;
+            assert!(digits <= 8, "{formatted} has {digits} digits");
+        }
+    }
+
+    #[test]
+    fn formatting_never_rounds_up() {
+        let d = Duration::from_nanos(123_456_789_123);
+        let back = parse_timeout(&format_timeout(d)).expect("valid");
+        assert!(back <= d);
+        assert!(d - back < Duration::from_millis(1));
+    }
+
+    #[test]
+    fn enforces_the_eight_digit_limit() {
+        assert!(parse_timeout("99999999m").is_ok());
+        assert!(matches!(
+            parse_timeout("100000000m"),
+            Err(TimeoutParseError::BadDigits(_))
+        ));
+    }
+
+    #[test]
+    fn rejects_malformed_values() {
+        for bad in [
+            "", "m", "10", "10x", "1.5S", "-5m", "+5m", " 5m", "5 m", "5mm", "five", "5µ", "0x10m",
+        ] {
+            assert!(parse_timeout(bad).is_err(), "{bad:?} should be rejected");
+        }
+    }
+
+    #[test]
+    fn pushback_values() {
+        let mut status = Status::resource_exhausted("busy");
+        assert_eq!(pushback(&status), Pushback::Absent);
+        set_pushback(&mut status, 200);
+        assert_eq!(
+            pushback(&status),
+            Pushback::RetryAfter(Duration::from_millis(200))
+        );
+        set_pushback(&mut status, -1);
+        assert_eq!(pushback(&status), Pushback::DoNotRetry);
+        status
+            .metadata_mut()
+            .insert(PUSHBACK, MetadataValue::from_static("soon"));
+        assert_eq!(pushback(&status), Pushback::DoNotRetry);
+    }
+
+    #[test]
+    fn two_pushback_values_mean_do_not_retry() {
+        let mut headers = HeaderMap::new();
+        headers.append(PUSHBACK, http::HeaderValue::from_static("10"));
+        assert_eq!(
+            pushback_of(&headers),
+            Pushback::RetryAfter(Duration::from_millis(10))
+        );
+        headers.append(PUSHBACK, http::HeaderValue::from_static("20"));
+        assert_eq!(pushback_of(&headers), Pushback::DoNotRetry);
+    }
+
+    #[test]
+    fn code_names_round_trip() {
+        for (code, name) in CODE_NAMES {
+            assert_eq!(code_name(code), name);
+            assert_eq!(code_by_name(&name.to_lowercase()), Some(code));
+        }
+        assert_eq!(code_by_name("SOMETIMES"), None);
+    }
+}
