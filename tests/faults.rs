@@ -1762,3 +1762,48 @@ async fn a_black_holed_database_path_holds_no_charge_past_the_round_trip_bound()
     .await;
     drop(cluster);
 }
+
+/// More requests at once than `--max-in-flight` allows: the extra ones are refused at once
+/// with RESOURCE_EXHAUSTED (retryable after a backoff), the others are served, and nothing
+/// waits in a queue the caller cannot see.
+#[tokio::test]
+async fn requests_over_the_in_flight_limit_are_refused_at_once() {
+    let mut options = Options::default();
+    options.edge.extend(args(&["--max-in-flight", "4"]));
+    let chain = Chain::spawn(options).await;
+    chain.set_faults(LEDGER, delayed(300)).await;
+    let edge = chain.edge().await;
+    let results = futures::future::join_all((0..12).map(|_| {
+        let edge = edge.clone();
+        async move {
+            let started = Instant::now();
+            let result =
+                charge_on(&edge, &new_account(), 100, Some(&new_key()), LOAD_DEADLINE).await;
+            (result.map(|_| ()).map_err(|s| s.code()), started.elapsed())
+        }
+    }))
+    .await;
+    let served = results.iter().filter(|(r, _)| r.is_ok()).count();
+    let refused: Vec<&Duration> = results
+        .iter()
+        .filter(|(r, _)| *r == Err(Code::ResourceExhausted))
+        .map(|(_, took)| took)
+        .collect();
+    assert_eq!(served + refused.len(), 12, "{results:?}");
+    assert_eq!(served, 4, "{results:?}");
+    let first_served = results
+        .iter()
+        .filter(|(r, _)| r.is_ok())
+        .map(|(_, took)| *took)
+        .min()
+        .unwrap();
+    assert!(
+        refused.iter().all(|took| **took < first_served),
+        "refused at once, not queued behind the served ones: {results:?}"
+    );
+    chain.set_faults(LEDGER, faults()).await;
+    chain
+        .charge_new(Duration::from_secs(5), &[])
+        .await
+        .expect("served again once the burst is over");
+}

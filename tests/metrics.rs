@@ -41,6 +41,22 @@ fn histogram_count(scrape: &prometheus_parse::Scrape, name: &str) -> f64 {
         .sum()
 }
 
+/// How many observations of histogram `name` were at most `le`.
+fn bucket(scrape: &prometheus_parse::Scrape, name: &str, le: f64) -> f64 {
+    scrape
+        .samples
+        .iter()
+        .filter(|s| s.metric == name)
+        .map(|s| match &s.value {
+            prometheus_parse::Value::Histogram(buckets) => buckets
+                .iter()
+                .find(|b| b.less_than == le)
+                .map_or(0.0, |b| b.count),
+            _ => 0.0,
+        })
+        .sum()
+}
+
 fn assert_agree(scrape: &prometheus_parse::Scrape, stats: &Stats) {
     let service = stats.service.as_str();
     let s = &[("service", service)][..];
@@ -209,5 +225,52 @@ impl OutputWithStdin for std::process::Command {
                 String::from_utf8_lossy(&output.stderr)
             ),
         )
+    }
+}
+
+/// The ledger's processor calls go through the same retry engine, and report to the same
+/// observer, as every hop's downstream calls: in every-layer mode with the processor down,
+/// the ledger's attempts-per-call histogram and its retries by reason read exactly as
+/// hop4's: 3 attempts per call, 2 of them retries of UNAVAILABLE, one call per request.
+#[tokio::test]
+async fn the_processors_attempts_are_counted_like_a_hops() {
+    let chain = Chain::spawn(Options::default()).await;
+    chain.fail_processor().await;
+    chain.reset_stats().await;
+    chain
+        .charge_new(Duration::from_secs(30), &[(RETRY_MODE, "every-layer")])
+        .await
+        .expect_err("the processor fails");
+    let stats = chain.all_stats().await;
+    assert_eq!(stats[LEDGER].downstream_attempts, 243);
+    for i in [3, LEDGER] {
+        let scrape = parse(&scrape_metrics(&chain.admins[i]).await);
+        let calls = histogram_count(&scrape, "retrychain_attempts_per_call");
+        assert_eq!(
+            calls, stats[i].requests_received as f64,
+            "{}: one call per request received (hop4 27, the ledger 81)",
+            NAMES[i]
+        );
+        let (two, three) = (
+            bucket(&scrape, "retrychain_attempts_per_call", 2.0),
+            bucket(&scrape, "retrychain_attempts_per_call", 3.0),
+        );
+        assert_eq!(
+            (two, three),
+            (0.0, calls),
+            "{}: 3 attempts per call",
+            NAMES[i]
+        );
+        assert_eq!(
+            value(
+                &scrape,
+                "retrychain_retries_total",
+                &[("reason", "UNAVAILABLE")]
+            ),
+            2.0 * calls,
+            "{}: 2 retries per call, both of UNAVAILABLE",
+            NAMES[i]
+        );
+        assert_eq!(stats[i].retries as f64, 2.0 * calls, "{}", NAMES[i]);
     }
 }

@@ -157,3 +157,36 @@ async fn a_hedging_policy_hedges_at_the_edge_and_the_key_makes_it_one_charge() {
     );
     assert_eq!(chain.account(&account).await, Some((500, 1)));
 }
+
+/// A config naming Payments/Charge applies to Charge only, as gRPC resolves method
+/// configs: with hop2 refusing every call, the edge retries a Charge four times and a
+/// GetAccount not at all.
+#[tokio::test]
+async fn a_charge_only_config_leaves_get_account_unretried() {
+    let config = config_file(RETRY_4_THROTTLED);
+    let chain = Chain::spawn(edge_with(&config)).await;
+    chain.set_faults(1, failing()).await; // hop2's calls downstream fail: hop2 answers UNAVAILABLE
+    chain.reset_stats().await;
+    chain
+        .charge_new(Duration::from_secs(10), &[])
+        .await
+        .expect_err("hop2 fails every call");
+    assert_eq!(
+        chain.stats(1).await.requests_received,
+        4,
+        "Charge: maxAttempts 4"
+    );
+
+    chain.reset_stats().await;
+    let status = chain
+        .client
+        .account(&new_account())
+        .await
+        .expect_err("hop2 fails every call");
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert_eq!(
+        chain.stats(1).await.requests_received,
+        1,
+        "GetAccount: no policy, one attempt"
+    );
+}

@@ -6,6 +6,7 @@
 //! calls (from the edge's and the ledger's own counters), amplification, throughput and
 //! latency percentiles. `--csv` writes per-second samples; `--svg` draws them.
 
+use futures::future::BoxFuture;
 use std::{
     collections::BTreeMap,
     path::PathBuf,
@@ -253,64 +254,7 @@ async fn measure(
     ));
     let run = format!("{:08x}", rand::random::<u32>());
 
-    let mode = args.retry_mode;
-    let send = {
-        let tally = Arc::clone(&tally);
-        let client = PaymentsClient::new(edge.clone());
-        let deadline = Duration::from_millis(args.deadline_ms);
-        let accounts = args.accounts.max(1);
-        move |n: u64| {
-            let mut client = client.clone();
-            let tally = Arc::clone(&tally);
-            let request = charge_request(
-                &format!("storm-{}", n % accounts),
-                100,
-                Some(&format!("storm-{run}-{n}")),
-                deadline,
-                mode,
-            );
-            async move {
-                let sent = Instant::now();
-                let result = client.charge(request).await;
-                tally.record(result.map(|_| ()).map_err(|s| s.code()), sent.elapsed());
-            }
-        }
-    };
-    let limit = args.requests.unwrap_or(u64::MAX);
-    let more = |tally: &Tally| {
-        let n = tally.started.fetch_add(1, Ordering::Relaxed);
-        (n < limit && (args.requests.is_some() || Instant::now() < end)).then_some(n)
-    };
-    match args.rate {
-        None => {
-            let workers = (0..args.concurrency.max(1)).map(|_| {
-                let send = send.clone();
-                let tally = Arc::clone(&tally);
-                async move {
-                    while let Some(n) = more(&tally) {
-                        send(n).await;
-                    }
-                }
-            });
-            futures::future::join_all(workers).await;
-        }
-        Some(rate) => {
-            let permits = Arc::new(tokio::sync::Semaphore::new(args.concurrency.max(1)));
-            let mut ticker = tokio::time::interval(Duration::from_secs_f64(1.0 / rate.max(0.001)));
-            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-            let mut tasks = tokio::task::JoinSet::new();
-            while let Some(n) = more(&tally) {
-                ticker.tick().await;
-                let permit = Arc::clone(&permits).acquire_owned().await?;
-                let request = send(n);
-                tasks.spawn(async move {
-                    request.await;
-                    drop(permit);
-                });
-            }
-            while tasks.join_next().await.is_some() {}
-        }
-    }
+    drive(args, &tally, end, sender(args, &edge, &tally, run)).await?;
     let elapsed = start.elapsed();
     sampler.abort();
     mark(&tally, &mut ledger_control, start, &marks).await;
@@ -332,22 +276,7 @@ async fn measure(
         .lock()
         .map_err(|_| anyhow::anyhow!("latency lock"))?
         .take();
-    let latency = histogram.map_or(
-        Latency {
-            p50: 0.0,
-            p90: 0.0,
-            p99: 0.0,
-            p999: 0.0,
-            max: 0.0,
-        },
-        |h| Latency {
-            p50: h.value_at_quantile(0.5) as f64 / 1e3,
-            p90: h.value_at_quantile(0.9) as f64 / 1e3,
-            p99: h.value_at_quantile(0.99) as f64 / 1e3,
-            p999: h.value_at_quantile(0.999) as f64 / 1e3,
-            max: h.max() as f64 / 1e3,
-        },
-    );
+    let latency = Latency::of(histogram.as_ref());
     let codes = tally
         .codes
         .lock()
@@ -366,6 +295,106 @@ async fn measure(
         latency_ms: latency,
         samples,
     })
+}
+
+/// What sends request number `n` of the storm (its own key, one of `--accounts`) and
+/// records its outcome in `tally`.
+fn sender(
+    args: &StormArgs,
+    edge: &Channel,
+    tally: &Arc<Tally>,
+    run: String,
+) -> impl Fn(u64) -> BoxFuture<'static, ()> + Clone + use<> {
+    let tally = Arc::clone(tally);
+    let client = PaymentsClient::new(edge.clone());
+    let deadline = Duration::from_millis(args.deadline_ms);
+    let accounts = args.accounts.max(1);
+    let mode = args.retry_mode;
+    move |n: u64| {
+        let mut client = client.clone();
+        let tally = Arc::clone(&tally);
+        let request = charge_request(
+            &format!("storm-{}", n % accounts),
+            100,
+            Some(&format!("storm-{run}-{n}")),
+            deadline,
+            mode,
+        );
+        Box::pin(async move {
+            let sent = Instant::now();
+            let result = client.charge(request).await;
+            tally.record(result.map(|_| ()).map_err(|s| s.code()), sent.elapsed());
+        })
+    }
+}
+
+/// Sends requests with `send` as the flags say — closed loop at `--concurrency`, or open
+/// loop at `--rate` — until `--requests` are sent or `end`.
+async fn drive<F, Fut>(
+    args: &StormArgs,
+    tally: &Arc<Tally>,
+    end: Instant,
+    send: F,
+) -> anyhow::Result<()>
+where
+    F: Fn(u64) -> Fut + Clone,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let limit = args.requests.unwrap_or(u64::MAX);
+    let more = |tally: &Tally| {
+        let n = tally.started.fetch_add(1, Ordering::Relaxed);
+        (n < limit && (args.requests.is_some() || Instant::now() < end)).then_some(n)
+    };
+    let Some(rate) = args.rate else {
+        let workers = (0..args.concurrency.max(1)).map(|_| {
+            let send = send.clone();
+            let tally = Arc::clone(tally);
+            async move {
+                while let Some(n) = more(&tally) {
+                    send(n).await;
+                }
+            }
+        });
+        futures::future::join_all(workers).await;
+        return Ok(());
+    };
+    let permits = Arc::new(tokio::sync::Semaphore::new(args.concurrency.max(1)));
+    let mut ticker = tokio::time::interval(Duration::from_secs_f64(1.0 / rate.max(0.001)));
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let mut tasks = tokio::task::JoinSet::new();
+    while let Some(n) = more(tally) {
+        ticker.tick().await;
+        let permit = Arc::clone(&permits).acquire_owned().await?;
+        let request = send(n);
+        tasks.spawn(async move {
+            request.await;
+            drop(permit);
+        });
+    }
+    while tasks.join_next().await.is_some() {}
+    Ok(())
+}
+
+impl Latency {
+    /// The quantiles of `histogram` (microseconds), in milliseconds; zeros when none.
+    fn of(histogram: Option<&Histogram<u64>>) -> Self {
+        histogram.map_or(
+            Latency {
+                p50: 0.0,
+                p90: 0.0,
+                p99: 0.0,
+                p999: 0.0,
+                max: 0.0,
+            },
+            |h| Latency {
+                p50: h.value_at_quantile(0.5) as f64 / 1e3,
+                p90: h.value_at_quantile(0.9) as f64 / 1e3,
+                p99: h.value_at_quantile(0.99) as f64 / 1e3,
+                p999: h.value_at_quantile(0.999) as f64 / 1e3,
+                max: h.max() as f64 / 1e3,
+            },
+        )
+    }
 }
 
 impl Tally {

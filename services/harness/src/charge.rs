@@ -10,7 +10,7 @@ use retrychain_proto::v1::ChargeRequest;
 use tonic::{Request, metadata::MetadataValue};
 
 /// A Charge of `amount_cents` to `account` as retrychain's callers send it: with a
-/// `grpc-timeout` of `deadline`, the idempotency key when one is given (a retry reuses it;
+/// timeout of `deadline`, the idempotency key when one is given (a retry reuses it;
 /// without one the edge makes one), and `x-retry-mode` when a mode is given (honoured by
 /// services started with `--allow-retry-mode-override`).
 ///

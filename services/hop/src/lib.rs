@@ -8,8 +8,8 @@
 //! | `x-retry-mode` | honoured and passed on only with `--allow-retry-mode-override` | the same |
 //! | `edge-only` mode | retries, under the retry budget | tries once |
 //! | `every-layer` mode | retries, no budget | retries, no budget |
-//! | the caller is retrying (`grpc-previous-rpc-attempts` ≥ 1) | tries once | as its mode says |
-//! | gave up after retrying, or a retry was refused | answers with `grpc-retry-pushback-ms: -1` | passes on the pushback from below |
+//! | the caller is retrying (its previous attempts ≥ 1, gRFC A6) | tries once | as its mode says |
+//! | gave up after retrying, or a retry was refused | answers with a pushback of -1 | passes on the pushback from below |
 //!
 //! The last two rows make "retry at one layer" hold when the client retries too: a gRFC A6
 //! client (grpc-go, grpc-java, gRPC core) obeys a negative pushback by not retrying, and one

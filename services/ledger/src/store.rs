@@ -815,7 +815,7 @@ async fn begin<'c>(
     deadline: Deadline,
 ) -> Result<sqlx::Transaction<'c, Postgres>, StoreError> {
     // Every statement ends by the deadline and under the round-trip bound: at least 1 ms
-    // (0 would mean "no limit"), at most what Postgres accepts (a 1000-hour grpc-timeout
+    // (0 would mean "no limit"), at most what Postgres accepts (a 1000-hour timeout
     // would otherwise fail BEGIN). The session ends if it idles in this transaction well
     // past the deadline: only a frozen ledger does that, and its key must not stay locked.
     let left_ms = deadline.remaining().as_millis().clamp(1, i32::MAX as u128);

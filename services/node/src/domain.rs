@@ -118,12 +118,6 @@ impl AccountId {
     /// one script. Zero-width joiners are refused with the other format characters, so the
     /// Persian and Indic spellings that use one must be written without it.
     pub fn parse(raw: &str) -> Result<Self, InvalidInput> {
-        use unicode_normalization::{IsNormalized, is_nfc_quick};
-        use unicode_properties::{GeneralCategory, GeneralCategoryGroup, UnicodeGeneralCategory};
-        use unicode_security::{
-            GeneralSecurityProfile, RestrictionLevel, RestrictionLevelDetection,
-        };
-
         let refuse = |why: String| Err(InvalidInput::Account(why));
         if raw.is_empty() {
             return refuse("must not be empty".into());
@@ -131,59 +125,11 @@ impl AccountId {
         if raw.chars().count() > Self::MAX_CHARS {
             return refuse(format!("must be at most {} characters", Self::MAX_CHARS));
         }
-        for c in raw.chars() {
-            if c.is_ascii_graphic() || c == ' ' {
-                continue; // the common case, and a spelling of its own
-            }
-            let point = format!("U+{:04X}", u32::from(c));
-            match c.general_category() {
-                GeneralCategory::Control => {
-                    return refuse(format!(
-                        "must not contain control characters (NUL, tab, newline, BEL, DEL, …): it holds {point}"
-                    ));
-                }
-                GeneralCategory::Format => {
-                    return refuse(format!(
-                        "must not contain invisible format characters (zero-width characters, bidi controls, BOM, word joiner, soft hyphen): it holds {point}"
-                    ));
-                }
-                GeneralCategory::Unassigned => {
-                    return refuse(format!(
-                        "must not contain unassigned code points or noncharacters: it holds {point}"
-                    ));
-                }
-                GeneralCategory::PrivateUse => {
-                    return refuse(format!(
-                        "must not contain private-use code points: it holds {point}"
-                    ));
-                }
-                GeneralCategory::SpaceSeparator
-                | GeneralCategory::LineSeparator
-                | GeneralCategory::ParagraphSeparator
-                    if c != ' ' =>
-                {
-                    return refuse(format!(
-                        "may separate words only with the ASCII space: it holds {point}"
-                    ));
-                }
-                _ => {}
-            }
-            if !c.identifier_allowed() {
-                return refuse(format!(
-                    "must not contain {point}: Unicode's identifier profile (UTS #39) excludes it as invisible, a look-alike compatibility form, obsolete or a symbol"
-                ));
-            }
-            // Outside ASCII only letters, marks and digits: a `‐` (U+2010) or `’` beside
-            // the ASCII `-` and `'` is a second spelling.
-            let letter_mark_or_digit = matches!(
-                c.general_category_group(),
-                GeneralCategoryGroup::Letter | GeneralCategoryGroup::Mark
-            ) || c.general_category() == GeneralCategory::DecimalNumber;
-            if !letter_mark_or_digit || looks_like_ascii_punctuation(c) {
-                return refuse(format!(
-                    "must not contain {point}: outside ASCII only letters, marks and digits are allowed (punctuation has its ASCII spelling)"
-                ));
-            }
+        // ASCII letters, digits, punctuation and the space are the common case, and each
+        // is a spelling of its own.
+        let odd = raw.chars().filter(|c| !(c.is_ascii_graphic() || *c == ' '));
+        if let Some(why) = odd.map(refused_character).find_map(|why| why) {
+            return refuse(why);
         }
         if let Some(why) = confusable_marks(raw).or_else(|| mixed_digits(raw)) {
             return refuse(why);
@@ -196,31 +142,8 @@ impl AccountId {
         if raw.is_ascii() {
             return Ok(Self(raw.to_owned())); // ASCII is in NFC and of one script
         }
-        let nfc = match is_nfc_quick(raw.chars()) {
-            IsNormalized::Yes => true,
-            IsNormalized::No => false,
-            IsNormalized::Maybe => unicode_normalization::is_nfc(raw),
-        };
-        if !nfc {
-            return refuse(
-                "must be in Unicode Normalization Form C (a combining accent written apart from its letter, say); send the composed form".into(),
-            );
-        }
-        // Scripts are judged on the letters: ASCII digits, spaces and punctuation belong to
-        // every script, but UTS #39's detection would refuse them as non-identifier
-        // characters.
-        let letters: String = raw
-            .chars()
-            .filter(|c| !c.is_ascii() || c.is_ascii_alphanumeric())
-            .collect();
-        if !letters
-            .as_str()
-            .check_restriction_level(RestrictionLevel::HighlyRestrictive)
-        {
-            return refuse(
-                "must not mix letters of different scripts (a Cyrillic а among Latin letters, say)"
-                    .into(),
-            );
+        if let Some(why) = not_nfc(raw).or_else(|| mixed_scripts(raw)) {
+            return refuse(why);
         }
         Ok(Self(raw.to_owned()))
     }
@@ -229,6 +152,75 @@ impl AccountId {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+}
+
+/// Why the character `c` (not ASCII graphic, not the space) cannot be in an account id, if
+/// it cannot; see [`AccountId::parse`].
+fn refused_character(c: char) -> Option<String> {
+    use unicode_properties::{GeneralCategory, GeneralCategoryGroup, UnicodeGeneralCategory};
+    use unicode_security::GeneralSecurityProfile;
+
+    let point = format!("U+{:04X}", u32::from(c));
+    let why = match c.general_category() {
+        GeneralCategory::Control => {
+            "must not contain control characters (NUL, tab, newline, BEL, DEL, …)"
+        }
+        GeneralCategory::Format => {
+            "must not contain invisible format characters (zero-width characters, bidi controls, BOM, word joiner, soft hyphen)"
+        }
+        GeneralCategory::Unassigned => "must not contain unassigned code points or noncharacters",
+        GeneralCategory::PrivateUse => "must not contain private-use code points",
+        GeneralCategory::SpaceSeparator
+        | GeneralCategory::LineSeparator
+        | GeneralCategory::ParagraphSeparator => "may separate words only with the ASCII space",
+        _ if !c.identifier_allowed() => {
+            "must not contain characters Unicode's identifier profile (UTS #39) excludes: invisible ones, look-alike compatibility forms, obsolete scripts, symbols"
+        }
+        // Outside ASCII only letters, marks and digits: a `‐` (U+2010) or `’` beside the
+        // ASCII `-` and `'` is a second spelling.
+        category
+            if !matches!(
+                c.general_category_group(),
+                GeneralCategoryGroup::Letter | GeneralCategoryGroup::Mark
+            ) && category != GeneralCategory::DecimalNumber
+                || looks_like_ascii_punctuation(c) =>
+        {
+            "outside ASCII, may hold only letters, marks and digits (punctuation has its ASCII spelling)"
+        }
+        _ => return None,
+    };
+    Some(format!("{why}: it holds {point}"))
+}
+
+/// Why `raw` is not in Unicode Normalization Form C, if it is not.
+fn not_nfc(raw: &str) -> Option<String> {
+    use unicode_normalization::{IsNormalized, is_nfc_quick};
+    let nfc = match is_nfc_quick(raw.chars()) {
+        IsNormalized::Yes => true,
+        IsNormalized::No => false,
+        IsNormalized::Maybe => unicode_normalization::is_nfc(raw),
+    };
+    (!nfc).then(|| {
+        "must be in Unicode Normalization Form C (a combining accent written apart from its letter, say); send the composed form".into()
+    })
+}
+
+/// Why the letters of `raw` mix scripts that do not go together (UTS #39 "highly
+/// restrictive"), if they do. Scripts are judged on the letters: ASCII digits, spaces and
+/// punctuation belong to every script, but UTS #39's detection would refuse them as
+/// non-identifier characters.
+fn mixed_scripts(raw: &str) -> Option<String> {
+    use unicode_security::{RestrictionLevel, RestrictionLevelDetection};
+    let letters: String = raw
+        .chars()
+        .filter(|c| !c.is_ascii() || c.is_ascii_alphanumeric())
+        .collect();
+    (!letters
+        .as_str()
+        .check_restriction_level(RestrictionLevel::HighlyRestrictive))
+    .then(|| {
+        "must not mix letters of different scripts (a Cyrillic а among Latin letters, say)".into()
+    })
 }
 
 /// Whether `c` (outside ASCII) is confusable with an ASCII punctuation character or space

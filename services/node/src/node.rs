@@ -27,7 +27,7 @@ pub struct Node {
     pub fault_injection: bool,
     /// The deadline applied to requests that carry none.
     pub default_deadline: Duration,
-    /// The longest deadline honoured; a longer incoming `grpc-timeout` is cut to this.
+    /// The longest deadline honoured; a longer incoming timeout is cut to this.
     pub max_deadline: Duration,
     /// Whether an incoming `x-retry-mode` is honoured (and passed on). Off by default on
     /// every service: every-layer retries multiply load, so no caller may switch them on

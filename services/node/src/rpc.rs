@@ -30,11 +30,11 @@ pub struct RpcScope {
     /// When this service must have answered: a little before `deadline`, so that its own
     /// DEADLINE_EXCEEDED reaches the caller before the caller's clock runs out.
     pub answer_by: Deadline,
-    /// The `grpc-timeout` received, or the default applied.
+    /// The timeout received, or the default applied.
     pub timeout: Duration,
     /// This request's trace.
     pub trace: TraceContext,
-    /// The caller's `grpc-previous-rpc-attempts`: above 0 when the caller is retrying.
+    /// The attempts the caller says came before this one: above 0 when it is retrying.
     pub caller_previous_attempts: u32,
     /// The span every log line of this call belongs to; the handler records `key` in it
     /// once it has parsed (or, at the edge, made) the idempotency key.

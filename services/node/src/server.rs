@@ -154,7 +154,7 @@ pub enum ServeError {
 ///
 /// The public stack, outermost first:
 /// 1. `DeadlineLayer`: every request gets its deadline (or `node.default_deadline`), capped
-///    at `node.max_deadline`; a malformed `grpc-timeout` is INVALID_ARGUMENT; the handler
+///    at `node.max_deadline`; a malformed timeout is INVALID_ARGUMENT; the handler
 ///    answers DEADLINE_EXCEEDED `reserve` before the deadline, before tonic itself would
 ///    answer CANCELLED. The deadline stays with the handler's task, for the client
 ///    layers of its downstream calls (`resilience::propagate`).
@@ -207,31 +207,14 @@ where
         }
     };
 
-    let public = Server::builder()
-        // HTTP/2 limits for a port that faces untrusted clients (the README's table).
-        .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
-        .http2_max_header_list_size(limits::MAX_HEADER_LIST_BYTES)
-        .initial_stream_window_size(STREAM_WINDOW)
-        .initial_connection_window_size(CONNECTION_WINDOW)
-        .http2_max_local_error_reset_streams(Some(1024))
-        .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
-        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
-        .layer(tower::filter::FilterLayer::new(
-            limits::MetadataLimit::check,
-        ))
-        .layer(
-            DeadlineLayer::new(node.default_deadline, reserve)
-                .with_max(node.max_deadline)
-                .with_method_timeouts(Arc::clone(&node.policy)),
-        )
-        .add_service(health_service.clone())
-        .add_service(reflection_v1(&[PAYMENTS])?)
-        .add_service(reflection_v1alpha(&[PAYMENTS])?)
-        .add_service(PaymentsServer::new(payments).max_decoding_message_size(MAX_REQUEST_BYTES))
-        .serve_with_incoming_shutdown(
-            limits::incoming(listeners.public, node.connection_limits),
-            stopped(stop_rx.clone()),
-        );
+    let public = public_server(
+        listeners.public,
+        &node,
+        health_service.clone(),
+        payments,
+        reserve,
+        stopped(stop_rx.clone()),
+    )?;
     let admin = admin_server(
         listeners.admin,
         Arc::clone(&node),
@@ -248,6 +231,50 @@ where
     }
     tracing::info!(service = %node.name, "stopped");
     Ok(())
+}
+
+/// The public server: Payments beside health and reflection, under the limits of a port
+/// that faces untrusted clients and the deadline layer (see [`serve`]).
+fn public_server<P, H, F>(
+    listener: TcpListener,
+    node: &Arc<Node>,
+    health: HealthServer<H>,
+    payments: P,
+    reserve: Duration,
+    shutdown: F,
+) -> Result<impl Future<Output = Result<(), tonic::transport::Error>>, ServeError>
+where
+    P: Payments,
+    H: Health,
+    F: Future<Output = ()> + Send,
+{
+    Ok(Server::builder()
+        // HTTP/2 limits for a port that faces untrusted clients (the README's table).
+        .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
+        .http2_max_header_list_size(limits::MAX_HEADER_LIST_BYTES)
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+        .http2_max_local_error_reset_streams(Some(1024))
+        .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+        // Refuses, at once, a request over the in-flight limit or with too much metadata.
+        .layer(limits::InFlightLimitLayer::new(
+            node.connection_limits.max_in_flight,
+        ))
+        .layer(tower::filter::FilterLayer::new(
+            limits::MetadataLimit::check,
+        ))
+        // Every request's deadline, from its arrival.
+        .layer(
+            DeadlineLayer::new(node.default_deadline, reserve)
+                .with_max(node.max_deadline)
+                .with_method_timeouts(Arc::clone(&node.policy)),
+        )
+        .add_service(health)
+        .add_service(reflection_v1(&[PAYMENTS])?)
+        .add_service(reflection_v1alpha(&[PAYMENTS])?)
+        .add_service(PaymentsServer::new(payments).max_decoding_message_size(MAX_REQUEST_BYTES))
+        .serve_with_incoming_shutdown(limits::incoming(listener, node.connection_limits), shutdown))
 }
 
 /// The admin server: Control beside the same health service and reflection.

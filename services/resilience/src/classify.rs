@@ -74,7 +74,7 @@ pub fn never_processed(error: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
-/// Whether a call's error is the client channel's own timer enforcing the `grpc-timeout`
+/// Whether a call's error is the client channel's own timer enforcing the timeout
 /// it sent (tonic reports it as CANCELLED): the attempt's deadline passed.
 pub fn is_local_timeout(error: &(dyn std::error::Error + 'static)) -> bool {
     let mut next = Some(error);

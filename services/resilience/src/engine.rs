@@ -38,7 +38,7 @@ pub struct Attempt {
 }
 
 impl Attempt {
-    /// Attempts made before this one (its `grpc-previous-rpc-attempts`).
+    /// Attempts made before this one (written on it as [`wire::PREVIOUS_ATTEMPTS`]).
     pub fn previous(&self) -> u32 {
         self.number - 1
     }

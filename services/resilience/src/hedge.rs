@@ -7,6 +7,8 @@
 //! The stop reason written on a failure is the one that ended the call: a fatal code
 //! (not retryable), the attempts spent, the throttle, the server's pushback, the deadline.
 
+use std::time::Duration;
+
 use futures::{StreamExt, stream::FuturesUnordered};
 use tokio::time::Instant;
 use tonic::Status;
@@ -69,7 +71,7 @@ impl<A: Attempts> Hedging<'_, A> {
         if self.sent == 0 {
             return true;
         }
-        let refusal = if !call.has_room(std::time::Duration::ZERO) {
+        let refusal = if !call.has_room(Duration::ZERO) {
             self.stop = StopReason::NoRoom;
             Refusal::Deadline
         } else if call
@@ -88,14 +90,112 @@ impl<A: Attempts> Hedging<'_, A> {
     }
 }
 
+/// How an answer left the call.
+enum Ended<T> {
+    /// A committed answer: the call's, as it is.
+    Committed(T),
+    /// The call failed, for this reason.
+    Failed(T, StopReason),
+}
+
+/// The attempts on their way.
+type Running<F> = FuturesUnordered<F>;
+
+impl<A: Attempts> Hedging<'_, A> {
+    /// Sends the hedge that is due, if any and if it may go; schedules the next.
+    fn send_due<F>(
+        &mut self,
+        call: &Call<'_>,
+        attempts: &mut A,
+        running: &mut Running<F>,
+        send: impl Fn(&Call<'_>, &mut A, Attempt) -> F,
+    ) {
+        if !self.next_hedge.is_some_and(|at| at <= Instant::now()) {
+            return;
+        }
+        self.next_hedge = None;
+        if !self.may_hedge(call) {
+            return;
+        }
+        let attempt = Attempt {
+            number: self.sent + 1,
+            deadline: call.deadline,
+            retry_of: self.last.as_ref().map(|(status, _)| status.code()),
+        };
+        self.sent += 1;
+        running.push(send(call, attempts, attempt));
+        if self.sent < self.policy.max_attempts {
+            self.next_hedge = Some(Instant::now() + self.policy.hedging_delay);
+        }
+    }
+
+    /// Takes one attempt's answer: the call's end, or `None` to go on (a non-fatal
+    /// failure kept, a transparent resend sent).
+    fn on_answer<F>(
+        &mut self,
+        call: &Call<'_>,
+        attempts: &mut A,
+        running: &mut Running<F>,
+        send: impl Fn(&Call<'_>, &mut A, Attempt) -> F,
+        (attempt, span, answer): (Attempt, tracing::Span, A::Answer),
+    ) -> Option<Ended<A::Answer>> {
+        let settings = call.settings;
+        match attempts.judge(answer, call.deadline) {
+            Verdict::Committed(answer) => {
+                outcome(&span, None);
+                if let Some(throttle) = &settings.throttle {
+                    throttle.attempt_succeeded();
+                }
+                Some(Ended::Committed(answer)) // the others are dropped: cancelled
+            }
+            // Never reached the server: sent again at once, once, not counted.
+            Verdict::Unprocessed { status, .. }
+                if !self.resent_unprocessed && call.has_room(Duration::ZERO) =>
+            {
+                outcome(&span, Some(status.code()));
+                self.resent_unprocessed = true;
+                let resend = Attempt {
+                    retry_of: Some(status.code()),
+                    ..attempt
+                };
+                running.push(send(call, attempts, resend));
+                None
+            }
+            Verdict::Failed { status, answer } | Verdict::Unprocessed { status, answer } => {
+                outcome(&span, Some(status.code()));
+                if !self.policy.non_fatal_status_codes.contains(&status.code()) {
+                    return Some(Ended::Failed(answer, StopReason::NotRetryable));
+                }
+                if let Some(throttle) = &settings.throttle {
+                    throttle.attempt_failed();
+                }
+                self.after_failure(call, wire::pushback(&status));
+                self.last = Some((status, answer));
+                None
+            }
+        }
+    }
+
+    /// When nothing runs and no hedge may go: the latest failure, with why no more went.
+    /// (The first attempt always goes, so there is one.)
+    fn exhausted(&mut self, attempts: &A) -> Ended<A::Answer> {
+        match self.last.take() {
+            Some((_, answer)) => Ended::Failed(answer, self.stop),
+            None => Ended::Failed(
+                attempts.failure(Status::deadline_exceeded("no attempt could be made")),
+                StopReason::NoRoom,
+            ),
+        }
+    }
+}
+
 /// Hedges `attempts` as `policy` says; see the module docs.
 pub(crate) async fn hedge<A: Attempts>(
     call: Call<'_>,
     policy: &HedgingPolicy,
     mut attempts: A,
 ) -> A::Answer {
-    let settings = call.settings;
-    if let Some(throttle) = &settings.throttle {
+    if let Some(throttle) = &call.settings.throttle {
         throttle.first_attempt();
     }
     let mut state = Hedging::<A> {
@@ -107,91 +207,45 @@ pub(crate) async fn hedge<A: Attempts>(
         stop: StopReason::MaxAttempts,
     };
     let mut running = FuturesUnordered::new();
-    let deadline_passes = async {
-        match call.deadline {
-            Some(at) => tokio::time::sleep_until(at).await,
-            None => std::future::pending().await,
-        }
-    };
+    let deadline_passes = until(call.deadline);
     tokio::pin!(deadline_passes);
-    let (answer, stop) = loop {
+    let ended = loop {
         // The hedge that is due goes now, without a timer for one due now (the first
         // attempt, or the one after a non-fatal failure).
-        if state.next_hedge.is_some_and(|at| at <= Instant::now()) {
-            state.next_hedge = None;
-            if state.may_hedge(&call) {
-                let attempt = Attempt {
-                    number: state.sent + 1,
-                    deadline: call.deadline,
-                    retry_of: state.last.as_ref().map(|(status, _)| status.code()),
-                };
-                state.sent += 1;
-                running.push(send(&call, &mut attempts, attempt));
-                if state.sent < policy.max_attempts {
-                    state.next_hedge = Some(Instant::now() + policy.hedging_delay);
-                }
-            }
-        }
+        state.send_due(&call, &mut attempts, &mut running, send);
         if running.is_empty() && state.next_hedge.is_none() {
-            // Every attempt failed, and no more may go: the latest failure is the answer.
-            // (The first attempt always goes, so there is one.)
-            match state.last.take() {
-                Some((_, answer)) => break (answer, state.stop),
-                None => {
-                    let status = Status::deadline_exceeded("no attempt could be made");
-                    break (attempts.failure(status), StopReason::NoRoom);
-                }
-            }
+            break state.exhausted(&attempts);
         }
-        let hedge_due = async {
-            match state.next_hedge {
-                Some(at) => tokio::time::sleep_until(at).await,
-                None => std::future::pending().await,
-            }
-        };
         tokio::select! {
             biased;
-            Some((attempt, span, answer)) = running.next(), if !running.is_empty() => {
-                match attempts.judge(answer, call.deadline) {
-                    Verdict::Committed(answer) => {
-                        outcome(&span, None);
-                        if let Some(throttle) = &settings.throttle {
-                            throttle.attempt_succeeded();
-                        }
-                        settings.observer.call_finished(call.path, state.sent + u32::from(state.resent_unprocessed));
-                        return answer; // the others are dropped: cancelled
-                    }
-                    // Never reached the server: sent again at once, once, not counted.
-                    Verdict::Unprocessed { status, .. }
-                        if !state.resent_unprocessed && call.has_room(std::time::Duration::ZERO) =>
-                    {
-                        outcome(&span, Some(status.code()));
-                        state.resent_unprocessed = true;
-                        running.push(send(&call, &mut attempts, Attempt { retry_of: Some(status.code()), ..attempt }));
-                    }
-                    Verdict::Failed { status, answer } | Verdict::Unprocessed { status, answer } => {
-                        outcome(&span, Some(status.code()));
-                        if !policy.non_fatal_status_codes.contains(&status.code()) {
-                            break (answer, StopReason::NotRetryable);
-                        }
-                        if let Some(throttle) = &settings.throttle {
-                            throttle.attempt_failed();
-                        }
-                        state.after_failure(&call, wire::pushback(&status));
-                        state.last = Some((status, answer));
-                    }
+            Some(answered) = running.next(), if !running.is_empty() => {
+                if let Some(ended) = state.on_answer(&call, &mut attempts, &mut running, send, answered) {
+                    break ended;
                 }
             }
-            () = hedge_due => {}
+            () = until(state.next_hedge) => {}
             () = &mut deadline_passes => {
                 let status = Status::deadline_exceeded("the call's deadline passed before an answer");
-                break (attempts.failure(status), StopReason::NoRoom);
+                break Ended::Failed(attempts.failure(status), StopReason::NoRoom);
             }
         }
     };
     let made = state.sent + u32::from(state.resent_unprocessed);
-    settings.observer.call_finished(call.path, made);
-    call.finish(&attempts, answer, stop, state.sent, policy.max_attempts)
+    call.settings.observer.call_finished(call.path, made);
+    match ended {
+        Ended::Committed(answer) => answer,
+        Ended::Failed(answer, stop) => {
+            call.finish(&attempts, answer, stop, state.sent, policy.max_attempts)
+        }
+    }
+}
+
+/// Completes at `at`, or never.
+async fn until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
 }
 
 /// Tells the observer of `attempt` and starts it.
@@ -199,7 +253,7 @@ fn send<A: Attempts>(
     call: &Call<'_>,
     attempts: &mut A,
     attempt: Attempt,
-) -> impl Future<Output = (Attempt, tracing::Span, A::Answer)> + Send + 'static {
+) -> impl Future<Output = (Attempt, tracing::Span, A::Answer)> + Send + use<A> {
     call.settings.observer.attempt(call.path, &attempt.info());
     let span = crate::engine::attempt_span(&attempt);
     let sent = attempts.send(&attempt);

@@ -10,11 +10,11 @@ use tonic::Code;
 /// An attempt about to be sent, as an observer is told of it.
 #[derive(Debug, Clone, Copy)]
 pub struct AttemptInfo {
-    /// Attempts made before this one for the same call (its `grpc-previous-rpc-attempts`).
+    /// Attempts made before this one for the same call (written on it as [`PREVIOUS_ATTEMPTS`](crate::wire::PREVIOUS_ATTEMPTS)).
     pub previous: u32,
     /// On a retry, or a hedge sent after a failure: the code of that failure.
     pub retry_of: Option<Code>,
-    /// The time the attempt is given (its `grpc-timeout`), when the call has a deadline.
+    /// The time the attempt is given (written on it as its [`TIMEOUT`](crate::wire::TIMEOUT)), when the call has a deadline.
     pub timeout: Option<Duration>,
 }
 

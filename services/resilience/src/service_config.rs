@@ -661,6 +661,10 @@ mod tests {
             assert!(error.reason.contains(reason), "{error} for {json}");
             assert!(error.to_string().contains(field));
         }
+    }
+
+    #[test]
+    fn duplicate_names_bad_json_ratios_timeouts_and_jitter_are_refused() {
         assert_eq!(
             refused(
                 r#"{"methodConfig": [{"name": [{"service": "s"}]}, {"name": [{"service": "s"}]}]}"#

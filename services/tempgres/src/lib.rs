@@ -173,6 +173,28 @@ pub struct TempCluster {
 
 const SUPERUSER: &str = "postgres";
 
+/// `initdb` into `data`: trust authentication for the superuser, UTF-8, C locale, no sync
+/// (a throwaway cluster).
+fn initdb(bindir: &Path, run_as: Option<(u32, u32)>, dir: &Path, data: &Path) -> Result<(), Error> {
+    let mut initdb = command(&bindir.join("initdb"), run_as, dir);
+    initdb
+        .arg("-D")
+        .arg(data)
+        .args(["-U", SUPERUSER, "-A", "trust", "-E", "UTF8", "--locale=C"])
+        .arg("--no-sync");
+    let output = initdb.output().map_err(|source| Error::Spawn {
+        program: "initdb".into(),
+        source,
+    })?;
+    if output.status.success() {
+        Ok(())
+    } else {
+        Err(Error::Initdb(
+            String::from_utf8_lossy(&output.stderr).into(),
+        ))
+    }
+}
+
 impl TempCluster {
     /// Starts a cluster with default options.
     pub fn start() -> Result<Self, Error> {
@@ -197,21 +219,9 @@ impl TempCluster {
             }
         }
 
-        let mut initdb = command(&bindir.join("initdb"), run_as, &dir);
-        initdb
-            .arg("-D")
-            .arg(&data)
-            .args(["-U", SUPERUSER, "-A", "trust", "-E", "UTF8", "--locale=C"])
-            .arg("--no-sync");
-        let output = initdb.output().map_err(|source| Error::Spawn {
-            program: "initdb".into(),
-            source,
-        })?;
-        if !output.status.success() {
+        if let Err(error) = initdb(&bindir, run_as, &dir, &data) {
             let _ = fs::remove_dir_all(&dir);
-            return Err(Error::Initdb(
-                String::from_utf8_lossy(&output.stderr).into(),
-            ));
+            return Err(error);
         }
 
         let port = match options.port {

@@ -175,38 +175,13 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
     };
     let (sink_port, relay_port, bare_port) = (free_port()?, free_port()?, free_port()?);
     let sink_url = format!("http://127.0.0.1:{sink_port}");
-    let spawn = |command: &mut Command| -> anyhow::Result<Proc> {
-        Ok(Proc(
-            command
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()?,
-        ))
-    };
     let _sink =
         spawn(Command::new(&me).args(["sink", "--listen", &format!("127.0.0.1:{sink_port}")]))?;
     // The relay is a retrychain service, started as `up` starts one; the sink, the bare
     // forwarder and the collector are this binary's own.
     let mut relay_env = vec![("RUST_LOG".to_owned(), cli.relay_log.clone())];
     let _collector = match cli.otlp_sample {
-        Some(ratio) => {
-            let port = free_port()?;
-            let collector = spawn(Command::new(&me).args([
-                "otlp-sink",
-                "--listen",
-                &format!("127.0.0.1:{port}"),
-            ]))?;
-            wait_listening(port).await?;
-            relay_env.extend([
-                (
-                    "OTEL_EXPORTER_OTLP_ENDPOINT".to_owned(),
-                    format!("http://127.0.0.1:{port}"),
-                ),
-                ("OTEL_TRACES_SAMPLER".to_owned(), "traceidratio".to_owned()),
-                ("OTEL_TRACES_SAMPLER_ARG".to_owned(), ratio.to_string()),
-            ]);
-            Some(collector)
-        }
+        Some(ratio) => Some(otlp_collector(&me, ratio, &mut relay_env).await?),
         None => None,
     };
     let relay = ChildService::start(
@@ -245,33 +220,7 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
         (relay.url().to_owned(), relay_pid),
         (format!("http://127.0.0.1:{bare_port}"), bare.0.id()),
     ];
-    // Warm both up, then alternate rounds so drift on a shared machine hits both alike.
-    for (url, _) in &targets {
-        load(url, cli.requests / 10 + 100, cli.concurrency).await?;
-    }
-    let mut cpu = [0.0f64; 2];
-    let mut wall = [0.0f64; 2];
-    for _ in 0..cli.rounds {
-        for (i, (url, pid)) in targets.iter().enumerate() {
-            let before = cpu_seconds(*pid)?;
-            wall[i] += load(url, cli.requests, cli.concurrency)
-                .await?
-                .as_secs_f64();
-            cpu[i] += cpu_seconds(*pid)? - before;
-        }
-    }
-    let total = (cli.requests * u64::from(cli.rounds)) as f64;
-    let report = Report {
-        requests: cli.requests * u64::from(cli.rounds),
-        concurrency: cli.concurrency,
-        relay_cpu_us_per_request: cpu[0] / total * 1e6,
-        bare_cpu_us_per_request: cpu[1] / total * 1e6,
-        ratio: cpu[0] / cpu[1].max(f64::EPSILON),
-        relay_rss_kib: rss_kib(targets[0].1)?,
-        bare_rss_kib: rss_kib(targets[1].1)?,
-        relay_rps: total / wall[0],
-        bare_rps: total / wall[1],
-    };
+    let report = measure(cli, &targets).await?;
     if cli.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
@@ -287,4 +236,68 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// A child process, its output discarded.
+fn spawn(command: &mut Command) -> anyhow::Result<Proc> {
+    Ok(Proc(
+        command
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?,
+    ))
+}
+
+/// Starts this binary's OTLP collector and points the relay's environment at it, sampling
+/// `ratio` of traces.
+async fn otlp_collector(
+    me: &std::path::Path,
+    ratio: f64,
+    relay_env: &mut Vec<(String, String)>,
+) -> anyhow::Result<Proc> {
+    let port = free_port()?;
+    let collector =
+        spawn(Command::new(me).args(["otlp-sink", "--listen", &format!("127.0.0.1:{port}")]))?;
+    wait_listening(port).await?;
+    relay_env.extend([
+        (
+            "OTEL_EXPORTER_OTLP_ENDPOINT".to_owned(),
+            format!("http://127.0.0.1:{port}"),
+        ),
+        ("OTEL_TRACES_SAMPLER".to_owned(), "traceidratio".to_owned()),
+        ("OTEL_TRACES_SAMPLER_ARG".to_owned(), ratio.to_string()),
+    ]);
+    Ok(collector)
+}
+
+/// Loads the relay and the bare forwarder (`targets`: URL and pid) in alternating rounds
+/// and reports their CPU per request.
+async fn measure(cli: &Cli, targets: &[(String, u32); 2]) -> anyhow::Result<Report> {
+    // Warm both up, then alternate rounds so drift on a shared machine hits both alike.
+    for (url, _) in targets {
+        load(url, cli.requests / 10 + 100, cli.concurrency).await?;
+    }
+    let mut cpu = [0.0f64; 2];
+    let mut wall = [0.0f64; 2];
+    for _ in 0..cli.rounds {
+        for (i, (url, pid)) in targets.iter().enumerate() {
+            let before = cpu_seconds(*pid)?;
+            wall[i] += load(url, cli.requests, cli.concurrency)
+                .await?
+                .as_secs_f64();
+            cpu[i] += cpu_seconds(*pid)? - before;
+        }
+    }
+    let total = (cli.requests * u64::from(cli.rounds)) as f64;
+    Ok(Report {
+        requests: cli.requests * u64::from(cli.rounds),
+        concurrency: cli.concurrency,
+        relay_cpu_us_per_request: cpu[0] / total * 1e6,
+        bare_cpu_us_per_request: cpu[1] / total * 1e6,
+        ratio: cpu[0] / cpu[1].max(f64::EPSILON),
+        relay_rss_kib: rss_kib(targets[0].1)?,
+        bare_rss_kib: rss_kib(targets[1].1)?,
+        relay_rps: total / wall[0],
+        bare_rps: total / wall[1],
+    })
 }
