@@ -110,7 +110,7 @@ impl<A: Attempts> Hedging<'_, A> {
         running: &mut Running<F>,
         send: impl Fn(&Call<'_>, &mut A, Attempt) -> F,
     ) {
-        if !self.next_hedge.is_some_and(|at| at <= Instant::now()) {
+        if self.next_hedge.is_none_or(|at| at > Instant::now()) {
             return;
         }
         self.next_hedge = None;
