@@ -33,6 +33,8 @@ pub enum Command {
     Sim(retrychain_experiments::sim::SimArgs),
     /// Exit 0 when the service at --addr reports SERVING (for container health checks).
     Health(HealthArgs),
+    /// A live terminal view of the five services' admin ports: rates, retries, amplification.
+    Top(retrychain_top::TopArgs),
 }
 
 /// Flags of `up`.

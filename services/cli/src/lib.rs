@@ -10,7 +10,8 @@
 //! - [`health`]: the container health check.
 //!
 //! `demo`, `storm` and `sim` run the experiments of `retrychain-experiments`, which return
-//! typed reports; this crate prints them, or their JSON.
+//! typed reports; this crate prints them, or their JSON. `top`, the live view of a chain's
+//! admin ports, is `retrychain-top`'s.
 
 use std::process::ExitCode;
 
@@ -51,6 +52,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 sim::print_tables(&report, seeds);
             }
         }
+        Command::Top(args) => retrychain_top::run(&args).await?,
         Command::Health(args) => {
             return Ok(match health::check(&args).await {
                 Ok(true) => ExitCode::SUCCESS,

@@ -6,9 +6,7 @@
 //! exits (a crash, a kill) is started again on the same ports while the others go on
 //! serving. Ctrl-C (or SIGTERM) stops them all and removes the throwaway cluster.
 
-use retrychain_harness::{ChainOptions, LocalChain, Logs};
-
-use retrychain_serve::args::LogFormatArg;
+use retrychain_harness::{ChainSpec, LocalChain, Logs};
 
 use crate::config::UpArgs;
 
@@ -17,27 +15,21 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     if args.database_url.is_none() {
         println!("starting a throwaway Postgres (set DATABASE_URL to use your own)…");
     }
-    let format = match args.log_format {
-        LogFormatArg::Text => "text",
-        LogFormatArg::Json => "json",
-    };
     // Listen for Ctrl-C and SIGTERM from the start: a signal while the chain is starting
     // must still stop what was started.
     let interrupted = retrychain_node::shutdown_signal();
     tokio::pin!(interrupted);
-    let mut options = ChainOptions {
+    let spec = ChainSpec {
         database_url: args.database_url.clone(),
         base_port: args.base_port,
         logs: Logs::Prefixed,
-        ..ChainOptions::default()
-    };
-    options.flags.extend([
-        "--retry-mode".into(),
-        args.retry_mode.as_str().into(),
-        "--log-format".into(),
-        format.into(),
-    ]);
-    let starting = LocalChain::start(options);
+        ..ChainSpec::default()
+    }
+    .each(|service| {
+        service.retry_mode = args.retry_mode;
+        service.log_format = args.log_format;
+    });
+    let starting = LocalChain::start(spec);
     let mut chain = tokio::select! {
         chain = starting => chain?,
         _ = &mut interrupted => {

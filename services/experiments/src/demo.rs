@@ -22,13 +22,13 @@ use retrychain_node::{RetryMode, metadata};
 use retrychain_proto::v1::{
     ChargeReply, ChargeRequest, Faults, Stats, payments_client::PaymentsClient,
 };
+use retrychain_serve::{ServiceCommand, args::HopArgs};
 use serde::Serialize;
 use tonic::{Code, Request, Response, transport::Channel};
 use tower::Layer as _;
 
 use retrychain_harness::{
-    ChainAddrs, ChainClient, ChainOptions, InProcessService, ServiceAddr, charge_request,
-    with_chain,
+    ChainAddrs, ChainClient, ChainSpec, InProcessService, ServiceAddr, charge_request, with_chain,
 };
 
 /// Flags of `demo`.
@@ -250,12 +250,12 @@ pub async fn run(args: &DemoArgs) -> anyhow::Result<DemoReport> {
             })
         })
         .map(ChainAddrs::from_array);
-    let options = ChainOptions {
+    let spec = ChainSpec {
         database_url: args.database_url.clone(),
         base_port: args.base_port,
-        ..ChainOptions::default()
+        ..ChainSpec::default()
     };
-    with_chain(external, options, |urls| async move {
+    with_chain(external, spec, |urls| async move {
         let target = Target::connect(urls).await?;
         target
             .chain
@@ -274,25 +274,24 @@ async fn scenarios(target: &Target, args: &DemoArgs) -> anyhow::Result<DemoRepor
     let key_reuse = target.key_reuse().await?;
     let concurrent = target.concurrent().await?;
     let hop2 = target.addrs.hop2.url.clone();
-    let quick = ["--backoff-base-ms", "1", "--backoff-cap-ms", "10"];
+    // Four attempts, quick backoff (1 to 10 ms).
+    let four_quick = |edge: &mut HopArgs| {
+        edge.service.max_attempts = 4;
+        edge.service.backoff_base_ms = 1;
+        edge.service.backoff_cap_ms = 10;
+    };
 
-    let edge = DemoEdge::start("demo-edge", &hop2, &[]).await?;
+    let edge = DemoEdge::start("demo-edge", &hop2, |_| {}).await?;
     let layered = target.layered(&edge).await;
     edge.stop().await;
     let layered = layered?;
 
-    let no_budget = DemoEdge::start(
-        "edge-no-budget",
-        &hop2,
-        &[&["--max-attempts", "4", "--no-budget"][..], &quick[..]].concat(),
-    )
+    let no_budget = DemoEdge::start("edge-no-budget", &hop2, |edge| {
+        four_quick(edge);
+        edge.service.no_budget = true;
+    })
     .await?;
-    let budgeted = DemoEdge::start(
-        "edge-budget",
-        &hop2,
-        &[&["--max-attempts", "4"][..], &quick[..]].concat(),
-    )
-    .await?;
+    let budgeted = DemoEdge::start("edge-budget", &hop2, four_quick).await?;
     let outage = target
         .outage(&no_budget, &budgeted, args.outage_requests)
         .await;
@@ -300,7 +299,8 @@ async fn scenarios(target: &Target, args: &DemoArgs) -> anyhow::Result<DemoRepor
     budgeted.stop().await;
     let outage = outage?;
 
-    let single = DemoEdge::start("edge-single", &hop2, &["--max-attempts", "1"]).await?;
+    let single =
+        DemoEdge::start("edge-single", &hop2, |edge| edge.service.max_attempts = 1).await?;
     let storm = target
         .storm(&single, args.storm_clients, args.tick_ms)
         .await;
@@ -324,22 +324,22 @@ struct DemoEdge {
 }
 
 impl DemoEdge {
-    async fn start(name: &str, hop2: &str, flags: &[&str]) -> anyhow::Result<Self> {
-        let args: Vec<String> = [
-            "edge",
-            "--listen",
-            "127.0.0.1:0",
-            "--name",
-            name,
-            "--downstream",
-            hop2,
-            "--allow-retry-mode-override",
-        ]
-        .iter()
-        .chain(flags)
-        .map(|s| s.to_string())
-        .collect();
-        let service = InProcessService::start(name, &args).await?;
+    /// An edge named `name` in front of `hop2`, with `configure` applied to its defaults.
+    async fn start(
+        name: &str,
+        hop2: &str,
+        configure: impl FnOnce(&mut HopArgs),
+    ) -> anyhow::Result<Self> {
+        let mut command = ServiceCommand::defaults("edge", "")?;
+        let ServiceCommand::Edge(edge) = &mut command else {
+            unreachable!("the defaults of an edge are an edge's")
+        };
+        edge.service.listen = Some(([127, 0, 0, 1], 0).into());
+        edge.service.name = Some(name.to_owned());
+        edge.service.allow_retry_mode_override = true;
+        edge.downstream = Some(hop2.to_owned());
+        configure(edge);
+        let service = InProcessService::start(name, command).await?;
         let client = ChainClient::connect_one(&service.addr).await?;
         Ok(Self { service, client })
     }

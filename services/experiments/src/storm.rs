@@ -27,9 +27,7 @@ use retrychain_proto::v1::{
 use serde::Serialize;
 use tonic::{Code, transport::Channel};
 
-use retrychain_harness::{
-    ChainAddrs, ChainOptions, ServiceAddr, charge_request, connect, with_chain,
-};
+use retrychain_harness::{ChainAddrs, ChainSpec, ServiceAddr, charge_request, connect, with_chain};
 
 use crate::chart::{self as chart, Sample};
 
@@ -170,15 +168,13 @@ pub async fn run(args: &StormArgs) -> anyhow::Result<StormReport> {
         let unused = ServiceAddr::external("", None);
         ChainAddrs::from_array([edge, unused.clone(), unused.clone(), unused, ledger])
     });
-    let mut options = ChainOptions {
+    let spec = ChainSpec {
         database_url: args.database_url.clone(),
         base_port: args.base_port,
-        ..ChainOptions::default()
-    };
-    options
-        .flags
-        .extend(["--backoff".into(), args.backoff.as_str().into()]);
-    let report = with_chain(external, options, |addrs| async move {
+        ..ChainSpec::default()
+    }
+    .each(|service| service.backoff = args.backoff);
+    let report = with_chain(external, spec, |addrs| async move {
         storm(args, &addrs.edge, &addrs.ledger).await
     })
     .await?;

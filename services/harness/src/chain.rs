@@ -1,13 +1,17 @@
 //! Whole chains: the five services started bottom-up, each pointed at the one below, on a
 //! database of their own — as child processes ([`LocalChain`], for `up`, the experiments
 //! and the tests that crash or signal a service) or in this runtime ([`InProcessChain`],
-//! for the other tests). Both are started from the same flags ([`ChainOptions`]).
+//! for the other tests). Both are started from the same typed settings ([`ChainSpec`]).
 
-use std::{path::PathBuf, time::Duration};
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use anyhow::Context;
 
 use retrychain_proto::v1::{Faults, control_client::ControlClient};
+use retrychain_serve::{
+    ServiceCommand,
+    args::{HopArgs, LedgerArgs, ServiceArgs},
+};
 
 use crate::{
     addr::{ChainAddrs, NAMES, ServiceAddr, connect, wait_serving},
@@ -15,20 +19,19 @@ use crate::{
     process::{ChildService, Launch, Logs, say},
 };
 
-/// How to start a chain.
+/// How to start a chain: each service's typed settings — the very values `retrychain
+/// edge|relay|ledger` parses its flags into — and, for child processes, their environment,
+/// logs and program. A chain in this runtime starts from the values themselves; only a
+/// child process gets them as a command line ([`ServiceCommand::to_args`]).
 #[derive(Debug, Clone)]
-pub struct ChainOptions {
+pub struct ChainSpec {
     /// Postgres URL; `None` starts a throwaway cluster for the chain.
     pub database_url: Option<String>,
     /// The edge's port; hop2..ledger take the next four. 0: any free ports.
     pub base_port: u16,
-    /// Flags for all five (retry mode, log format, backoff, …); by default
-    /// [`ChainOptions::PLAYGROUND`].
-    pub flags: Vec<String>,
-    /// Flags for the edge only, after `flags`.
-    pub edge_flags: Vec<String>,
-    /// Flags for the ledger only, after `flags`.
-    pub ledger_flags: Vec<String>,
+    /// Edge first, ledger last. Where each listens, its name, its downstream and the
+    /// ledger's database are set by the chain as it starts them.
+    pub services: [ServiceCommand; 5],
     /// Environment of the child processes (e.g. `OTEL_*`); not for in-process chains,
     /// which share this process's environment.
     pub env: Vec<(String, String)>,
@@ -38,60 +41,93 @@ pub struct ChainOptions {
     pub program: Option<PathBuf>,
 }
 
-impl Default for ChainOptions {
-    /// A throwaway database, free ports, the playground's flags, logs discarded, this
-    /// binary.
+impl Default for ChainSpec {
+    /// A playground chain: every flag at its default but fault injection and the
+    /// retry-mode override, which are on (both off by default in a service of its own); a
+    /// throwaway database, free ports, logs discarded, this binary.
     fn default() -> Self {
+        let services = std::array::from_fn(|i| {
+            // Parsing the defaults of a known role cannot fail; a flag that reads a
+            // malformed environment variable would, and the chain says so when it starts.
+            ServiceCommand::defaults(role(i), "")
+                .unwrap_or_else(|error| panic!("the defaults of {}: {error}", NAMES[i]))
+        });
         Self {
             database_url: None,
             base_port: 0,
-            flags: Self::PLAYGROUND.map(String::from).into(),
-            edge_flags: Vec::new(),
-            ledger_flags: Vec::new(),
+            services,
             env: Vec::new(),
             logs: Logs::Discard,
             program: None,
         }
+        .each(|service| {
+            service.fault_injection = true;
+            service.allow_retry_mode_override = true;
+        })
     }
 }
 
-impl ChainOptions {
-    /// A local chain is a playground: fault injection is on and every service honours
-    /// `x-retry-mode` (both off by default in a service of its own).
-    pub const PLAYGROUND: [&str; 2] = ["--fault-injection", "--allow-retry-mode-override"];
+/// The role of service `i` of a chain.
+fn role(i: usize) -> &'static str {
+    match i {
+        0 => "edge",
+        4 => "ledger",
+        _ => "relay",
+    }
+}
 
-    /// The command line of service `i` (0 the edge … 4 the ledger) over `downstream`.
-    fn args(&self, i: usize, downstream: &str) -> Vec<String> {
-        let role = match i {
-            0 => "edge",
-            4 => "ledger",
-            _ => "relay",
-        };
-        let listen = match self.base_port {
-            0 => "127.0.0.1:0".to_owned(),
-            base => format!("127.0.0.1:{}", base + i as u16),
-        };
-        let mut args: Vec<String> = [role, "--listen", &listen, "--name", NAMES[i]]
-            .map(String::from)
-            .into();
-        if role != "ledger" {
-            args.extend(["--downstream".to_owned(), downstream.to_owned()]);
+impl ChainSpec {
+    /// These settings with `change` made to every service's common flags.
+    pub fn each(mut self, change: impl Fn(&mut ServiceArgs)) -> Self {
+        for service in &mut self.services {
+            change(service.service_mut());
         }
-        args.extend(self.flags.iter().cloned());
-        match role {
-            "edge" => args.extend(self.edge_flags.iter().cloned()),
-            "ledger" => args.extend(self.ledger_flags.iter().cloned()),
-            _ => {}
+        self
+    }
+
+    /// The edge's settings, to change them.
+    pub fn edge(&mut self) -> &mut HopArgs {
+        match &mut self.services[0] {
+            ServiceCommand::Edge(args) | ServiceCommand::Relay(args) => args,
+            ServiceCommand::Ledger(_) => unreachable!("service 0 is the edge"),
         }
-        args
+    }
+
+    /// The ledger's settings, to change them.
+    pub fn ledger(&mut self) -> &mut LedgerArgs {
+        match &mut self.services[4] {
+            ServiceCommand::Ledger(args) => args,
+            _ => unreachable!("service 4 is the ledger"),
+        }
+    }
+
+    /// Service `i` as it is started: listening on its port of the chain, named, pointed at
+    /// `downstream` (the ledger at `database_url`).
+    pub fn placed(&self, i: usize, downstream: &str, database_url: &str) -> ServiceCommand {
+        let mut command = self.services[i].clone();
+        let listen = SocketAddr::from((
+            [127, 0, 0, 1],
+            match self.base_port {
+                0 => 0,
+                base => base + i as u16,
+            },
+        ));
+        let service = command.service_mut();
+        service.listen = Some(listen);
+        service.name = Some(NAMES[i].to_owned());
+        match &mut command {
+            ServiceCommand::Edge(args) | ServiceCommand::Relay(args) => {
+                args.downstream = Some(downstream.to_owned());
+            }
+            ServiceCommand::Ledger(args) => args.database_url = database_url.to_owned(),
+        }
+        command
     }
 }
 
 /// A throwaway Postgres cluster, when no database URL was given, and the URL to use.
-async fn database(
-    options: &ChainOptions,
-) -> anyhow::Result<(Option<tempgres::TempCluster>, String)> {
-    Ok(match &options.database_url {
+async fn database(spec: &ChainSpec) -> anyhow::Result<(Option<tempgres::TempCluster>, String)> {
+    Ok(match &spec.database_url {
         Some(url) => (None, url.clone()),
         None => {
             let cluster = tokio::task::spawn_blocking(tempgres::TempCluster::start)
@@ -104,12 +140,12 @@ async fn database(
 }
 
 /// Runs `work` against a chain — the one at `external` if given, else a [`LocalChain`]
-/// started with `options` and stopped afterwards — and gives up on Ctrl-C or SIGTERM,
+/// started from `spec` and stopped afterwards — and gives up on Ctrl-C or SIGTERM,
 /// stopping the local chain and clearing the ledger's faults (`work` may have set some)
 /// rather than leaving either behind.
 pub async fn with_chain<T, F, Fut>(
     external: Option<ChainAddrs>,
-    options: ChainOptions,
+    spec: ChainSpec,
     work: F,
 ) -> anyhow::Result<T>
 where
@@ -121,7 +157,7 @@ where
     let (local, addrs) = match external {
         Some(addrs) => (None, addrs),
         None => tokio::select! {
-            chain = LocalChain::start(options) => {
+            chain = LocalChain::start(spec) => {
                 let chain = chain?;
                 let addrs = chain.addrs();
                 (Some(chain), addrs)
@@ -158,23 +194,25 @@ pub struct LocalChain {
 impl LocalChain {
     /// Starts Postgres if needed, then the ledger, hop4, hop3, hop2 and the edge, each
     /// after the one below reports SERVING.
-    pub async fn start(options: ChainOptions) -> anyhow::Result<Self> {
-        let (cluster, database_url) = database(&options).await?;
+    pub async fn start(spec: ChainSpec) -> anyhow::Result<Self> {
+        let (cluster, database_url) = database(&spec).await?;
         let mut chain = LocalChain {
             cluster,
             services: Vec::new(),
         };
         let mut downstream = String::new();
         for i in (0..NAMES.len()).rev() {
-            let mut env = options.env.clone();
+            // The database URL goes in the environment, not on the command line, which
+            // every local user can read.
+            let mut env = spec.env.clone();
             if i == 4 {
                 env.push(("DATABASE_URL".to_owned(), database_url.clone()));
             }
             let launch = Launch {
-                program: options.program.clone(),
-                args: options.args(i, &downstream),
+                program: spec.program.clone(),
+                args: spec.placed(i, &downstream, &database_url).to_args(),
                 env,
-                logs: options.logs,
+                logs: spec.logs,
             };
             let service = match ChildService::start(NAMES[i], launch).await {
                 Ok(service) => service,
@@ -269,18 +307,15 @@ pub struct InProcessChain {
 
 impl InProcessChain {
     /// Starts Postgres if needed, then the ledger, hop4, hop3, hop2 and the edge from the
-    /// same flags a [`LocalChain`] gives its processes (`options.env`, `logs` and `program`
+    /// same settings a [`LocalChain`] gives its processes (`spec.env`, `logs` and `program`
     /// do not apply).
-    pub async fn start(options: ChainOptions) -> anyhow::Result<Self> {
-        let (cluster, database_url) = database(&options).await?;
+    pub async fn start(spec: ChainSpec) -> anyhow::Result<Self> {
+        let (cluster, database_url) = database(&spec).await?;
         let mut services = Vec::new();
         let mut downstream = String::new();
         for i in (0..NAMES.len()).rev() {
-            let mut args = options.args(i, &downstream);
-            if i == 4 {
-                args.extend(["--database-url".to_owned(), database_url.clone()]);
-            }
-            let service = InProcessService::start(NAMES[i], &args).await?;
+            let command = spec.placed(i, &downstream, &database_url);
+            let service = InProcessService::start(NAMES[i], command).await?;
             downstream = service.addr.url.clone();
             services.insert(0, service);
         }
@@ -309,39 +344,43 @@ mod tests {
     use super::*;
 
     #[test]
-    fn each_service_gets_its_role_port_name_and_downstream_then_the_flags() {
-        let options = ChainOptions {
+    fn each_service_is_placed_on_its_port_with_its_name_and_downstream() {
+        let mut spec = ChainSpec {
             base_port: 50051,
-            edge_flags: vec!["--max-attempts".into(), "4".into()],
-            ledger_flags: vec!["--db-pool-size".into(), "8".into()],
-            ..ChainOptions::default()
+            ..ChainSpec::default()
         };
-        let edge = options.args(0, "http://127.0.0.1:50052");
+        spec.edge().service.max_attempts = 4;
+        spec.ledger().db_pool_size = 8;
+        let ServiceCommand::Edge(edge) = spec.placed(0, "http://127.0.0.1:50052", "") else {
+            panic!("service 0 is the edge")
+        };
         assert_eq!(
-            edge,
-            [
-                "edge",
-                "--listen",
-                "127.0.0.1:50051",
-                "--name",
-                "edge",
-                "--downstream",
-                "http://127.0.0.1:50052",
-                "--fault-injection",
-                "--allow-retry-mode-override",
-                "--max-attempts",
-                "4",
-            ]
+            edge.service.listen,
+            Some("127.0.0.1:50051".parse().unwrap())
         );
-        let hop3 = options.args(2, "http://127.0.0.1:50054");
+        assert_eq!(edge.service.name.as_deref(), Some("edge"));
+        assert_eq!(edge.downstream.as_deref(), Some("http://127.0.0.1:50052"));
+        assert_eq!(edge.service.max_attempts, 4);
+        assert!(edge.service.fault_injection && edge.service.allow_retry_mode_override);
+        let ServiceCommand::Relay(hop3) = spec.placed(2, "http://127.0.0.1:50054", "") else {
+            panic!("service 2 is a relay")
+        };
+        assert_eq!(hop3.service.name.as_deref(), Some("hop3"));
         assert_eq!(
-            hop3[..5],
-            ["relay", "--listen", "127.0.0.1:50053", "--name", "hop3"]
+            hop3.service.max_attempts, 3,
+            "the edge's setting is the edge's"
         );
-        let ledger = options.args(4, "");
-        assert!(!ledger.contains(&"--downstream".to_owned()), "{ledger:?}");
-        assert!(ledger.ends_with(&["--db-pool-size".to_owned(), "8".to_owned()]));
-        let any_port = ChainOptions::default().args(4, "");
-        assert_eq!(any_port[2], "127.0.0.1:0");
+        let ServiceCommand::Ledger(ledger) = spec.placed(4, "", "postgres://db") else {
+            panic!("service 4 is the ledger")
+        };
+        assert_eq!(ledger.database_url, "postgres://db");
+        assert_eq!(ledger.db_pool_size, 8);
+        let ServiceCommand::Ledger(any_port) = ChainSpec::default().placed(4, "", "") else {
+            panic!("service 4 is the ledger")
+        };
+        assert_eq!(
+            any_port.service.listen,
+            Some("127.0.0.1:0".parse().unwrap())
+        );
     }
 }

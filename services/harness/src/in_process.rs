@@ -5,8 +5,7 @@
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::Parser;
-use retrychain_serve::ServiceCli;
+use retrychain_serve::ServiceCommand;
 use tokio::{sync::oneshot, task::JoinHandle};
 
 use crate::addr::ServiceAddr;
@@ -28,14 +27,10 @@ pub struct InProcessService {
 }
 
 impl InProcessService {
-    /// Starts `edge|relay|ledger <flags>` — the argv a child process would get — in this
-    /// runtime. Returns once both ports are bound (calls made from then on queue until the
-    /// server accepts them). Flags not given fall back to their environment variables, as
-    /// in a process.
-    pub async fn start(name: &str, args: &[String]) -> anyhow::Result<Self> {
-        let command = ServiceCli::try_parse_from(args)
-            .with_context(|| format!("{name}'s flags"))?
-            .command;
+    /// Starts the service `command` describes — the typed settings a child process would
+    /// parse from its flags — in this runtime. Returns once both ports are bound (calls made
+    /// from then on queue until the server accepts them).
+    pub async fn start(name: &str, command: ServiceCommand) -> anyhow::Result<Self> {
         let (stop, stopped) = oneshot::channel::<()>();
         let started = retrychain_serve::start(command, async move {
             let _ = stopped.await;

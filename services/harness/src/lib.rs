@@ -25,7 +25,7 @@ pub mod in_process;
 pub mod process;
 
 pub use addr::{ChainAddrs, NAMES, ServiceAddr, connect, serving};
-pub use chain::{ChainOptions, InProcessChain, LocalChain, with_chain};
+pub use chain::{ChainSpec, InProcessChain, LocalChain, with_chain};
 pub use charge::charge_request;
 pub use client::ChainClient;
 pub use in_process::InProcessService;

@@ -243,3 +243,197 @@ pub struct LedgerArgs {
     #[arg(long, env = "RETRYCHAIN_DB_ROUND_TRIP_TIMEOUT_MS", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..))]
     pub db_round_trip_timeout_ms: u64,
 }
+
+/// The flags of one service as a command line: the way a service's typed settings cross a
+/// process boundary, and only there (`retrychain-harness` starts in-process services from
+/// the typed values). Every field is written, so the command reads the same whatever the
+/// child's environment says — but the ledger's database URL, which may hold a password and
+/// a command line is readable by every local user: the child gets it as `DATABASE_URL`.
+impl ServiceCommand {
+    /// `edge|relay|ledger` and every flag but the database URL, as `retrychain` parses
+    /// them back.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut args = Vec::new();
+        match self {
+            ServiceCommand::Edge(hop) | ServiceCommand::Relay(hop) => {
+                args.push(
+                    if matches!(self, ServiceCommand::Edge(_)) {
+                        "edge"
+                    } else {
+                        "relay"
+                    }
+                    .to_owned(),
+                );
+                hop.service.push_args(&mut args);
+                push(&mut args, "--downstream", hop.downstream.as_ref());
+            }
+            ServiceCommand::Ledger(ledger) => {
+                args.push("ledger".to_owned());
+                ledger.service.push_args(&mut args);
+                push(
+                    &mut args,
+                    "--in-flight",
+                    Some(value_name(&ledger.in_flight)),
+                );
+                push(
+                    &mut args,
+                    "--key-retention",
+                    Some(humantime::format_duration(ledger.key_retention)),
+                );
+                push(&mut args, "--db-pool-size", Some(ledger.db_pool_size));
+                push(
+                    &mut args,
+                    "--db-acquire-timeout-ms",
+                    Some(ledger.db_acquire_timeout_ms),
+                );
+                push(
+                    &mut args,
+                    "--db-round-trip-timeout-ms",
+                    Some(ledger.db_round_trip_timeout_ms),
+                );
+            }
+        }
+        args
+    }
+
+    /// A role's command with every flag at its default (as `--help` shows them), the
+    /// ledger's database at `database_url`: what a chain's typed settings start from.
+    pub fn defaults(role: &str, database_url: &str) -> Result<Self, clap::Error> {
+        let mut argv = vec![role.to_owned()];
+        if role == "ledger" {
+            argv.extend(["--database-url".to_owned(), database_url.to_owned()]);
+        }
+        ServiceCli::try_parse_from(argv).map(|cli| cli.command)
+    }
+
+    /// The flags every service takes, to change them.
+    pub fn service_mut(&mut self) -> &mut ServiceArgs {
+        match self {
+            ServiceCommand::Edge(args) | ServiceCommand::Relay(args) => &mut args.service,
+            ServiceCommand::Ledger(args) => &mut args.service,
+        }
+    }
+}
+
+impl ServiceArgs {
+    fn push_args(&self, args: &mut Vec<String>) {
+        push(args, "--listen", self.listen);
+        push(args, "--admin-listen", self.admin_listen);
+        push(args, "--name", self.name.as_ref());
+        push(args, "--retry-mode", Some(value_name(&self.retry_mode)));
+        push(args, "--max-attempts", Some(self.max_attempts));
+        push(args, "--backoff", Some(value_name(&self.backoff)));
+        push(args, "--backoff-base-ms", Some(self.backoff_base_ms));
+        push(args, "--backoff-cap-ms", Some(self.backoff_cap_ms));
+        push(args, "--budget-tokens", Some(self.budget_tokens));
+        push(args, "--budget-refund", Some(self.budget_refund));
+        switch(args, "--no-budget", self.no_budget);
+        push(
+            args,
+            "--default-deadline-ms",
+            Some(self.default_deadline_ms),
+        );
+        push(args, "--max-deadline-ms", Some(self.max_deadline_ms));
+        push(args, "--deadline-margin-ms", Some(self.deadline_margin_ms));
+        push(args, "--min-attempt-ms", Some(self.min_attempt_ms));
+        switch(args, "--fault-injection", self.fault_injection);
+        push(
+            args,
+            "--service-config",
+            self.service_config.as_ref().map(|p| p.display()),
+        );
+        switch(
+            args,
+            "--allow-retry-mode-override",
+            self.allow_retry_mode_override,
+        );
+        push(args, "--log-format", Some(value_name(&self.log_format)));
+        push(args, "--max-connections", Some(self.max_connections));
+        push(
+            args,
+            "--max-connections-per-peer",
+            Some(self.max_connections_per_peer),
+        );
+        push(args, "--max-in-flight", Some(self.max_in_flight));
+    }
+}
+
+/// `flag value`, when there is a value.
+fn push(args: &mut Vec<String>, flag: &str, value: Option<impl std::fmt::Display>) {
+    if let Some(value) = value {
+        args.extend([flag.to_owned(), value.to_string()]);
+    }
+}
+
+/// `flag`, when it is on.
+fn switch(args: &mut Vec<String>, flag: &str, on: bool) {
+    if on {
+        args.push(flag.to_owned());
+    }
+}
+
+/// A value's name on the command line (`edge-only`, `full`).
+fn value_name(value: &impl ValueEnum) -> String {
+    value
+        .to_possible_value()
+        .map(|v| v.get_name().to_owned())
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every field set away from its default survives the trip to argv and back.
+    #[test]
+    fn a_command_reads_back_as_it_was_written() {
+        let mut ledger = ServiceCommand::defaults("ledger", "postgres://x@h/db").expect("parses");
+        let ServiceCommand::Ledger(args) = &mut ledger else {
+            unreachable!()
+        };
+        args.in_flight = InFlightArg::Reject;
+        args.key_retention = Duration::from_secs(5400);
+        args.db_pool_size = 7;
+        args.db_acquire_timeout_ms = 99;
+        args.db_round_trip_timeout_ms = 1234;
+        let s = &mut args.service;
+        s.listen = Some("127.0.0.1:1".parse().expect("addr"));
+        s.admin_listen = Some("127.0.0.1:2".parse().expect("addr"));
+        s.name = Some("ledger-b".into());
+        s.retry_mode = RetryMode::EveryLayer;
+        s.max_attempts = 4;
+        s.backoff = BackoffKind::Decorrelated;
+        s.backoff_base_ms = 3;
+        s.backoff_cap_ms = 30;
+        s.budget_tokens = 2.5;
+        s.budget_refund = 0.25;
+        s.no_budget = true;
+        s.default_deadline_ms = 1500;
+        s.max_deadline_ms = 9000;
+        s.deadline_margin_ms = 7;
+        s.min_attempt_ms = 11;
+        s.fault_injection = true;
+        s.service_config = Some("/tmp/c.json".into());
+        s.allow_retry_mode_override = true;
+        s.log_format = LogFormatArg::Json;
+        s.max_connections = 10;
+        s.max_connections_per_peer = 3;
+        s.max_in_flight = 12;
+        let mut argv = ledger.to_args();
+        assert!(!argv.iter().any(|a| a.contains("postgres://")), "{argv:?}");
+        argv.extend(["--database-url".to_owned(), "postgres://x@h/db".to_owned()]);
+        let back = ServiceCli::try_parse_from(argv)
+            .expect("reads back")
+            .command;
+        assert_eq!(format!("{back:?}"), format!("{ledger:?}"));
+
+        let mut edge = ServiceCommand::defaults("edge", "").expect("parses");
+        if let ServiceCommand::Edge(args) = &mut edge {
+            args.downstream = Some("http://127.0.0.1:3".into());
+        }
+        let back = ServiceCli::try_parse_from(edge.to_args())
+            .expect("reads back")
+            .command;
+        assert_eq!(format!("{back:?}"), format!("{edge:?}"));
+    }
+}

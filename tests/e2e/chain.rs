@@ -5,15 +5,11 @@
 //! The tests in [`deployment`] also run against an external deployment (e.g. `docker
 //! compose up`) when RETRYCHAIN_EDGE … RETRYCHAIN_LEDGER are set.
 
-#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
-
-mod support;
-
 use std::time::{Duration, Instant};
 
+use crate::support::*;
 use futures::StreamExt;
 use retrychain_proto::v1::Faults;
-use support::*;
 use tonic::Code;
 
 const LONG: Duration = Duration::from_secs(30);
@@ -24,10 +20,11 @@ fn received(stats: &[retrychain_proto::v1::Stats]) -> Vec<u64> {
 }
 
 /// `requests` against a dead processor with up to 4 attempts each, 16 at a time.
-async fn outage_load(requests: u64, edge_flags: &[&str]) -> (u64, u64) {
+async fn outage_load(requests: u64, budget: bool) -> (u64, u64) {
     let mut options = Options::default();
-    options.edge.extend(args(&["--max-attempts", "4"]));
-    options.edge.extend(args(edge_flags));
+    let edge = &mut options.spec.edge().service;
+    edge.max_attempts = 4;
+    edge.no_budget = !budget;
     let chain = Chain::spawn(options).await;
     chain.fail_processor().await;
     let edge = chain.edge().await;
@@ -55,7 +52,7 @@ async fn outage_load(requests: u64, edge_flags: &[&str]) -> (u64, u64) {
 async fn an_outage_is_not_amplified_with_the_budget() {
     // Enough requests that the bucket's initial 10 tokens (0.5% here) do not hide the
     // steady state: a tenth of a retry per request.
-    let (first, bottom) = outage_load(2000, &[]).await;
+    let (first, bottom) = outage_load(2000, true).await;
     let load = bottom as f64 / first as f64;
     println!(
         "outage with the default budget: {bottom} bottom calls for {first} requests = {load:.3}x"
@@ -67,7 +64,7 @@ async fn an_outage_is_not_amplified_with_the_budget() {
 #[tokio::test]
 async fn an_outage_is_amplified_4x_without_the_budget() {
     // Exact at any size: every request makes its 4 attempts.
-    let (first, bottom) = outage_load(500, &["--no-budget"]).await;
+    let (first, bottom) = outage_load(500, false).await;
     println!("outage without a budget: {bottom} bottom calls for {first} requests");
     assert_eq!((first, bottom), (500, 2000), "exactly 4.00x");
 }
@@ -77,7 +74,7 @@ async fn the_deadline_shrinks_at_every_hop_and_ends_in_deadline_exceeded() {
     // One attempt at the edge, so the deadlines recorded are those of one path down the
     // chain (a retry in the last few ms would overwrite them with smaller ones).
     let mut options = Options::default();
-    options.edge.extend(args(&["--max-attempts", "1"]));
+    options.spec.edge().service.max_attempts = 1;
     let chain = Chain::spawn(options).await;
     chain.set_faults(LEDGER, delayed(5000)).await;
 
@@ -122,7 +119,7 @@ async fn the_deadline_shrinks_at_every_hop_and_ends_in_deadline_exceeded() {
 
 #[tokio::test]
 async fn the_retry_mode_override_needs_the_flag() {
-    let options = Options::default().without("--allow-retry-mode-override");
+    let options = Options::default().each(|s| s.allow_retry_mode_override = false);
     let chain = Chain::spawn(options).await;
     chain.fail_processor().await;
     chain
@@ -183,7 +180,7 @@ async fn one_trace_id_runs_through_all_five_logs() {
 
 #[tokio::test]
 async fn set_faults_without_fault_injection_is_permission_denied() {
-    let chain = Chain::spawn(Options::default().without("--fault-injection")).await;
+    let chain = Chain::spawn(Options::default().each(|s| s.fault_injection = false)).await;
     for (i, name) in NAMES.iter().enumerate() {
         let status = chain
             .control(i)

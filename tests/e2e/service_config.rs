@@ -1,13 +1,9 @@
 //! `--service-config`: the retry policy as a gRPC service config document (gRFC A6), the
 //! same JSON grpc-go and grpc-java accept, on a real chain.
 
-#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
-
-mod support;
-
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 use tonic::Code;
 
 /// Writes `json` to a file that lives as long as the returned handle.
@@ -18,13 +14,9 @@ fn config_file(json: &str) -> tempfile::NamedTempFile {
 }
 
 fn edge_with(config: &tempfile::NamedTempFile) -> Options {
-    Options {
-        edge: vec![
-            "--service-config".into(),
-            config.path().display().to_string(),
-        ],
-        ..Options::default()
-    }
+    let mut options = Options::default();
+    options.spec.edge().service.service_config = Some(config.path().to_owned());
+    options
 }
 
 const RETRY_4_THROTTLED: &str = r#"{

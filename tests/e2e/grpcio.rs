@@ -5,13 +5,9 @@
 //! Needs a Python with `grpcio` and `grpcio-tools`: `$RETRYCHAIN_PYTHON` (scripts/test makes
 //! a venv under target/ and sets it), else `python3`.
 
-#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
-
-mod support;
-
 use std::{path::PathBuf, process::Command, sync::OnceLock};
 
-use support::*;
+use crate::support::*;
 
 /// The client: one Charge through a channel configured by the service config, printing
 /// what came back as one JSON line.

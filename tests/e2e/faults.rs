@@ -9,10 +9,6 @@
 //! keys' amounts, no client ever saw INTERNAL or UNKNOWN, and no session is left idle in a
 //! transaction.
 
-#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
-
-mod support;
-
 use std::{
     collections::HashMap,
     io::{BufRead, BufReader},
@@ -24,12 +20,12 @@ use std::{
     time::{Duration, Instant},
 };
 
+use crate::support::*;
 use futures::StreamExt;
 use retrychain_proto::v1::{
     ChargeRequest, GetStatsRequest, ResetStatsRequest, control_client::ControlClient,
     payments_client::PaymentsClient,
 };
-use support::*;
 use tonic::{Code, transport::Channel};
 
 /// The deadline of each charge in the load.
@@ -506,8 +502,8 @@ fn free_base_port() -> u16 {
 async fn a_frozen_ledger_releases_its_key_to_another_instance_and_commits_nothing() {
     let _one = ONE_AT_A_TIME.lock().await;
     let url = database().await;
-    let frozen = spawn_ledger_on(&url, &[]).await;
-    let other = spawn_ledger_on(&url, &[]).await;
+    let frozen = spawn_ledger_on(&url).await;
+    let other = spawn_ledger_on(&url).await;
     let frozen_control = ControlClient::new(connect(&frozen.addr.admin_url).await);
     frozen_control
         .clone()
@@ -769,7 +765,7 @@ async fn key_store(url: &str, pool_size: u32) -> retrychain_ledger::KeyStore {
 /// processor takes 10 ms, so the server-side timeouts fire at every step.
 #[tokio::test]
 async fn deadlines_cut_at_every_step_leave_the_ledgers_pool_clean() {
-    let (ledger, url) = start_ledger(&["--db-pool-size", "2"]).await;
+    let (ledger, url) = start_ledger(|l| l.db_pool_size = 2).await;
     ControlClient::new(connect(&ledger.addr.admin_url).await)
         .set_faults(delayed(10))
         .await
@@ -811,7 +807,7 @@ async fn deadlines_cut_at_every_step_leave_the_ledgers_pool_clean() {
 
 #[tokio::test]
 async fn in_flight_reject_replays_50_concurrent_repeats_of_a_completed_key() {
-    let (ledger, url) = start_ledger(&["--in-flight", "reject"]).await;
+    let (ledger, url) = start_ledger(|l| l.in_flight = InFlightArg::Reject).await;
     let client = PaymentsClient::new(connect(&ledger.addr.url).await);
     let account = new_account();
     let key = new_key();
@@ -843,7 +839,7 @@ async fn in_flight_reject_replays_50_concurrent_repeats_of_a_completed_key() {
 #[tokio::test]
 async fn waiting_duplicates_do_not_starve_other_accounts() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let (ledger, url) = start_ledger(&["--db-pool-size", "4"]).await;
+    let (ledger, url) = start_ledger(|l| l.db_pool_size = 4).await;
     let control = ControlClient::new(connect(&ledger.addr.admin_url).await);
     control.clone().set_faults(delayed(2000)).await.unwrap();
     let client = PaymentsClient::new(connect(&ledger.addr.url).await);
@@ -1159,7 +1155,7 @@ fn request(account: &str, amount: i64) -> ChargeRequest {
 /// the edge's counters does not refill its retry budget.
 #[tokio::test]
 async fn retry_load_cannot_be_raised_from_outside() {
-    let options = Options::default().without("--allow-retry-mode-override");
+    let options = Options::default().each(|s| s.allow_retry_mode_override = false);
     let chain = Chain::spawn(options).await;
     chain.fail_processor().await;
 
@@ -1336,9 +1332,7 @@ async fn grpc_status_of(response: h2::client::ResponseFuture) -> String {
 async fn protocol_abuse_gets_grpc_statuses_while_others_are_served() {
     let _one = ONE_AT_A_TIME.lock().await;
     let mut options = Options::processes();
-    options
-        .edge
-        .extend(args(&["--default-deadline-ms", "3000"]));
+    options.spec.edge().service.default_deadline_ms = 3000;
     let chain = Chain::spawn(options).await;
     let addr = host_port(&chain.addrs[EDGE]);
     let pid = chain.services[EDGE].pid().unwrap();
@@ -1769,7 +1763,7 @@ async fn a_black_holed_database_path_holds_no_charge_past_the_round_trip_bound()
 #[tokio::test]
 async fn requests_over_the_in_flight_limit_are_refused_at_once() {
     let mut options = Options::default();
-    options.edge.extend(args(&["--max-in-flight", "4"]));
+    options.spec.edge().service.max_in_flight = 4;
     let chain = Chain::spawn(options).await;
     chain.set_faults(LEDGER, delayed(300)).await;
     let edge = chain.edge().await;

@@ -1,8 +1,6 @@
 //! `retrychain sim`: the design notes' figures, reproduced on our own backoff and budget
 //! code — the typed report, and the table the command prints beside the notes'.
 
-#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
-
 use std::process::Command;
 
 use retrychain_experiments::sim;

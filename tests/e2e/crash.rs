@@ -1,13 +1,9 @@
 //! Crashes: a ledger killed (SIGKILL) in the middle of a charge's transaction leaves no
 //! trace in Postgres, and the retry after its restart charges exactly once.
 
-#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
-
-mod support;
-
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 use tonic::Code;
 
 #[tokio::test]

@@ -1,12 +1,8 @@
 //! `retrychain storm` against a chain started here: its report agrees with the services'
 //! own counters, and it writes its CSV and SVG.
 
-#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
-
-mod support;
-
+use crate::support::*;
 use retrychain_experiments::storm;
-use support::*;
 
 #[tokio::test]
 async fn storm_counts_agree_with_the_services_stats() {

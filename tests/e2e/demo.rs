@@ -4,12 +4,8 @@
 //! themselves are tested where they live: 243 and 3 in chain.rs, the outage loads in
 //! chain.rs and sim.rs.)
 
-#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
-
-mod support;
-
+use crate::support::*;
 use retrychain_experiments::demo::{self, DemoArgs};
-use support::*;
 
 #[tokio::test]
 async fn the_demo_runs_every_scenario_on_a_running_chain() {

@@ -1,14 +1,10 @@
 //! Prometheus metrics on every service's admin port: scraped over plain HTTP/1.1 after a
 //! scenario, parsed with a Prometheus text-format parser, and held against `Stats`.
 
-#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
-
-mod support;
-
 use std::{io::Write, time::Duration};
 
+use crate::support::*;
 use retrychain_proto::v1::Stats;
-use support::*;
 
 fn parse(text: &str) -> prometheus_parse::Scrape {
     prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_owned()))).unwrap()

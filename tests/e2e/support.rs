@@ -12,8 +12,6 @@
 //! admin ports are `RETRYCHAIN_EDGE_ADMIN` … `RETRYCHAIN_LEDGER_ADMIN` when set, else each
 //! public port + 1000 (the default).
 
-#![allow(dead_code, unused_imports, missing_docs, clippy::unwrap_used)]
-
 use std::{
     sync::{Arc, OnceLock},
     time::Duration,
@@ -25,7 +23,7 @@ pub use resilience::wire::{
 };
 pub use retrychain_harness::faults::{delayed, failing, failing_with, losing_replies};
 pub use retrychain_harness::{
-    ChainAddrs, ChainClient, ChainOptions, ChildService, InProcessChain, InProcessService, Launch,
+    ChainAddrs, ChainClient, ChainSpec, ChildService, InProcessChain, InProcessService, Launch,
     LocalChain, Logs, NAMES, ServiceAddr, client::LEDGER,
 };
 pub use retrychain_node::metadata::{
@@ -34,6 +32,10 @@ pub use retrychain_node::metadata::{
 use retrychain_proto::v1::{
     ChargeReply, ChargeRequest, Faults, Stats, control_client::ControlClient,
     payments_client::PaymentsClient,
+};
+pub use retrychain_serve::{
+    ServiceCommand,
+    args::{InFlightArg, LedgerArgs, ServiceArgs},
 };
 use tonic::{Request, Response, Status, metadata::MetadataValue, transport::Channel};
 
@@ -90,43 +92,43 @@ impl ClusterOrUrl {
     }
 }
 
-/// How to start a chain: the flags of [`retrychain_harness::ChainOptions`], and whether as
-/// processes (where a crash, a signal, a log or the environment is the point) or in this
-/// test's runtime (everything else: faster, and nothing to kill).
+/// How to start a chain: the typed settings of [`ChainSpec`] with the tests' defaults, and
+/// whether as processes (where a crash, a signal, a log or the environment is the point)
+/// or in this test's runtime (everything else: faster, and nothing to kill).
 #[derive(Debug, Clone)]
 pub struct Options {
-    /// Flags for all five services.
-    pub all: Vec<String>,
-    /// Flags for the edge only.
-    pub edge: Vec<String>,
-    /// Flags for the ledger only.
-    pub ledger: Vec<String>,
-    /// Environment for all five (e.g. OTEL_* variables); processes only.
-    pub env: Vec<(String, String)>,
+    /// The chain's settings: change them through [`ChainSpec::edge`],
+    /// [`ChainSpec::ledger`] and [`Options::each`].
+    pub spec: ChainSpec,
     /// Child processes of the `retrychain` binary, their logs captured.
     pub processes: bool,
 }
 
 impl Default for Options {
     /// The test deployment, in process: a playground (faults, the retry-mode override),
-    /// edge-only, quick backoff.
+    /// edge-only, quick backoff (2 to 20 ms), an 8-connection pool.
     fn default() -> Self {
-        let mut all = ChainOptions::default().flags;
-        all.extend(args(&["--backoff-base-ms", "2", "--backoff-cap-ms", "20"]));
+        let mut spec = ChainSpec {
+            logs: Logs::Capture,
+            program: Some(BIN.into()),
+            ..ChainSpec::default()
+        }
+        .each(|service| {
+            service.backoff_base_ms = 2;
+            service.backoff_cap_ms = 20;
+        });
+        spec.ledger().db_pool_size = 8;
         Self {
-            all,
-            edge: Vec::new(),
-            ledger: args(&["--db-pool-size", "8"]),
-            env: Vec::new(),
+            spec,
             processes: false,
         }
     }
 }
 
 impl Options {
-    /// These options without `flag` on any service (e.g. `--fault-injection`).
-    pub fn without(mut self, flag: &str) -> Self {
-        self.all.retain(|f| f != flag);
+    /// These options with `change` made to every service's common flags.
+    pub fn each(mut self, change: impl Fn(&mut ServiceArgs)) -> Self {
+        self.spec = self.spec.each(change);
         self
     }
 
@@ -137,24 +139,12 @@ impl Options {
             ..Self::default()
         }
     }
-
-    fn chain_options(self, database_url: String) -> ChainOptions {
-        ChainOptions {
-            database_url: Some(database_url),
-            base_port: 0,
-            flags: self.all,
-            edge_flags: self.edge,
-            ledger_flags: self.ledger,
-            env: self.env,
-            logs: Logs::Capture,
-            program: Some(BIN.into()),
-        }
-    }
 }
 
 /// The binary under test.
 pub const BIN: &str = env!("CARGO_BIN_EXE_retrychain");
 
+/// A command line of `list`, for the experiments' flags and the binary's own.
 pub fn args(list: &[&str]) -> Vec<String> {
     list.iter().map(|s| s.to_string()).collect()
 }
@@ -194,12 +184,15 @@ impl Chain {
     /// A chain with `options` whose ledger uses the database at `database_url`.
     pub async fn spawn_on(options: Options, database_url: String) -> Chain {
         let processes = options.processes;
-        let chain_options = options.chain_options(database_url.clone());
+        let spec = ChainSpec {
+            database_url: Some(database_url.clone()),
+            ..options.spec
+        };
         let (addrs, services, in_process) = if processes {
-            let chain = LocalChain::start(chain_options).await.unwrap();
+            let chain = LocalChain::start(spec).await.unwrap();
             (chain.addrs(), chain.services, None)
         } else {
-            let chain = InProcessChain::start(chain_options).await.unwrap();
+            let chain = InProcessChain::start(spec).await.unwrap();
             (chain.addrs(), Vec::new(), Some(chain))
         };
         let mut chain = Chain::over(addrs, None).await;
@@ -405,48 +398,40 @@ pub fn faults() -> Faults {
     Faults::default()
 }
 
-/// The tests' lone ledger: `ledger --listen 127.0.0.1:0` with fault injection, the
-/// retry-mode override and a 60-connection pool, then `extra`.
-fn ledger_args(extra: &[&str]) -> Vec<String> {
-    let mut list = args(&[
-        "ledger",
-        "--listen",
-        "127.0.0.1:0",
-        "--fault-injection",
-        "--allow-retry-mode-override",
-    ]);
-    if !extra.contains(&"--db-pool-size") {
-        list.extend(args(&["--db-pool-size", "60"]));
-    }
-    list.extend(args(extra));
-    list
+/// The tests' lone ledger on the database at `url`: listening on 127.0.0.1 port 0, with
+/// fault injection, the retry-mode override and a 60-connection pool, then `configure`d.
+fn lone_ledger(url: &str, configure: impl FnOnce(&mut LedgerArgs)) -> ServiceCommand {
+    let mut command = ServiceCommand::defaults("ledger", url).unwrap();
+    let ServiceCommand::Ledger(ledger) = &mut command else {
+        unreachable!("the defaults of a ledger are a ledger's")
+    };
+    ledger.service.listen = Some("127.0.0.1:0".parse().unwrap());
+    ledger.service.fault_injection = true;
+    ledger.service.allow_retry_mode_override = true;
+    ledger.db_pool_size = 60;
+    configure(ledger);
+    command
 }
 
 /// The tests' lone ledger in this runtime, on a database of its own (its URL returned).
-pub async fn start_ledger(extra: &[&str]) -> (InProcessService, String) {
+pub async fn start_ledger(configure: impl FnOnce(&mut LedgerArgs)) -> (InProcessService, String) {
     let url = database().await;
-    let mut list = ledger_args(extra);
-    list.extend(["--database-url".to_owned(), url.clone()]);
-    (InProcessService::start("ledger", &list).await.unwrap(), url)
+    let command = lone_ledger(&url, configure);
+    (
+        InProcessService::start("ledger", command).await.unwrap(),
+        url,
+    )
 }
 
 /// The tests' lone ledger as a process on the database at `url` (to be signalled).
-pub async fn spawn_ledger_on(url: &str, extra: &[&str]) -> ChildService {
-    start_process("ledger", ledger_args(extra), &[("DATABASE_URL", url)]).await
-}
-
-/// `retrychain <args>` as a child process with `env`, its log captured.
-async fn start_process(name: &str, args: Vec<String>, env: &[(&str, &str)]) -> ChildService {
+pub async fn spawn_ledger_on(url: &str) -> ChildService {
     let launch = Launch {
         program: Some(BIN.into()),
-        args,
-        env: env
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-            .collect(),
+        args: lone_ledger(url, |_| {}).to_args(),
+        env: vec![("DATABASE_URL".to_owned(), url.to_owned())],
         logs: Logs::Capture,
     };
-    ChildService::start(name, launch).await.unwrap()
+    ChildService::start("ledger", launch).await.unwrap()
 }
 
 /// Row counts of the ledger's three tables: (accounts, charges, keys).

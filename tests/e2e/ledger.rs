@@ -1,17 +1,13 @@
 //! The ledger on its own, through its gRPC port, on real Postgres: exactly-once charges
 //! under lost replies, duplicates, races, bad input and retention.
 
-#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
-
-mod support;
-
 use std::time::{Duration, Instant};
 
+use crate::support::*;
 use retrychain_proto::v1::{
     ChargeReply, Faults, GetAccountRequest, GetStatsRequest, control_client::ControlClient,
     payments_client::PaymentsClient,
 };
-use support::*;
 use tonic::{Code, transport::Channel};
 
 const T: Duration = Duration::from_secs(10);
@@ -23,8 +19,8 @@ struct Ledger {
     control: ControlClient<Channel>,
 }
 
-async fn ledger(extra: &[&str]) -> Ledger {
-    let (service, url) = start_ledger(extra).await;
+async fn ledger(configure: impl FnOnce(&mut LedgerArgs)) -> Ledger {
+    let (service, url) = start_ledger(configure).await;
     Ledger {
         payments: PaymentsClient::new(connect(&service.addr.url).await),
         control: ControlClient::new(connect(&service.addr.admin_url).await),
@@ -101,7 +97,7 @@ impl Ledger {
 
 #[tokio::test]
 async fn a_lost_reply_retried_with_the_same_key_charges_once() {
-    let l = ledger(&[]).await;
+    let l = ledger(|_| {}).await;
     let key = new_key();
     l.faults(losing_replies(1.0)).await;
 
@@ -128,7 +124,7 @@ async fn a_lost_reply_retried_with_the_same_key_charges_once() {
 
 #[tokio::test]
 async fn a_lost_reply_retried_with_a_fresh_key_charges_twice() {
-    let l = ledger(&[]).await;
+    let l = ledger(|_| {}).await;
     l.faults(losing_replies(1.0)).await;
     let lost = l.charge("bob", 500, Some(&new_key())).await;
     assert_eq!(lost.expect_err("reply dropped").code(), Code::Unavailable);
@@ -141,7 +137,7 @@ async fn a_lost_reply_retried_with_a_fresh_key_charges_twice() {
 
 #[tokio::test]
 async fn the_same_key_with_another_amount_is_refused_and_changes_nothing() {
-    let l = ledger(&[]).await;
+    let l = ledger(|_| {}).await;
     let key = new_key();
     l.charge("carol", 500, Some(&key)).await.expect("first");
     let status = l
@@ -162,7 +158,7 @@ async fn the_same_key_with_another_amount_is_refused_and_changes_nothing() {
 
 #[tokio::test]
 async fn concurrent_requests_with_one_key_execute_once() {
-    let l = ledger(&[]).await;
+    let l = ledger(|_| {}).await;
     l.faults(delayed(200)).await;
     let key = new_key();
     let (c1, c2) = (l.payments.clone(), l.payments.clone());
@@ -200,7 +196,7 @@ async fn concurrent_requests_with_one_key_execute_once() {
 
 #[tokio::test]
 async fn in_flight_reject_answers_aborted_while_the_first_commits() {
-    let l = ledger(&["--in-flight", "reject"]).await;
+    let l = ledger(|l| l.in_flight = InFlightArg::Reject).await;
     l.faults(delayed(500)).await;
     let key = new_key();
     let first = l.spawn_charge("frank", &key);
@@ -215,7 +211,7 @@ async fn in_flight_reject_answers_aborted_while_the_first_commits() {
 
 #[tokio::test]
 async fn in_flight_wait_is_bounded_by_the_waiters_deadline() {
-    let l = ledger(&[]).await;
+    let l = ledger(|_| {}).await;
     l.faults(delayed(2000)).await;
     let key = new_key();
     let first = l.spawn_charge("gina", &key);
@@ -233,7 +229,7 @@ async fn in_flight_wait_is_bounded_by_the_waiters_deadline() {
 
 #[tokio::test]
 async fn keys_are_scoped_per_account() {
-    let l = ledger(&[]).await;
+    let l = ledger(|_| {}).await;
     let key = new_key();
     let a = l.charge("henry", 500, Some(&key)).await.unwrap();
     let b = l.charge("irene", 500, Some(&key)).await.unwrap();
@@ -244,7 +240,7 @@ async fn keys_are_scoped_per_account() {
 
 #[tokio::test]
 async fn bad_input_is_invalid_argument_and_writes_nothing() {
-    let l = ledger(&[]).await;
+    let l = ledger(|_| {}).await;
     let long_key = "k".repeat(256);
     let long_account = "a".repeat(65);
     let cases: Vec<(&str, tonic::Request<_>)> = vec![
@@ -299,7 +295,11 @@ async fn bad_input_is_invalid_argument_and_writes_nothing() {
 
 #[tokio::test]
 async fn a_failing_processor_commits_nothing_and_retries_only_in_every_layer_mode() {
-    let l = ledger(&["--backoff-base-ms", "1", "--backoff-cap-ms", "5"]).await;
+    let l = ledger(|l| {
+        l.service.backoff_base_ms = 1;
+        l.service.backoff_cap_ms = 5;
+    })
+    .await;
     l.faults(failing()).await;
     let status = l
         .payments
@@ -336,14 +336,11 @@ async fn a_failing_processor_commits_nothing_and_retries_only_in_every_layer_mod
 
 #[tokio::test]
 async fn a_key_past_retention_is_purged_and_charges_anew() {
-    let l = ledger(&[
-        "--key-retention",
-        "1s",
-        "--max-deadline-ms",
-        "1000",
-        "--default-deadline-ms",
-        "1000",
-    ])
+    let l = ledger(|l| {
+        l.key_retention = Duration::from_secs(1);
+        l.service.max_deadline_ms = 1000;
+        l.service.default_deadline_ms = 1000;
+    })
     .await;
     let key = new_key();
     l.charge("liam", 500, Some(&key)).await.expect("first");
@@ -368,7 +365,7 @@ async fn a_key_past_retention_is_purged_and_charges_anew() {
 
 #[tokio::test]
 async fn the_longest_grpc_timeout_is_served_and_breaks_nothing() {
-    let l = ledger(&[]).await;
+    let l = ledger(|_| {}).await;
     for i in 0..40 {
         let reply = l
             .payments
@@ -389,8 +386,9 @@ async fn the_longest_grpc_timeout_is_served_and_breaks_nothing() {
 #[tokio::test]
 async fn set_faults_needs_fault_injection() {
     let url = database().await;
-    let flags = args(&["ledger", "--listen", "127.0.0.1:0", "--database-url", &url]);
-    let service = InProcessService::start("ledger", &flags).await.unwrap();
+    let mut command = ServiceCommand::defaults("ledger", &url).unwrap();
+    command.service_mut().listen = Some("127.0.0.1:0".parse().unwrap());
+    let service = InProcessService::start("ledger", command).await.unwrap();
     let mut control = ControlClient::new(connect(&service.addr.admin_url).await);
     let status = control.set_faults(failing()).await.expect_err("refused");
     assert_eq!(status.code(), Code::PermissionDenied);

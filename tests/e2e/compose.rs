@@ -2,8 +2,6 @@
 //! `docker-compose config` (no engine needed). `scripts/compose-test` runs the core profile
 //! for real; the observability profile's images cannot be had here, so it is checked only.
 
-#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
-
 use std::process::Command;
 
 /// `docker-compose config` with `env` (and a database password unless `env` names one).

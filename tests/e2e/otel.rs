@@ -4,16 +4,13 @@
 //! through each hop's attempt spans, and the amplification visible as spans: 243
 //! processor calls in one trace in every-layer mode, 3 in edge-only.
 
-#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
-
-mod support;
-
 use std::{
     collections::HashMap,
     sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
+use crate::support::*;
 use opentelemetry_proto::tonic::{
     collector::trace::v1::{
         ExportTraceServiceRequest, ExportTraceServiceResponse,
@@ -22,7 +19,6 @@ use opentelemetry_proto::tonic::{
     common::v1::any_value::Value,
     trace::v1::span::SpanKind,
 };
-use support::*;
 use tonic::{Request, Response, Status};
 
 /// One span as the collector received it.
@@ -130,13 +126,11 @@ impl Collector {
 
 /// A chain exporting to `endpoint`.
 async fn traced_chain(endpoint: &str) -> Chain {
-    let options = Options {
-        env: vec![
-            ("OTEL_EXPORTER_OTLP_ENDPOINT".into(), endpoint.into()),
-            ("OTEL_BSP_SCHEDULE_DELAY".into(), "50".into()),
-        ],
-        ..Options::processes()
-    };
+    let mut options = Options::processes();
+    options.spec.env = vec![
+        ("OTEL_EXPORTER_OTLP_ENDPOINT".into(), endpoint.into()),
+        ("OTEL_BSP_SCHEDULE_DELAY".into(), "50".into()),
+    ];
     Chain::spawn(options).await
 }
 
