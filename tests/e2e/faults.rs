@@ -459,20 +459,6 @@ async fn up_finds_postgres_off_path_and_restarts_a_killed_ledger() {
     assert!(status.success(), "up stops cleanly on SIGTERM: {status}");
 }
 
-/// A child process that does not outlive a failed test.
-struct KillOnDrop(std::process::Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        if let Ok(None) = self.0.try_wait() {
-            let _ = Command::new("kill")
-                .args(["-TERM", &self.0.id().to_string()])
-                .status();
-            let _ = self.0.wait();
-        }
-    }
-}
-
 fn pid_of(line: &str) -> u32 {
     line.split("pid ")
         .nth(1)
@@ -481,21 +467,6 @@ fn pid_of(line: &str) -> u32 {
         .trim()
         .parse()
         .unwrap()
-}
-
-/// Five consecutive free ports whose admin ports (+1000) are free too.
-fn free_base_port() -> u16 {
-    'next: for base in (42000..60000u16).step_by(10) {
-        let mut held = Vec::new();
-        for port in (base..base + 5).chain(base + 1000..base + 1005) {
-            match std::net::TcpListener::bind(("127.0.0.1", port)) {
-                Ok(listener) => held.push(listener),
-                Err(_) => continue 'next,
-            }
-        }
-        return base;
-    }
-    panic!("no free ports")
 }
 
 #[tokio::test]
@@ -1330,7 +1301,6 @@ async fn grpc_status_of(response: h2::client::ResponseFuture) -> String {
 // Multi-threaded: the test reads a process's memory while its load goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn protocol_abuse_gets_grpc_statuses_while_others_are_served() {
-    let _one = ONE_AT_A_TIME.lock().await;
     let mut options = Options::processes();
     options.spec.edge().service.default_deadline_ms = 3000;
     let chain = Chain::spawn(options).await;
@@ -1532,7 +1502,6 @@ async fn protocol_abuse_gets_grpc_statuses_while_others_are_served() {
 // Multi-threaded: the test waits for processes while the load goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_draining_ledger_never_makes_a_caller_see_cancelled() {
-    let _one = ONE_AT_A_TIME.lock().await;
     let mut chain = Chain::spawn(Options::processes()).await;
     let url = chain.database_url.clone().unwrap();
     let load = Load::start(&chain.addrs[EDGE], 16);

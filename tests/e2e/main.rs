@@ -19,6 +19,7 @@ mod faults;
 mod grpcio;
 mod grpcurl;
 mod ledger;
+mod logs;
 mod metrics;
 mod otel;
 mod service_config;

@@ -518,3 +518,32 @@ pub fn parse_flags<A: clap::Args>(argv: &[String]) -> A {
         .unwrap_or_else(|e| panic!("{e}"))
         .args
 }
+
+/// A child process that does not outlive a failed test.
+pub struct KillOnDrop(pub std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = std::process::Command::new("kill")
+                .args(["-TERM", &self.0.id().to_string()])
+                .status();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+/// Five consecutive free ports whose admin ports (+1000) are free too.
+pub fn free_base_port() -> u16 {
+    'next: for base in (42000..60000u16).step_by(10) {
+        let mut held = Vec::new();
+        for port in (base..base + 5).chain(base + 1000..base + 1005) {
+            match std::net::TcpListener::bind(("127.0.0.1", port)) {
+                Ok(listener) => held.push(listener),
+                Err(_) => continue 'next,
+            }
+        }
+        return base;
+    }
+    panic!("no free ports")
+}

@@ -2,18 +2,31 @@
 //!
 //! Starts a throwaway Postgres unless `DATABASE_URL` is set, then the five services as child
 //! processes of this binary, bottom-up, each waiting for the one below to report SERVING.
-//! Their logs are interleaved on stdout, each line prefixed by its service. A service that
+//! Their logs are interleaved on stdout, each line prefixed by its service — or, with
+//! `--log-format json`, as they are (each line a JSON object naming its service), with
+//! everything `up` says itself on stderr, so that `up --log-format json | jq` reads every
+//! line of stdout. A service that
 //! exits (a crash, a kill) is started again on the same ports while the others go on
 //! serving. Ctrl-C (or SIGTERM) stops them all and removes the throwaway cluster.
 
 use retrychain_harness::{ChainSpec, LocalChain, Logs};
+use retrychain_serve::args::LogFormatArg;
 
 use crate::config::UpArgs;
 
 /// Runs the chain until Ctrl-C or SIGTERM, restarting services that exit.
 pub async fn run(args: UpArgs) -> anyhow::Result<()> {
+    let json = args.log_format == LogFormatArg::Json;
+    // What `up` says itself: beside the prefixed logs, or out of JSON's way on stderr.
+    let say = |line: &str| {
+        if json {
+            eprintln!("{line}");
+        } else {
+            println!("{line}");
+        }
+    };
     if args.database_url.is_none() {
-        println!("starting a throwaway Postgres (set DATABASE_URL to use your own)…");
+        say("starting a throwaway Postgres (set DATABASE_URL to use your own)…");
     }
     // Listen for Ctrl-C and SIGTERM from the start: a signal while the chain is starting
     // must still stop what was started.
@@ -22,7 +35,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let spec = ChainSpec {
         database_url: args.database_url.clone(),
         base_port: args.base_port,
-        logs: Logs::Prefixed,
+        logs: if json { Logs::Raw } else { Logs::Prefixed },
         ..ChainSpec::default()
     }
     .each(|service| {
@@ -33,27 +46,30 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let mut chain = tokio::select! {
         chain = starting => chain?,
         _ = &mut interrupted => {
-            println!("interrupted while starting; stopped what had started");
+            say("interrupted while starting; stopped what had started");
             return Ok(());
         }
     };
     if let Some(port) = chain.postgres_port() {
-        println!("postgres | throwaway cluster on 127.0.0.1:{port} (removed on exit)");
+        say(&format!(
+            "postgres | throwaway cluster on 127.0.0.1:{port} (removed on exit)"
+        ));
     }
-    print_hints(args.base_port);
+    say(&hints(args.base_port));
     tokio::select! {
         _ = &mut interrupted => {}
         _ = chain.supervise() => {}
     }
-    println!("stopping the chain…");
+    say("stopping the chain…");
     chain.stop().await;
     Ok(())
 }
 
-fn print_hints(base: u16) {
+/// What to try once the chain is up.
+fn hints(base: u16) -> String {
     let edge = format!("localhost:{base}");
     let ledger = format!("localhost:{}", base + 1004);
-    println!(
+    format!(
         r#"
 retrychain is up: edge :{base} -> hop2 :{} -> hop3 :{} -> hop4 :{} -> ledger :{}
 Control (admin ports, this machine only): edge :{} … ledger :{}
@@ -72,5 +88,5 @@ Ctrl-C stops everything.
         base + 4,
         base + 1000,
         base + 1004,
-    );
+    )
 }

@@ -16,7 +16,7 @@ use retrychain_serve::{
 use crate::{
     addr::{ChainAddrs, NAMES, ServiceAddr, connect, wait_serving},
     in_process::InProcessService,
-    process::{ChildService, Launch, Logs, say},
+    process::{ChildService, Launch, Logs, announce},
 };
 
 /// How to start a chain: each service's typed settings — the very values `retrychain
@@ -189,6 +189,8 @@ pub struct LocalChain {
     cluster: Option<tempgres::TempCluster>,
     /// Edge first, ledger last.
     pub services: Vec<ChildService>,
+    /// Where the services' logs go, and so what the chain says itself.
+    logs: Logs,
 }
 
 impl LocalChain {
@@ -199,6 +201,7 @@ impl LocalChain {
         let mut chain = LocalChain {
             cluster,
             services: Vec::new(),
+            logs: spec.logs,
         };
         let mut downstream = String::new();
         for i in (0..NAMES.len()).rev() {
@@ -258,14 +261,19 @@ impl LocalChain {
                 waits[i] = FIRST;
             }
             let name = self.services[i].name.clone();
-            say(
+            announce(
+                self.logs,
                 "up",
                 &format!("{name} exited ({status}); restarting in {:?}", waits[i]),
             );
             tokio::time::sleep(waits[i]).await;
             match self.services[i].restart().await {
-                Ok(()) => say("up", &format!("{name} restarted")),
-                Err(error) => say("up", &format!("{name} did not restart: {error:#}")),
+                Ok(()) => announce(self.logs, "up", &format!("{name} restarted")),
+                Err(error) => announce(
+                    self.logs,
+                    "up",
+                    &format!("{name} did not restart: {error:#}"),
+                ),
             }
             started[i] = tokio::time::Instant::now();
             waits[i] = (waits[i] * 2).min(LONGEST);

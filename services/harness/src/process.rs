@@ -24,6 +24,10 @@ use crate::addr::ServiceAddr;
 pub enum Logs {
     /// To our stdout, each line prefixed by the service's name.
     Prefixed,
+    /// The service's standard output to ours as it is (its lines name their service
+    /// themselves: JSON logs, one object per line, for `jq`); everything else — its
+    /// standard error, what the harness says — to our standard error, prefixed.
+    Raw,
     /// Kept, for [`ChildService::log`], and printed on our stderr when the service is
     /// dropped while its thread panics, or with `TEST_LOG` set (a failing test shows what
     /// its services said).
@@ -197,10 +201,12 @@ async fn spawn(
         .spawn()
         .with_context(|| format!("starting {name}"))?;
     let (tx, rx) = oneshot::channel();
-    let follow = |listening| Follow {
+    let follow = |listening: Option<_>| Follow {
         name: name.to_owned(),
         logs: launch.logs,
         log: Arc::clone(log),
+        // The ready line comes on standard error, which is followed with a sender.
+        standard_error: listening.is_some(),
         listening,
     };
     // Each stream is read on a thread of its own, not a task: a child must never stall on
@@ -235,17 +241,16 @@ async fn spawn(
             );
         }
     };
-    if launch.logs == Logs::Prefixed {
-        say(
-            name,
-            &format!(
-                "started, pid {}, on {} (admin {})",
-                child.id().unwrap_or_default(),
-                ready.public,
-                ready.admin
-            ),
-        );
-    }
+    announce(
+        launch.logs,
+        name,
+        &format!(
+            "started, pid {}, on {} (admin {})",
+            child.id().unwrap_or_default(),
+            ready.public,
+            ready.admin
+        ),
+    );
     Ok((child, ServiceAddr::from(&ready)))
 }
 
@@ -255,6 +260,8 @@ struct Follow {
     name: String,
     logs: Logs,
     log: Arc<Mutex<String>>,
+    /// Whether this is the child's standard error (else its standard output).
+    standard_error: bool,
     listening: Option<oneshot::Sender<ReadyAddrs>>,
 }
 
@@ -270,6 +277,11 @@ impl Follow {
             }
             match self.logs {
                 Logs::Prefixed => say(&self.name, &line),
+                Logs::Raw if self.standard_error => complain(&self.name, &line),
+                Logs::Raw => {
+                    use std::io::Write;
+                    let _ = writeln!(std::io::stdout().lock(), "{line}");
+                }
                 Logs::Capture => {
                     if let Ok(mut log) = self.log.lock() {
                         log.push_str(&line);
@@ -287,4 +299,20 @@ impl Follow {
 pub(crate) fn say(who: &str, line: &str) {
     use std::io::Write;
     let _ = writeln!(std::io::stdout().lock(), "{who:>6} | {line}");
+}
+
+/// One line on stderr, prefixed by who says it (dropped if stderr is closed).
+fn complain(who: &str, line: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr().lock(), "{who:>6} | {line}");
+}
+
+/// What the harness itself says about a chain with `logs`: beside the services' lines
+/// when they are prefixed, on stderr when stdout is theirs alone, nowhere otherwise.
+pub(crate) fn announce(logs: Logs, who: &str, line: &str) {
+    match logs {
+        Logs::Prefixed => say(who, line),
+        Logs::Raw => complain(who, line),
+        Logs::Capture | Logs::Discard => {}
+    }
 }

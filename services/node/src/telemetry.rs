@@ -33,7 +33,9 @@ use tracing_subscriber::{EnvFilter, Layer, layer::SubscriberExt, util::Subscribe
 pub enum LogFormat {
     /// Human-readable lines with span fields.
     Text,
-    /// One JSON object per line, with the current span's fields.
+    /// One JSON object per line, flat: the service, the level, the message, the event's
+    /// fields and those of the spans it is in (a request's trace id and key among them),
+    /// as top-level keys, for `jq`.
     Json,
 }
 
@@ -79,9 +81,10 @@ pub fn init(format: LogFormat, service: &str) -> Telemetry {
             .fmt_fields(WithoutOtelFields)
             .boxed(),
         LogFormat::Json => fmt
-            .json()
-            .with_current_span(true)
-            .with_span_list(false)
+            .event_format(JsonLines {
+                service: service.to_owned(),
+            })
+            .fmt_fields(tracing_subscriber::fmt::format::JsonFields::new())
             .boxed(),
     };
     let provider = otlp_requested().then(|| tracer_provider(service)).flatten();
@@ -100,6 +103,102 @@ pub fn init(format: LogFormat, service: &str) -> Telemetry {
     }
     Telemetry {
         provider: if installed { provider } else { None },
+    }
+}
+
+/// The JSON log line: one flat object per event — `timestamp`, `level`, `service`,
+/// `message`, then the fields of the spans the event is in (outermost first, an inner
+/// span's field replacing an outer one's) and the event's own. Numbers stay numbers (a
+/// duration in ms rounded to the microsecond), and the `otel.*` fields, which only steer
+/// the OpenTelemetry layer, are left out. tracing-subscriber's own JSON nests span fields
+/// under `span`, where `jq .trace_id` does not find them.
+#[derive(Debug, Clone)]
+struct JsonLines {
+    /// Whose log this is, on every line (a request's span names it too).
+    service: String,
+}
+
+impl<S, N> tracing_subscriber::fmt::FormatEvent<S, N> for JsonLines
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    N: for<'a> tracing_subscriber::fmt::FormatFields<'a> + 'static,
+{
+    fn format_event(
+        &self,
+        ctx: &tracing_subscriber::fmt::FmtContext<'_, S, N>,
+        mut writer: tracing_subscriber::fmt::format::Writer<'_>,
+        event: &tracing::Event<'_>,
+    ) -> std::fmt::Result {
+        use serde_json::Value;
+        use tracing_subscriber::fmt::time::FormatTime;
+        let mut line = serde_json::Map::new();
+        let mut timestamp = String::new();
+        tracing_subscriber::fmt::time::SystemTime.format_time(
+            &mut tracing_subscriber::fmt::format::Writer::new(&mut timestamp),
+        )?;
+        line.insert("timestamp".into(), Value::String(timestamp));
+        line.insert(
+            "level".into(),
+            Value::String(event.metadata().level().as_str().to_owned()),
+        );
+        line.insert("service".into(), Value::String(self.service.clone()));
+        if let Some(scope) = ctx.event_scope() {
+            for span in scope.from_root() {
+                let extensions = span.extensions();
+                let Some(fields) = extensions.get::<tracing_subscriber::fmt::FormattedFields<N>>()
+                else {
+                    continue;
+                };
+                if let Ok(Value::Object(fields)) = serde_json::from_str::<Value>(fields) {
+                    for (name, value) in fields {
+                        if !name.starts_with("otel.") {
+                            line.insert(name, value);
+                        }
+                    }
+                }
+            }
+        }
+        event.record(&mut JsonFieldsOf(&mut line));
+        writeln!(writer, "{}", Value::Object(line))
+    }
+}
+
+/// Records an event's fields into a JSON object, as JSON numbers, booleans and strings.
+struct JsonFieldsOf<'a>(&'a mut serde_json::Map<String, serde_json::Value>);
+
+impl tracing::field::Visit for JsonFieldsOf<'_> {
+    fn record_f64(&mut self, field: &tracing::field::Field, value: f64) {
+        // Milliseconds to the microsecond: the rest is noise, and long in every line.
+        let value = if field.name().ends_with("_ms") {
+            (value * 1e3).round() / 1e3
+        } else {
+            value
+        };
+        self.0
+            .insert(field.name().to_owned(), serde_json::json!(value));
+    }
+
+    fn record_i64(&mut self, field: &tracing::field::Field, value: i64) {
+        self.0.insert(field.name().to_owned(), value.into());
+    }
+
+    fn record_u64(&mut self, field: &tracing::field::Field, value: u64) {
+        self.0.insert(field.name().to_owned(), value.into());
+    }
+
+    fn record_bool(&mut self, field: &tracing::field::Field, value: bool) {
+        self.0.insert(field.name().to_owned(), value.into());
+    }
+
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        self.0.insert(field.name().to_owned(), value.into());
+    }
+
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        if !field.name().starts_with("otel.") {
+            self.0
+                .insert(field.name().to_owned(), format!("{value:?}").into());
+        }
     }
 }
 
