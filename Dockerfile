@@ -21,7 +21,8 @@ COPY services/bench/Cargo.toml services/bench/
 COPY services/serve/Cargo.toml services/serve/
 COPY services/harness/Cargo.toml services/harness/
 COPY services/experiments/Cargo.toml services/experiments/
-RUN for crate in proto resilience tempgres node hop ledger bench serve harness experiments cli; do \
+COPY services/top/Cargo.toml services/top/
+RUN for crate in proto resilience tempgres node hop ledger bench serve harness experiments top cli; do \
       mkdir -p services/$crate/src && touch services/$crate/src/lib.rs; \
     done \
  && mkdir -p services/bench/src/bin \
