@@ -239,7 +239,12 @@ impl Hop {
             if self.role == Role::Edge {
                 scope.echo_key(key);
             }
-            if let Ok(value) = MetadataValue::try_from(key.as_str()) {
+            // The caller's value as it came (a shared buffer, no copy), else the one made here.
+            let value = match incoming.get(IDEMPOTENCY_KEY) {
+                Some(value) => Some(value.clone()),
+                None => MetadataValue::try_from(key.as_str()).ok(),
+            };
+            if let Some(value) = value {
                 outgoing.metadata_mut().insert(IDEMPOTENCY_KEY, value);
             }
         }
@@ -264,7 +269,9 @@ impl Hop {
             RetryMode::EdgeOnly => Plan::EdgeOnly,
         };
         outgoing.extensions_mut().insert(plan);
-        outgoing.extensions_mut().insert(scope.trace.clone());
+        if let Some(traceparent) = scope.trace.traceparent_header() {
+            outgoing.extensions_mut().insert(traceparent);
+        }
         Ok(outgoing)
     }
 }

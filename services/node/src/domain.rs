@@ -131,19 +131,20 @@ impl AccountId {
         if let Some(why) = odd.map(refused_character).find_map(|why| why) {
             return refuse(why);
         }
-        if let Some(why) = confusable_marks(raw).or_else(|| mixed_digits(raw)) {
-            return refuse(why);
-        }
         if raw.starts_with(' ') || raw.ends_with(' ') || raw.contains("  ") {
             return refuse(
                 "must not begin or end with a space, or hold two spaces in a row".into(),
             );
         }
-        if raw.is_ascii() {
-            return Ok(Self(raw.to_owned())); // ASCII is in NFC and of one script
-        }
-        if let Some(why) = not_nfc(raw).or_else(|| mixed_scripts(raw)) {
-            return refuse(why);
+        // ASCII has no marks, is in NFC, has one digit system and one script.
+        if !raw.is_ascii() {
+            let why = confusable_marks(raw)
+                .or_else(|| mixed_digits(raw))
+                .or_else(|| not_nfc(raw))
+                .or_else(|| mixed_scripts(raw));
+            if let Some(why) = why {
+                return refuse(why);
+            }
         }
         Ok(Self(raw.to_owned()))
     }

@@ -14,7 +14,10 @@ use std::{
     io,
     net::SocketAddr,
     pin::Pin,
-    sync::Arc,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
     task::{Context, Poll},
     time::Duration,
 };
@@ -275,12 +278,13 @@ impl MetadataLimit {
 
 /// Answers RESOURCE_EXHAUSTED at once when `max` requests are already being served (over
 /// all connections), instead of queueing: the caller's retry policy, with its backoff,
-/// decides what to do, and the memory unfinished requests can hold stays bounded.
+/// decides what to do, and the memory unfinished requests can hold stays bounded. A count
+/// in an atomic: every request passes here, and a semaphore's release takes a lock.
 #[derive(Debug, Clone)]
 pub struct InFlightLimitLayer {
-    /// One permit per request being served.
-    permits: Arc<Semaphore>,
-    /// The limit, for the message.
+    /// Requests being served now.
+    serving: Arc<AtomicUsize>,
+    /// The limit.
     max: usize,
 }
 
@@ -288,7 +292,7 @@ impl InFlightLimitLayer {
     /// At most `max` requests at once.
     pub fn new(max: usize) -> Self {
         Self {
-            permits: Arc::new(Semaphore::new(max)),
+            serving: Arc::new(AtomicUsize::new(0)),
             max,
         }
     }
@@ -310,17 +314,27 @@ impl<S> tower::Layer<S> for InFlightLimitLayer {
 pub struct InFlightLimit<S> {
     /// The server's services.
     inner: S,
-    /// Permits and limit.
+    /// Count and limit.
     layer: InFlightLimitLayer,
 }
 
+/// One request's place under the limit, given back when its answer is done (or dropped).
+#[derive(Debug)]
+pub struct Serving(Arc<AtomicUsize>);
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 pin_project_lite::pin_project! {
-    /// The future of [`InFlightLimit`]: the request served while holding its permit, or
+    /// The future of [`InFlightLimit`]: the request served while holding its place, or
     /// its refusal.
     #[project = InFlightProj]
     #[allow(missing_docs)] // described above; the macro takes no field docs
     pub enum InFlightFuture<F> {
-        Serving { #[pin] future: F, permit: OwnedSemaphorePermit },
+        Serving { #[pin] future: F, serving: Serving },
         Refused { status: Option<Status> },
     }
 }
@@ -357,17 +371,19 @@ where
     }
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
-        match Arc::clone(&self.layer.permits).try_acquire_owned() {
-            Ok(permit) => InFlightFuture::Serving {
-                future: self.inner.call(request),
-                permit,
-            },
-            Err(_) => InFlightFuture::Refused {
+        let serving = Serving(Arc::clone(&self.layer.serving));
+        if serving.0.fetch_add(1, Ordering::AcqRel) >= self.layer.max {
+            drop(serving);
+            return InFlightFuture::Refused {
                 status: Some(Status::resource_exhausted(format!(
                     "this service is serving {} requests, its limit; retry after a backoff",
                     self.layer.max
                 ))),
-            },
+            };
+        }
+        InFlightFuture::Serving {
+            future: self.inner.call(request),
+            serving,
         }
     }
 }

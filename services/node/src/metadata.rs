@@ -81,6 +81,12 @@ pub fn retry_mode(metadata: &MetadataMap) -> Result<Option<RetryMode>, Status> {
         .transpose()
 }
 
+/// This hop's `traceparent`, formatted once per request for the calls it makes (each
+/// attempt's request carries a cheap clone): the value the trace layer writes on the wire
+/// when it is not exporting spans of its own.
+#[derive(Debug, Clone)]
+pub struct TraceParent(pub http::HeaderValue);
+
 /// The part of W3C trace context every hop keeps: the trace id, and this hop's span id,
 /// which becomes the parent of the next hop's.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -107,6 +113,13 @@ impl TraceContext {
     /// The `traceparent` to send downstream: this trace, with this hop as parent.
     pub fn traceparent(&self) -> String {
         format!("00-{}-{}-01", self.trace_id, self.span_id)
+    }
+
+    /// [`TraceContext::traceparent`] as the header value the calls of this hop carry.
+    pub fn traceparent_header(&self) -> Option<TraceParent> {
+        http::HeaderValue::try_from(self.traceparent())
+            .ok()
+            .map(TraceParent)
     }
 }
 

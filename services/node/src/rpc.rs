@@ -57,6 +57,9 @@ impl RpcScope {
         request: &Request<T>,
     ) -> Self {
         Counters::bump(&node.counters.requests_received);
+        // This scope answers at `answer_by` itself (`run`): the server's deadline layer
+        // need not keep a timer of its own for this request.
+        IncomingDeadline::guarded();
         let incoming = request
             .extensions()
             .get::<IncomingDeadline>()

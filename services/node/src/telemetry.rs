@@ -327,7 +327,8 @@ pub fn continue_trace(span: &Span, metadata: &MetadataMap) -> Option<String> {
 /// The client layer that writes each outgoing call's trace context — the one place it
 /// reaches the wire. Exporting, it is the current span's (placed below a retry layer, each
 /// attempt's span is the parent of the server's); otherwise the [`TraceContext`] the
-/// handler put in the call's extensions (this hop as the next one's parent).
+/// handler put in the call's extensions (this hop as the next one's parent), as a
+/// [`TraceParent`](crate::metadata::TraceParent).
 ///
 /// [`TraceContext`]: crate::TraceContext
 #[derive(Debug, Clone, Copy, Default)]
@@ -373,8 +374,8 @@ where
             _ => {
                 let traceparent = request
                     .extensions()
-                    .get::<crate::TraceContext>()
-                    .and_then(|trace| http::HeaderValue::try_from(trace.traceparent()).ok());
+                    .get::<crate::metadata::TraceParent>()
+                    .map(|value| value.0.clone());
                 if let Some(traceparent) = traceparent {
                     request
                         .headers_mut()

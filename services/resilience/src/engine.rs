@@ -159,8 +159,9 @@ impl Call<'_> {
         attempts: &mut A,
         attempt: &Attempt,
     ) -> (A::Answer, tracing::Span) {
-        self.settings.observer.attempt(self.path, &attempt.info());
-        let span = attempt_span(attempt);
+        let info = attempt.info();
+        self.settings.observer.attempt(self.path, &info);
+        let span = attempt_span(attempt, info.timeout);
         let sent = attempts.send(attempt).instrument(span.clone());
         let answer = match self.deadline {
             Some(deadline) => match tokio::time::timeout_at(deadline, sent).await {
@@ -230,14 +231,14 @@ impl Call<'_> {
 
 /// The span of one attempt: a client span in a trace, the parent of the server's (layers
 /// below inject it into the request when exporting).
-pub(crate) fn attempt_span(attempt: &Attempt) -> tracing::Span {
+pub(crate) fn attempt_span(attempt: &Attempt, time_left: Option<Duration>) -> tracing::Span {
     tracing::info_span!(
         "attempt",
         otel.kind = "client",
         otel.status_code = tracing::field::Empty,
         attempt = attempt.number,
         retry_of = attempt.retry_of.map(wire::code_name),
-        timeout_ms = attempt.time_left().map(|left| left.as_millis() as u64),
+        timeout_ms = time_left.map(|left| left.as_millis() as u64),
         outcome = tracing::field::Empty,
     )
 }

@@ -254,8 +254,9 @@ fn send<A: Attempts>(
     attempts: &mut A,
     attempt: Attempt,
 ) -> impl Future<Output = (Attempt, tracing::Span, A::Answer)> + Send + use<A> {
-    call.settings.observer.attempt(call.path, &attempt.info());
-    let span = crate::engine::attempt_span(&attempt);
+    let info = attempt.info();
+    call.settings.observer.attempt(call.path, &info);
+    let span = crate::engine::attempt_span(&attempt, info.timeout);
     let sent = attempts.send(&attempt);
     launched(sent, attempt, span)
 }

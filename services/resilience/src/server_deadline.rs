@@ -16,7 +16,9 @@
 //! open with no deadline at all, and tonic's own timer would answer CANCELLED. It fires
 //! half a reserve after `answer_by` (still before the caller's deadline), so a running
 //! handler, whose guard (`RpcScope::run` in retrychain-node) fires at `answer_by`, answers
-//! first, with its own metadata.
+//! first, with its own metadata. A handler that has a guard says so
+//! ([`IncomingDeadline::guarded`]), and the layer then arms no timer of its own: a request
+//! costs one timer, and only one whose body is late costs two.
 //!
 //! The handler's task also carries the deadline ([`IncomingDeadline::current`]), so a
 //! client layer below the handler ([`PropagateDeadlineLayer`]) hands every downstream call
@@ -27,6 +29,10 @@
 use std::{
     future::Future,
     pin::Pin,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
     task::{Context, Poll},
     time::Duration,
 };
@@ -52,16 +58,35 @@ pub struct IncomingDeadline {
     pub answer_by: Deadline,
 }
 
+/// What the handler's task knows of the request it serves: its deadline, and a flag the
+/// handler raises when it takes over answering at `answer_by` (see [`IncomingDeadline::guarded`]).
+#[derive(Debug, Clone)]
+struct Served {
+    /// The request's deadline.
+    incoming: IncomingDeadline,
+    /// Raised by the handler's guard.
+    guarded: Arc<AtomicBool>,
+}
+
 tokio::task_local! {
-    /// The deadline of the request whose handler runs on this task.
-    static CURRENT: IncomingDeadline;
+    /// The request whose handler runs on this task.
+    static CURRENT: Served;
 }
 
 impl IncomingDeadline {
     /// The deadline of the request being served on this task, if a [`DeadlineLayer`] is
     /// above it: what a client layer reads to propagate it.
     pub fn current() -> Option<IncomingDeadline> {
-        CURRENT.try_with(|incoming| *incoming).ok()
+        CURRENT.try_with(|served| served.incoming).ok()
+    }
+
+    /// Tells the layer that the handler of the request being served on this task answers
+    /// DEADLINE_EXCEEDED itself at `answer_by` (with its own metadata), so that the layer
+    /// need not keep a timer of its own: one timer per request, not two, on the path every
+    /// request takes. The layer's timer is then armed only for a request whose handler has
+    /// not started — a body that has not arrived.
+    pub fn guarded() {
+        let _ = CURRENT.try_with(|served| served.guarded.store(true, Ordering::Relaxed));
     }
 }
 
@@ -146,9 +171,11 @@ pin_project_lite::pin_project! {
     #[allow(missing_docs)] // the variants' fields are described above; the macro takes no field docs
     pub enum ResponseFuture<F, B> {
         Inner {
-            #[pin] future: TaskLocalFuture<IncomingDeadline, F>,
+            #[pin] future: TaskLocalFuture<Served, F>,
             #[pin] answer_by: tokio::time::Sleep,
             timeout: Duration,
+            guarded: Arc<AtomicBool>,
+            armed: bool,
         },
         Refused { response: Option<http::Response<B>> },
     }
@@ -167,10 +194,17 @@ where
                 future,
                 answer_by,
                 timeout,
+                guarded,
+                armed,
             } => {
                 if let Poll::Ready(answer) = future.poll(cx) {
                     return Poll::Ready(answer);
                 }
+                // The handler's guard answers at `answer_by`: no second timer.
+                if !*armed && guarded.load(Ordering::Relaxed) {
+                    return Poll::Pending;
+                }
+                *armed = true;
                 // Dropping the inner future (done by whoever drops this one) stops reading
                 // the request's body.
                 answer_by.poll(cx).map(|()| {
@@ -222,9 +256,16 @@ where
             answer_by: deadline.earlier_by(self.config.reserve),
         };
         request.extensions_mut().insert(incoming);
-        let future = CURRENT.sync_scope(incoming, || self.inner.call(request));
+        let guarded = Arc::new(AtomicBool::new(false));
+        let served = Served {
+            incoming,
+            guarded: Arc::clone(&guarded),
+        };
+        let future = CURRENT.sync_scope(served.clone(), || self.inner.call(request));
         ResponseFuture::Inner {
-            future: CURRENT.scope(incoming, future),
+            future: CURRENT.scope(served, future),
+            guarded,
+            armed: false,
             answer_by: tokio::time::sleep_until(
                 deadline.earlier_by(self.config.reserve / 2).instant(),
             ),
