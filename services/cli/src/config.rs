@@ -4,6 +4,7 @@
 //! from their crate).
 
 use clap::{Args, Parser, Subcommand};
+use retrychain_harness::Postgres;
 use retrychain_node::RetryMode;
 use retrychain_serve::{ServiceCommand, args::LogFormatArg};
 
@@ -43,6 +44,11 @@ pub struct UpArgs {
     /// Postgres URL for the ledger; unset: a throwaway cluster from the binaries on PATH.
     #[arg(long, env = "DATABASE_URL")]
     pub database_url: Option<String>,
+    /// The Postgres started when `DATABASE_URL` is unset: one throwaway cluster, or a
+    /// pg_auto_failover formation (a monitor, a primary, a synchronous standby) to fail
+    /// over while the chain runs.
+    #[arg(long, env = "RETRYCHAIN_POSTGRES", value_enum, default_value_t = Postgres::Single)]
+    pub postgres: Postgres,
     /// The retry mode of all five services.
     #[arg(long, env = "RETRYCHAIN_RETRY_MODE", value_enum, default_value_t = RetryMode::EdgeOnly)]
     pub retry_mode: RetryMode,

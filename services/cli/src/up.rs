@@ -1,6 +1,7 @@
 //! `retrychain up`: the whole chain on this machine, as a playground.
 //!
-//! Starts a throwaway Postgres unless `DATABASE_URL` is set, then the five services as child
+//! Starts a throwaway Postgres unless `DATABASE_URL` is set (with `--postgres ha`, a
+//! pg_auto_failover formation to fail over, its commands printed), then the five services as child
 //! processes of this binary, bottom-up, each waiting for the one below to report SERVING.
 //! Their logs are interleaved on stdout, each line prefixed by its service — or, with
 //! `--log-format json`, as they are (each line a JSON object naming its service), with
@@ -9,7 +10,7 @@
 //! exits (a crash, a kill) is started again on the same ports while the others go on
 //! serving. Ctrl-C (or SIGTERM) stops them all and removes the throwaway cluster.
 
-use retrychain_harness::{ChainSpec, LocalChain, Logs};
+use retrychain_harness::{ChainSpec, LocalChain, Logs, Postgres};
 use retrychain_serve::args::LogFormatArg;
 
 use crate::config::UpArgs;
@@ -26,7 +27,12 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         }
     };
     if args.database_url.is_none() {
-        say("starting a throwaway Postgres (set DATABASE_URL to use your own)…");
+        say(match args.postgres {
+            Postgres::Single => "starting a throwaway Postgres (set DATABASE_URL to use your own)…",
+            Postgres::Ha => {
+                "starting a pg_auto_failover formation: a monitor, a primary and a synchronous standby…"
+            }
+        });
     }
     // Listen for Ctrl-C and SIGTERM from the start: a signal while the chain is starting
     // must still stop what was started.
@@ -34,6 +40,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     tokio::pin!(interrupted);
     let spec = ChainSpec {
         database_url: args.database_url.clone(),
+        postgres: args.postgres,
         base_port: args.base_port,
         logs: if json { Logs::Raw } else { Logs::Prefixed },
         ..ChainSpec::default()
@@ -50,10 +57,8 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             return Ok(());
         }
     };
-    if let Some(port) = chain.postgres_port() {
-        say(&format!(
-            "postgres | throwaway cluster on 127.0.0.1:{port} (removed on exit)"
-        ));
+    if let Some(database) = chain.own_database() {
+        say(&format!("postgres | {}", database.describe()));
     }
     say(&hints(args.base_port));
     tokio::select! {

@@ -5,8 +5,6 @@
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
-use anyhow::Context;
-
 use retrychain_proto::v1::{Faults, control_client::ControlClient};
 use retrychain_serve::{
     ServiceCommand,
@@ -15,6 +13,7 @@ use retrychain_serve::{
 
 use crate::{
     addr::{ChainAddrs, NAMES, ServiceAddr, connect, wait_serving},
+    database::{OwnDatabase, Postgres},
     in_process::InProcessService,
     process::{ChildService, Launch, Logs, announce},
 };
@@ -25,8 +24,10 @@ use crate::{
 /// child process gets them as a command line ([`ServiceCommand::to_args`]).
 #[derive(Debug, Clone)]
 pub struct ChainSpec {
-    /// Postgres URL; `None` starts a throwaway cluster for the chain.
+    /// Postgres URL; `None` starts a database for the chain, of the kind `postgres`.
     pub database_url: Option<String>,
+    /// The database the chain starts when `database_url` is `None`.
+    pub postgres: Postgres,
     /// The edge's port; hop2..ledger take the next four. 0: any free ports.
     pub base_port: u16,
     /// Edge first, ledger last. Where each listens, its name, its downstream and the
@@ -54,6 +55,7 @@ impl Default for ChainSpec {
         });
         Self {
             database_url: None,
+            postgres: Postgres::Single,
             base_port: 0,
             services,
             env: Vec::new(),
@@ -125,16 +127,15 @@ impl ChainSpec {
     }
 }
 
-/// A throwaway Postgres cluster, when no database URL was given, and the URL to use.
-async fn database(spec: &ChainSpec) -> anyhow::Result<(Option<tempgres::TempCluster>, String)> {
+/// The database the chain starts for itself when no URL was given, and the URL to use.
+async fn database(spec: &ChainSpec) -> anyhow::Result<(Option<OwnDatabase>, String)> {
     Ok(match &spec.database_url {
         Some(url) => (None, url.clone()),
         None => {
-            let cluster = tokio::task::spawn_blocking(tempgres::TempCluster::start)
-                .await?
-                .context("starting a throwaway Postgres (or set DATABASE_URL)")?;
-            let url = cluster.url("postgres");
-            (Some(cluster), url)
+            let kind = spec.postgres;
+            let database = tokio::task::spawn_blocking(move || OwnDatabase::start(kind)).await??;
+            let url = database.url();
+            (Some(database), url)
         }
     })
 }
@@ -181,12 +182,12 @@ where
     result
 }
 
-/// The five services of a chain as child processes, with a throwaway Postgres when no
+/// The five services of a chain as child processes, with a database of their own when no
 /// database URL is given.
 #[derive(Debug)]
 pub struct LocalChain {
-    /// The throwaway cluster, if we started one.
-    cluster: Option<tempgres::TempCluster>,
+    /// The database, if we started one.
+    database: Option<OwnDatabase>,
     /// Edge first, ledger last.
     pub services: Vec<ChildService>,
     /// Where the services' logs go, and so what the chain says itself.
@@ -197,9 +198,9 @@ impl LocalChain {
     /// Starts Postgres if needed, then the ledger, hop4, hop3, hop2 and the edge, each
     /// after the one below reports SERVING.
     pub async fn start(spec: ChainSpec) -> anyhow::Result<Self> {
-        let (cluster, database_url) = database(&spec).await?;
+        let (database, database_url) = database(&spec).await?;
         let mut chain = LocalChain {
-            cluster,
+            database,
             services: Vec::new(),
             logs: spec.logs,
         };
@@ -240,9 +241,9 @@ impl LocalChain {
         addrs_of(self.services.iter().map(|s| s.addr.clone()))
     }
 
-    /// The throwaway Postgres port, if one was started.
-    pub fn postgres_port(&self) -> Option<u16> {
-        self.cluster.as_ref().map(|c| c.port())
+    /// The database the chain started for itself, if it did.
+    pub fn own_database(&self) -> Option<&OwnDatabase> {
+        self.database.as_ref()
     }
 
     /// Keeps the services running: one that exits is started again after a short backoff
@@ -290,27 +291,27 @@ impl LocalChain {
         futures::future::select_all(waits).await.0
     }
 
-    /// Stops the services top-down, then removes the throwaway cluster.
+    /// Stops the services top-down, then removes the chain's own database.
     pub async fn stop(mut self) {
         for service in std::mem::take(&mut self.services) {
             service.stop().await;
         }
-        if let Some(cluster) = self.cluster.take() {
-            let _ = tokio::task::spawn_blocking(move || cluster.stop()).await;
+        if let Some(database) = self.database.take() {
+            let _ = tokio::task::spawn_blocking(move || database.stop()).await;
         }
     }
 }
 
 /// The five services of a chain in this runtime, each on listeners of its own, with a
-/// throwaway Postgres when no database URL is given. Dropping it stops them accepting
-/// calls (as [`InProcessService`]'s drop does) and removes the cluster.
+/// database of their own when no database URL is given. Dropping it stops them accepting
+/// calls (as [`InProcessService`]'s drop does) and removes the database.
 #[derive(Debug)]
 pub struct InProcessChain {
     /// Edge first, ledger last.
     pub services: Vec<InProcessService>,
-    /// The throwaway cluster, if we started one: held to be removed on drop, after the
-    /// services (fields drop in order).
-    _cluster: Option<tempgres::TempCluster>,
+    /// The database, if we started one: held to be removed on drop, after the services
+    /// (fields drop in order).
+    _database: Option<OwnDatabase>,
 }
 
 impl InProcessChain {
@@ -318,7 +319,7 @@ impl InProcessChain {
     /// same settings a [`LocalChain`] gives its processes (`spec.env`, `logs` and `program`
     /// do not apply).
     pub async fn start(spec: ChainSpec) -> anyhow::Result<Self> {
-        let (cluster, database_url) = database(&spec).await?;
+        let (database, database_url) = database(&spec).await?;
         let mut services = Vec::new();
         let mut downstream = String::new();
         for i in (0..NAMES.len()).rev() {
@@ -329,7 +330,7 @@ impl InProcessChain {
         }
         Ok(Self {
             services,
-            _cluster: cluster,
+            _database: database,
         })
     }
 

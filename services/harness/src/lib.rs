@@ -12,6 +12,8 @@
 //!   same flags by `retrychain-serve`.
 //! - [`chain`]: five of either, bottom-up, on their own database ([`LocalChain`],
 //!   [`InProcessChain`]); `up`'s supervision; [`with_chain`].
+//! - [`database`]: the database a chain starts for itself: one throwaway cluster or a
+//!   pg_auto_failover formation ([`Postgres`]).
 //! - [`client`]: [`ChainClient`], a chain's caller: charge, faults, counters.
 //! - [`faults`]: the faults a chain is put through, by name.
 //! - [`charge`]: [`charge_request`], a Charge call with its key, deadline and retry mode.
@@ -20,6 +22,7 @@ pub mod addr;
 pub mod chain;
 pub mod charge;
 pub mod client;
+pub mod database;
 pub mod faults;
 pub mod in_process;
 pub mod process;
@@ -28,5 +31,6 @@ pub use addr::{ChainAddrs, NAMES, ServiceAddr, connect, serving};
 pub use chain::{ChainSpec, InProcessChain, LocalChain, with_chain};
 pub use charge::charge_request;
 pub use client::ChainClient;
+pub use database::{OwnDatabase, Postgres};
 pub use in_process::InProcessService;
 pub use process::{ChildService, Launch, Logs};

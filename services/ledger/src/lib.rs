@@ -4,12 +4,15 @@
 //!
 //! - [`store`]: [`KeyStore`] — the key, the effect and the saved reply in one Postgres
 //!   transaction; replays, parameter checks, in-flight behaviour, retention purges.
+//! - [`primary`]: which host of a replicated Postgres accepts writes, followed across a
+//!   failover (libpq's multi-host `DATABASE_URL`).
 //! - [`key_locks`]: same-key requests queue in memory, not on a database connection.
 //! - [`processor`]: the simulated payment processor whose calls are the bottom calls.
 //! - [`service`]: [`Ledger`], the `Payments` service, and the mapping of store errors to
 //!   statuses.
 
 pub mod key_locks;
+pub mod primary;
 pub mod processor;
 pub mod service;
 pub mod store;

@@ -10,7 +10,9 @@
 //! INSERT INTO idempotency_keys … ON CONFLICT DO NOTHING    -- claim the key
 //!   claimed:   processor call(s), then one statement that updates the balance,
 //!              inserts the charge and saves the reply on the key row; COMMIT
-//!   conflict:  SELECT the saved reply; compare parameters; replay or refuse
+//!   conflict:  SELECT the saved reply; compare parameters; count the replay on the
+//!              key row and COMMIT (which returns once the reply is on the synchronous
+//!              standby: see `replicated`); replay — or refuse
 //! ```
 //!
 //! The claim is what makes concurrent duplicates safe: a second transaction inserting the
@@ -54,7 +56,6 @@
 //!   connection is gone and it commits nothing.
 
 use std::{
-    str::FromStr,
     sync::{
         Arc,
         atomic::{AtomicU64, Ordering},
@@ -66,14 +67,16 @@ use prometheus_client::metrics::histogram::Histogram;
 use resilience::Deadline;
 use retrychain_node::{AccountId, AmountCents, IdempotencyKey};
 use sqlx::{
-    AssertSqlSafe, Connection, PgConnection, PgPool, Postgres, Row,
-    pool::PoolConnection,
-    postgres::{PgConnectOptions, PgPoolOptions},
+    AssertSqlSafe, Connection, PgConnection, PgPool, Postgres, Row, pool::PoolConnection,
+    postgres::PgPoolOptions,
 };
 use tracing::Instrument;
 use uuid::Uuid;
 
-use crate::key_locks::KeyLocks;
+use crate::{
+    key_locks::KeyLocks,
+    primary::{Hosts, Primary},
+};
 
 /// Migrations, applied at start-up.
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
@@ -191,11 +194,16 @@ impl From<sqlx::Error> for StoreError {
                 "40001" | "40P01" => StoreError::Conflict(text),
                 // connection_exception (08…), admin/crash shutdown, cannot connect now,
                 // database dropped, insufficient resources (53…, e.g. too many
-                // connections), idle-in-transaction / idle-session timeouts.
+                // connections), idle-in-transaction / idle-session timeouts, a write
+                // refused as read-only (25006: a primary demoted under the connection), and
+                // statement_completion_unknown (40003: CockroachDB's ambiguous commit, as a
+                // COMMIT whose answer was lost — the key tells the retry what happened).
                 code if code.starts_with("08")
                     || code.starts_with("53")
                     || code.starts_with("57P")
-                    || code == "25P03" =>
+                    || code == "25P03"
+                    || code == "25006"
+                    || code == "40003" =>
                 {
                     StoreError::Unavailable(text)
                 }
@@ -332,6 +340,8 @@ pub struct KeyStore {
     max_connections: u32,
     /// The bound on each round trip ([`StoreOptions::round_trip_timeout`]).
     round_trip_timeout: Duration,
+    /// Which host the pool writes to; told when a failure suggests it moved.
+    primary: Arc<Primary>,
 }
 
 /// What the store counts for `/metrics`.
@@ -395,34 +405,56 @@ impl retrychain_node::metrics::DatabaseGauges for KeyStore {
 }
 
 impl KeyStore {
-    /// Connects and applies the migrations, waiting up to a minute for a database that is
-    /// still starting (as under docker-compose, or after a crash of both).
+    /// Connects to the primary of `database_url` (one host, or several in libpq's
+    /// multi-host form: see [`crate::primary`]) and applies the migrations, waiting up to a
+    /// minute for a database that is still starting (as under docker-compose, or after a
+    /// crash of both); then follows the primary for as long as the store lives.
     pub async fn connect(database_url: &str, options: StoreOptions) -> anyhow::Result<Self> {
         use anyhow::Context;
-        let connect = PgConnectOptions::from_str(database_url)
+        let hosts = Hosts::parse(database_url)
             .context("parsing the database URL")?
-            .options([
-                // Custom plans: a generic plan cached while the key table was empty (say
-                // after a retention purge) can pick a sequential scan and keep it.
-                ("plan_cache_mode", "force_custom_plan"),
-                // The server notices a client host that vanished (no FIN, no RST) within
-                // about 25 s and ends its session, releasing its locks.
-                ("tcp_keepalives_idle", "10"),
-                ("tcp_keepalives_interval", "5"),
-                ("tcp_keepalives_count", "3"),
-                // A backstop for sessions outside a charge (each charge sets its own).
-                ("idle_in_transaction_session_timeout", "60s"),
-            ]);
+            .map(|host| {
+                // Named, so that an operator (and the failover tests) can tell the
+                // ledger's sessions in pg_stat_activity.
+                host.application_name("retrychain-ledger").options([
+                    // Custom plans: a generic plan cached while the key table was empty (say
+                    // after a retention purge) can pick a sequential scan and keep it.
+                    ("plan_cache_mode", "force_custom_plan"),
+                    // The server notices a client host that vanished (no FIN, no RST) within
+                    // about 25 s and ends its session, releasing its locks.
+                    ("tcp_keepalives_idle", "10"),
+                    ("tcp_keepalives_interval", "5"),
+                    ("tcp_keepalives_count", "3"),
+                    // A backstop for sessions outside a charge (each charge sets its own).
+                    ("idle_in_transaction_session_timeout", "60s"),
+                ])
+            });
+        let primary = Primary::find(hosts, options.round_trip_timeout, Duration::from_secs(60))
+            .await
+            .context("finding the database's primary")?;
         let suspicion = Arc::new(Suspicion::new());
         let pool = PgPoolOptions::new()
             .max_connections(options.pool_size)
             .acquire_timeout(options.acquire_timeout)
             .test_before_acquire(false)
+            .after_connect({
+                let primary = Arc::clone(&primary);
+                move |conn, _meta| {
+                    let primary = Arc::clone(&primary);
+                    Box::pin(async move { primary.check(conn).await })
+                }
+            })
             .before_acquire({
                 let suspicion = Arc::clone(&suspicion);
-                move |conn, _meta| {
+                let primary = Arc::clone(&primary);
+                move |conn, meta| {
                     let suspect = suspicion.active();
+                    // Opened to a primary that has since moved: retired, not used.
+                    let stale = primary.opened_before_move(meta.age);
                     Box::pin(async move {
+                        if stale {
+                            return Ok(false);
+                        }
                         // A failed ping discards this connection and opens a fresh one.
                         if suspect {
                             conn.ping().await?;
@@ -431,7 +463,8 @@ impl KeyStore {
                     })
                 }
             })
-            .connect_lazy_with(connect);
+            .connect_lazy_with(primary.options());
+        tokio::spawn(Arc::clone(&primary).watch(pool.clone()));
         let started = std::time::Instant::now();
         loop {
             let error = match MIGRATOR.run(&pool).await {
@@ -454,6 +487,7 @@ impl KeyStore {
             gauges: Arc::default(),
             max_connections: options.pool_size,
             round_trip_timeout: options.round_trip_timeout,
+            primary,
         })
     }
 
@@ -604,7 +638,7 @@ impl KeyStore {
                 let saturated =
                     self.pool.size() >= self.max_connections && self.pool.num_idle() == 0;
                 if !saturated {
-                    self.suspicion.raise();
+                    self.lost_connection();
                 }
                 Err(StoreError::Unavailable(if saturated {
                     "every database connection is busy; none came free within the acquire timeout"
@@ -632,12 +666,21 @@ impl KeyStore {
         result.map_err(|error| self.noted(error))
     }
 
-    /// Raises suspicion for errors that mean the connection was lost.
+    /// Raises suspicion for errors that mean the connection was lost, and asks whether the
+    /// primary moved (it may have: a failover breaks connections and demotes the old one).
     fn noted(&self, error: StoreError) -> StoreError {
         if let StoreError::Unavailable(_) = &error {
-            self.suspicion.raise();
+            self.lost_connection();
         }
         error
+    }
+
+    /// A connection was lost, or none could be opened: ping idle connections before use for
+    /// a while, and ask whether the primary moved. Every such path comes here — one that
+    /// did not would leave the ledger knocking at a dead primary for good.
+    fn lost_connection(&self) {
+        self.suspicion.raise();
+        self.primary.suspect();
     }
 }
 
@@ -692,7 +735,8 @@ where
         match claim(&mut tx, rt, &charge).await {
             Ok(Claim::Claimed) => break tx,
             Ok(Claim::Settled(outcome)) => {
-                rt.bound("ROLLBACK", tx.rollback()).await?;
+                replicated(&mut tx, rt, account, key).await?;
+                rt.bound("COMMIT", tx.commit()).await?;
                 return Ok(outcome);
             }
             Ok(Claim::Busy) => {
@@ -913,10 +957,48 @@ async fn replay_or_in_flight(
     key: &IdempotencyKey,
     amount: AmountCents,
 ) -> Result<ChargeOutcome, StoreError> {
-    match saved(conn, rt, account, key).await? {
-        Some(row) if row.reply.is_some() => row.replay(account, amount),
+    match saved(&mut *conn, rt, account, key).await? {
+        Some(row) if row.reply.is_some() => {
+            let outcome = row.replay(account, amount)?;
+            replicated(conn, rt, account, key).await?;
+            Ok(outcome)
+        }
         _ => Err(StoreError::InFlight),
     }
+}
+
+/// Counts a replay on the key's row; committed (by the caller, or as its own statement
+/// outside a transaction), it returns only once the saved reply is on the synchronous
+/// standby too (on a server without one: at once).
+///
+/// A replay must not claim a success the standby lacks. A commit that waited for the
+/// standby and was cut short (its session cancelled or ended: an operator, a pooler's
+/// timeout, a fast shutdown) stays committed, and visible, on the primary alone; a retry
+/// that read it there and answered OK would be lost with the primary. A transaction that
+/// writes nothing commits without waiting for the standby, so a replay writes: its commit
+/// record follows the saved reply's in the WAL, and with `synchronous_commit` the commit
+/// returns once the standby has flushed both. If the standby is not confirming, the
+/// round-trip bound ends the wait: UNAVAILABLE, and the key is retried later. The cost is
+/// one statement and one WAL flush per replay, which are rare.
+async fn replicated(
+    conn: &mut PgConnection,
+    rt: RoundTrip<'_>,
+    account: &AccountId,
+    key: &IdempotencyKey,
+) -> Result<(), StoreError> {
+    rt.bound(
+        "counting the replay",
+        sqlx::query(
+            "UPDATE idempotency_keys SET replays = replays + 1, replayed_at = now() \
+             WHERE account_id = $1 AND idempotency_key = $2",
+        )
+        .bind(account.as_str())
+        .bind(key.as_str())
+        .execute(conn)
+        .instrument(tracing::info_span!("count_replay")),
+    )
+    .await?;
+    Ok(())
 }
 
 /// A key's row as committed.

@@ -19,6 +19,9 @@
 //! [`TempCluster::stop`], on drop, or because this process died — the guardian shuts the
 //! server down and removes its directory. A test binary that keeps one cluster in a static
 //! therefore leaves nothing behind.
+//!
+//! [`HaFormation`] is the highly-available variant: two servers under pg_auto_failover, for
+//! the failover tests.
 
 use std::{
     fs,
@@ -29,6 +32,9 @@ use std::{
     process::{Child, ChildStdin, Command, Stdio},
     time::{Duration, Instant},
 };
+
+pub mod ha;
+pub use ha::HaFormation;
 
 /// Why the cluster could not be started.
 #[derive(Debug, thiserror::Error)]
@@ -65,6 +71,11 @@ pub enum Error {
         /// What it printed.
         output: String,
     },
+    /// `pg_autoctl` is not on PATH (only [`ha::HaFormation`] needs it).
+    #[error(
+        "pg_autoctl was not found on PATH: install pg_auto_failover (Debian: apt-get install postgresql-15-auto-failover)"
+    )]
+    NoAutoFailover,
     /// Preparing the directory failed.
     #[error("preparing the cluster directory: {0}")]
     Io(#[from] std::io::Error),
@@ -450,7 +461,7 @@ fn command(program: &Path, run_as: Option<(u32, u32)>, dir: &Path) -> Command {
 
 /// `None` when this process may run Postgres itself; the uid and gid to run it as when we
 /// are root.
-fn unprivileged_user() -> Result<Option<(u32, u32)>, Error> {
+pub(crate) fn unprivileged_user() -> Result<Option<(u32, u32)>, Error> {
     if fs::metadata("/proc/self")?.uid() != 0 {
         return Ok(None);
     }
@@ -471,11 +482,11 @@ fn unprivileged_user() -> Result<Option<(u32, u32)>, Error> {
     )))
 }
 
-fn free_port() -> Result<u16, Error> {
+pub(crate) fn free_port() -> Result<u16, Error> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-fn read_to_string(path: &Path) -> String {
+pub(crate) fn read_to_string(path: &Path) -> String {
     let mut text = String::new();
     if let Ok(mut file) = fs::File::open(path) {
         let _ = file.read_to_string(&mut text);

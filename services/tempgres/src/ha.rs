@@ -1,0 +1,635 @@
+//! A throwaway highly-available Postgres: a pg_auto_failover formation (a monitor and two
+//! nodes, synchronous replication) on local ports, from Debian's
+//! `postgresql-15-auto-failover` (`pg_autoctl`), run as an unprivileged user when we are
+//! root — for the failover tests and `retrychain up --postgres ha`.
+//!
+//! The monitor decides failovers from its health checks, and the timings are tuned here
+//! for a fast failover ([`MONITOR_SETTINGS`], [`NETWORK_PARTITION_TIMEOUT`]): a check every
+//! second and a node unhealthy after 2 s without answering (defaults 5 s and 20 s); a
+//! primary cut off from both the monitor and its standby demotes itself after 2 s
+//! (default 20 s), and the monitor promotes the standby 4 s after it asked an unreachable
+//! primary to step down (default 30 s). The order of the last two is what prevents two
+//! primaries, whatever the scale. The price of the short scale on a real network: a slow
+//! link or a long pause (a GC-like stall, a VM migration) fails over, or demotes a primary,
+//! that would have come back — production keeps the defaults or tunes them to its network.
+//!
+//! Like [`TempCluster`](crate::TempCluster), the formation is removed with its files when
+//! the value is dropped, and also if this process dies: a guardian shell waits for our end
+//! of a pipe to close, then stops every `pg_autoctl` and server and removes the directory.
+
+use std::{
+    fs,
+    os::unix::process::CommandExt,
+    path::{Path, PathBuf},
+    process::{Child, ChildStdin, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use crate::{Error, find_bindir, free_port, read_to_string, unprivileged_user};
+
+/// How a node of the formation stands, as the monitor sees it (one object of `pg_autoctl
+/// show state --json`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+pub struct NodeState {
+    /// node1 or node2.
+    #[serde(rename = "nodename")]
+    pub name: String,
+    /// Its port on 127.0.0.1.
+    #[serde(rename = "nodeport")]
+    pub port: u16,
+    /// The state it reported (`primary`, `secondary`, `wait_primary`, `catchingup`, …).
+    #[serde(rename = "current_group_state")]
+    pub reported: String,
+    /// The state the monitor assigned it.
+    #[serde(rename = "assigned_group_state")]
+    pub assigned: String,
+}
+
+/// A monitor and two Postgres nodes under pg_auto_failover; see the module docs.
+#[derive(Debug)]
+pub struct HaFormation {
+    /// Holds every data directory, the configuration and the logs.
+    dir: PathBuf,
+    /// The unprivileged user everything runs as, when we are root.
+    run_as: Option<(u32, u32)>,
+    /// `PATH` for `pg_autoctl`: the server binaries first.
+    path: String,
+    /// The monitor's port.
+    monitor_port: u16,
+    /// The nodes' ports, node1 first.
+    ports: [u16; 2],
+    /// The `pg_autoctl run` of the monitor and of each node, while they run.
+    keepers: Vec<(String, Option<Child>)>,
+    /// Our end of the guardian's pipe; closing it starts the clean-up.
+    guardian_pipe: Option<ChildStdin>,
+    /// The guardian.
+    guardian: Child,
+}
+
+/// The monitor's health checks and its wait for an unreachable primary to step down, for a
+/// fast failover (milliseconds; see the module docs).
+pub const MONITOR_SETTINGS: [(&str, &str); 6] = [
+    ("pgautofailover.health_check_period", "1000"),
+    ("pgautofailover.health_check_timeout", "1000"),
+    ("pgautofailover.health_check_max_retries", "1"),
+    ("pgautofailover.health_check_retry_delay", "500"),
+    ("pgautofailover.node_considered_unhealthy_timeout", "2000"),
+    // Longer than a cut-off primary takes to demote itself (NETWORK_PARTITION_TIMEOUT,
+    // counted from when it lost contact, before the monitor even noticed): else, for a
+    // moment, two primaries.
+    ("pgautofailover.primary_demote_timeout", "4000"),
+];
+
+/// Seconds after which a node's keeper that reaches neither the monitor nor its standby
+/// demotes its primary (`timeout.network_partition_timeout`; see the module docs).
+pub const NETWORK_PARTITION_TIMEOUT: &str = "2";
+
+const SUPERUSER: &str = "postgres";
+
+impl HaFormation {
+    /// Creates and starts the formation: the monitor, then node1 (the first primary), then
+    /// node2 (its synchronous standby); returns once node1 is `primary` and node2
+    /// `secondary`.
+    pub fn start() -> Result<Self, Error> {
+        // pg_autoctl finds pg_controldata and the other tools beside pg_ctl: the real
+        // directory, not a directory of symlinks to some of them.
+        let pg_ctl = fs::canonicalize(find_bindir()?.join("pg_ctl"))?;
+        let bindir = pg_ctl.parent().unwrap_or(Path::new("/"));
+        which_pg_autoctl()?;
+        let run_as = unprivileged_user()?;
+        let dir = tempfile::Builder::new()
+            .prefix("retrychain-ha-")
+            .tempdir()?
+            .keep();
+        if let Some((uid, gid)) = run_as {
+            std::os::unix::fs::chown(&dir, Some(uid), Some(gid))?;
+        }
+        let path = format!(
+            "{}:{}",
+            bindir.display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        let (guardian, guardian_pipe) = guardian(&dir, run_as, &path)?;
+        let mut formation = HaFormation {
+            monitor_port: free_port()?,
+            ports: [free_port()?, free_port()?],
+            dir,
+            run_as,
+            path,
+            keepers: Vec::new(),
+            guardian_pipe: Some(guardian_pipe),
+            guardian,
+        };
+        formation.create_monitor()?;
+        for i in 0..2 {
+            formation.create_node(i)?;
+        }
+        formation.wait_until(Duration::from_secs(120), |nodes| {
+            nodes.iter().any(|n| n.reported == "primary")
+                && nodes.iter().any(|n| n.reported == "secondary")
+        })?;
+        Ok(formation)
+    }
+
+    /// The URL the ledger uses: both nodes, libpq's multi-host form (what `pg_autoctl show
+    /// uri` prints, with the superuser).
+    pub fn uri(&self) -> String {
+        format!(
+            "postgres://{SUPERUSER}@127.0.0.1:{},127.0.0.1:{}/postgres?target_session_attrs=read-write",
+            self.ports[0], self.ports[1]
+        )
+    }
+
+    /// The URL of node `i` alone (0 or 1), to look at one server.
+    pub fn node_url(&self, i: usize) -> String {
+        format!(
+            "postgres://{SUPERUSER}@127.0.0.1:{}/postgres",
+            self.ports[i]
+        )
+    }
+
+    /// The nodes' ports, node1 first.
+    pub fn ports(&self) -> [u16; 2] {
+        self.ports
+    }
+
+    /// The directory holding the formation (its logs: `monitor.log`, `node1.log`, …).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The nodes as the monitor sees them now.
+    pub fn state(&self) -> Result<Vec<NodeState>, Error> {
+        let output = self
+            .pg_autoctl(&["show", "state", "--pgdata"])
+            .arg(self.dir.join("monitor"))
+            .arg("--json")
+            .output()?;
+        Ok(parse_state(&String::from_utf8_lossy(&output.stdout)))
+    }
+
+    /// The node (0 or 1) that is the primary — `primary`, or `wait_primary` (a primary
+    /// whose standby is gone) — as it reports and as the monitor assigned, if one is: a
+    /// dead primary still "reports" its last state, but the monitor has assigned it
+    /// another.
+    pub fn primary(&self) -> Result<Option<usize>, Error> {
+        Ok(self
+            .state()?
+            .iter()
+            .find(|n| {
+                n.reported == n.assigned
+                    && matches!(n.reported.as_str(), "primary" | "wait_primary")
+            })
+            .and_then(|n| self.ports.iter().position(|p| *p == n.port)))
+    }
+
+    /// Waits until `ready` holds for the nodes' states, or `timeout`.
+    pub fn wait_until(
+        &self,
+        timeout: Duration,
+        ready: impl Fn(&[NodeState]) -> bool,
+    ) -> Result<Vec<NodeState>, Error> {
+        let start = Instant::now();
+        loop {
+            let state = self.state()?;
+            if ready(&state) {
+                return Ok(state);
+            }
+            if start.elapsed() > timeout {
+                return Err(Error::NotReady {
+                    timeout,
+                    log: format!(
+                        "the formation did not reach the state waited for: {state:?}\n{}",
+                        read_to_string(&self.dir.join("monitor.log"))
+                    ),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// Kills node `i` outright, as a host that dies: SIGKILL to its `pg_autoctl` keeper
+    /// with the keeper's helpers (their process group), and to its Postgres server and
+    /// every backend — no shutdown, no clean-up, nothing left to restart the server. The
+    /// server is killed by its own pid as well: it may have been started before the
+    /// keeper (by `pg_autoctl create`) and so sit outside the keeper's group.
+    pub fn kill_node(&mut self, i: usize) -> Result<(), Error> {
+        let name = format!("node{}", i + 1);
+        let postmaster = postmaster_of(&self.dir.join(&name));
+        if let Some(pid) = postmaster {
+            // Stopped first, so that it starts no backend while they are being killed.
+            signal(pid, "STOP");
+        }
+        if let Some((_, slot)) = self.keepers.iter_mut().find(|(n, _)| *n == name)
+            && let Some(mut keeper) = slot.take()
+        {
+            signal_group(keeper.id(), "KILL");
+            let _ = keeper.wait();
+        }
+        if let Some(pid) = postmaster {
+            let _ = Command::new("pkill")
+                .args(["-KILL", "-P", &pid.to_string()])
+                .status();
+            signal(pid, "KILL");
+        }
+        Ok(())
+    }
+
+    /// Starts node `i` again (`pg_autoctl run`): it rejoins the formation, as a standby if
+    /// the other node was promoted meanwhile.
+    pub fn restart_node(&mut self, i: usize) -> Result<(), Error> {
+        let name = format!("node{}", i + 1);
+        let keeper = self.run(&name)?;
+        match self.keepers.iter_mut().find(|(n, _)| *n == name) {
+            Some((_, slot)) => *slot = Some(keeper),
+            None => self.keepers.push((name, Some(keeper))),
+        }
+        Ok(())
+    }
+
+    /// `pg_autoctl perform switchover`: the primary hands over to the standby, in order.
+    pub fn switchover(&self) -> Result<(), Error> {
+        self.perform("switchover")
+    }
+
+    /// `pg_autoctl perform failover`: the standby is promoted now.
+    pub fn failover(&self) -> Result<(), Error> {
+        self.perform("failover")
+    }
+
+    fn perform(&self, what: &'static str) -> Result<(), Error> {
+        let output = self
+            .pg_autoctl(&["perform", what, "--pgdata"])
+            .arg(self.dir.join("monitor"))
+            .output()?;
+        if output.status.success() {
+            Ok(())
+        } else {
+            Err(Error::PgCtl {
+                action: what,
+                output: String::from_utf8_lossy(&output.stderr).into(),
+            })
+        }
+    }
+
+    fn create_monitor(&mut self) -> Result<(), Error> {
+        let pgdata = self.dir.join("monitor");
+        self.created(
+            "monitor",
+            self.pg_autoctl(&["create", "monitor", "--pgdata"])
+                .arg(&pgdata)
+                .args(["--pgport", &self.monitor_port.to_string()])
+                // `create monitor` has no --listen: its server listens on every address,
+                // but its pg_hba.conf admits only 127.0.0.0/8.
+                .args(["--hostname", "127.0.0.1", "--auth", "trust", "--no-ssl"]),
+        )?;
+        let keeper = self.run("monitor")?;
+        self.keepers.push(("monitor".into(), Some(keeper)));
+        // The monitor's server answers once `run` has started it; then tune its checks.
+        let start = Instant::now();
+        loop {
+            let mut psql = self.psql(self.monitor_port, "pg_auto_failover");
+            // One `-c` each: ALTER SYSTEM cannot run inside the transaction block that
+            // one multi-statement string would be.
+            for (setting, value) in MONITOR_SETTINGS {
+                psql.args(["-c", &format!("ALTER SYSTEM SET {setting} TO {value}")]);
+            }
+            psql.args(["-c", "SELECT pg_reload_conf()"]);
+            if psql.output()?.status.success() {
+                return Ok(());
+            }
+            if start.elapsed() > Duration::from_secs(60) {
+                return Err(Error::NotReady {
+                    timeout: Duration::from_secs(60),
+                    log: read_to_string(&self.dir.join("monitor.log")),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    fn create_node(&mut self, i: usize) -> Result<(), Error> {
+        let name = format!("node{}", i + 1);
+        let monitor = format!(
+            "postgres://autoctl_node@127.0.0.1:{}/pg_auto_failover?sslmode=disable",
+            self.monitor_port
+        );
+        self.created(
+            &name,
+            self.pg_autoctl(&["create", "postgres", "--pgdata"])
+                .arg(self.dir.join(&name))
+                .args(["--pgport", &self.ports[i].to_string()])
+                .args(["--hostname", "127.0.0.1", "--listen", "127.0.0.1"])
+                .args(["--auth", "trust", "--no-ssl"])
+                .args(["--name", &name, "--monitor", &monitor])
+                .args(["--pg-hba-lan", "--dbname", "postgres"]),
+        )?;
+        self.created(
+            &name,
+            self.pg_autoctl(&["config", "set", "--pgdata"])
+                .arg(self.dir.join(&name))
+                .args([
+                    "timeout.network_partition_timeout",
+                    NETWORK_PARTITION_TIMEOUT,
+                ]),
+        )?;
+        let keeper = self.run(&name)?;
+        self.keepers.push((name, Some(keeper)));
+        Ok(())
+    }
+
+    /// Runs a `pg_autoctl create …` (or `config set …`) to completion, its output in
+    /// `<name>.log`.
+    fn created(&self, name: &str, command: &mut Command) -> Result<(), Error> {
+        let log = self.log(name)?;
+        let status = command
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .status()
+            .map_err(|source| Error::Spawn {
+                program: "pg_autoctl".into(),
+                source,
+            })?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(Error::Initdb(format!(
+                "pg_autoctl for {name} failed: {}",
+                read_to_string(&self.dir.join(format!("{name}.log")))
+            )))
+        }
+    }
+
+    /// `pg_autoctl run` for `name`, in the background and in a process group of its own
+    /// (the keeper, its helpers and the server it starts: one group to kill, its id in
+    /// `<name>.pgid` for the guardian), its output appended to its log.
+    fn run(&self, name: &str) -> Result<Child, Error> {
+        let log = self.log(name)?;
+        let keeper = self
+            .pg_autoctl(&["run", "--pgdata"])
+            .arg(self.dir.join(name))
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .process_group(0)
+            .spawn()
+            .map_err(|source| Error::Spawn {
+                program: "pg_autoctl".into(),
+                source,
+            })?;
+        fs::write(
+            self.dir.join(format!("{name}.pgid")),
+            keeper.id().to_string(),
+        )?;
+        Ok(keeper)
+    }
+
+    fn log(&self, name: &str) -> Result<fs::File, Error> {
+        let path = self.dir.join(format!("{name}.log"));
+        let file = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)?;
+        if let Some((uid, gid)) = self.run_as {
+            std::os::unix::fs::chown(&path, Some(uid), Some(gid))?;
+        }
+        Ok(file)
+    }
+
+    /// `pg_autoctl <args>` as the formation's user, its configuration kept in the
+    /// formation's directory (XDG paths), not in the user's home.
+    fn pg_autoctl(&self, args: &[&str]) -> Command {
+        let mut command = self.as_user("pg_autoctl");
+        command.args(args);
+        command
+    }
+
+    fn psql(&self, port: u16, database: &str) -> Command {
+        let mut command = self.as_user("psql");
+        command.args([
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &port.to_string(),
+            "-U",
+            SUPERUSER,
+            "-d",
+            database,
+            "-Atq",
+        ]);
+        command
+    }
+
+    fn as_user(&self, program: &str) -> Command {
+        let mut command = Command::new(program);
+        command
+            .current_dir(&self.dir)
+            .env("PATH", &self.path)
+            .envs(self.config_env())
+            .stdin(Stdio::null());
+        if let Some((uid, gid)) = self.run_as {
+            command.uid(uid).gid(gid);
+        }
+        command
+    }
+
+    /// Where `pg_autoctl` keeps its configuration and state: in the formation's
+    /// directory, removed with it, not in the user's home.
+    fn config_env(&self) -> [(&'static str, String); 4] {
+        let under = |name: &str| self.dir.join(name).display().to_string();
+        [
+            ("HOME", self.dir.display().to_string()),
+            ("XDG_CONFIG_HOME", under("config")),
+            ("XDG_DATA_HOME", under("share")),
+            ("XDG_RUNTIME_DIR", under("run")),
+        ]
+    }
+
+    /// A shell command that runs `pg_autoctl <args> --pgdata <the monitor>` as the
+    /// formation runs it — its user, its configuration — for a person at a terminal to
+    /// watch the formation (`show state --watch`) or fail it over (`perform failover`).
+    pub fn command_line(&self, args: &[&str]) -> String {
+        let mut words: Vec<String> = Vec::new();
+        if let Some((uid, gid)) = self.run_as {
+            words.extend([
+                "setpriv".into(),
+                format!("--reuid={uid}"),
+                format!("--regid={gid}"),
+                "--clear-groups".into(),
+            ]);
+        }
+        words.push("env".into());
+        for (name, value) in self.config_env() {
+            words.push(format!("{name}={}", shell_quoted(&value)));
+        }
+        words.push("pg_autoctl".into());
+        words.extend(args.iter().map(|arg| shell_quoted(arg)));
+        words.push("--pgdata".into());
+        words.push(shell_quoted(
+            &self.dir.join("monitor").display().to_string(),
+        ));
+        words.join(" ")
+    }
+}
+
+/// `word` as one shell word: as it is when nothing in it is special to a shell, else in
+/// single quotes.
+fn shell_quoted(word: &str) -> String {
+    let plain = !word.is_empty()
+        && word
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "/_.,:=@%+-".contains(c));
+    if plain {
+        word.to_owned()
+    } else {
+        format!("'{}'", word.replace('\'', "'\\''"))
+    }
+}
+
+impl Drop for HaFormation {
+    fn drop(&mut self) {
+        // Closing the pipe starts the guardian's clean-up; then reap what it killed.
+        drop(self.guardian_pipe.take());
+        let _ = self.guardian.wait();
+        for (_, keeper) in &mut self.keepers {
+            if let Some(mut keeper) = keeper.take() {
+                let _ = keeper.kill();
+                let _ = keeper.wait();
+            }
+        }
+    }
+}
+
+/// Sends `signal` to process `pid` (the external `kill`, as for [`signal_group`]).
+fn signal(pid: u32, signal: &str) {
+    let _ = Command::new("kill")
+        .args([&format!("-{signal}"), &pid.to_string()])
+        .stderr(Stdio::null())
+        .status();
+}
+
+/// Sends `signal` to process group `pgid` (procps' `kill`, which takes `-- -pgid`).
+fn signal_group(pgid: u32, signal: &str) {
+    let _ = Command::new("kill")
+        .args([&format!("-{signal}"), "--", &format!("-{pgid}")])
+        .stderr(Stdio::null())
+        .status();
+}
+
+/// The pid of the Postgres server running on `pgdata`, if one is: the first line of its
+/// `postmaster.pid`, checked against the process's command line (a stale file may name a
+/// pid since reused).
+fn postmaster_of(pgdata: &Path) -> Option<u32> {
+    let pid: u32 = read_to_string(&pgdata.join("postmaster.pid"))
+        .lines()
+        .next()?
+        .trim()
+        .parse()
+        .ok()?;
+    let cmdline = fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let cmdline = String::from_utf8_lossy(&cmdline);
+    cmdline.contains(&*pgdata.to_string_lossy()).then_some(pid)
+}
+
+/// Kills every process group of the formation (its `*.pgid` files: each keeper with its
+/// helpers), then every server still running on one of its data directories with its
+/// backends, and removes the directory — once our end of its pipe closes: when the
+/// [`HaFormation`] is dropped, or this process dies. `env kill`: the shell's own `kill`
+/// may not take `--`.
+const GUARDIAN: &str = r#"
+trap '' INT TERM
+dir="$1"
+cat >/dev/null
+for file in "$dir"/*.pgid; do
+  [ -f "$file" ] && env kill -KILL -- "-$(cat "$file")" 2>/dev/null
+done
+for pgdata in "$dir"/monitor "$dir"/node1 "$dir"/node2; do
+  pid=$(head -n 1 "$pgdata/postmaster.pid" 2>/dev/null)
+  if [ -n "$pid" ] && tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF "$pgdata"; then
+    env kill -STOP "$pid"; pkill -KILL -P "$pid"; env kill -KILL "$pid"
+  fi 2>/dev/null
+done
+# A process that was dying may still write a file as the directory goes: try again.
+for attempt in 1 2 3 4 5; do
+  sleep 0.2
+  rm -rf "$dir" 2>/dev/null && break
+done
+"#;
+
+fn guardian(
+    dir: &Path,
+    run_as: Option<(u32, u32)>,
+    path: &str,
+) -> Result<(Child, ChildStdin), Error> {
+    let mut command = Command::new("sh");
+    command
+        .arg("-c")
+        .arg(GUARDIAN)
+        .arg("guardian")
+        .arg(dir)
+        .env("PATH", path)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    if let Some((uid, gid)) = run_as {
+        command.uid(uid).gid(gid);
+    }
+    let mut child = command.spawn().map_err(|source| Error::Spawn {
+        program: "sh".into(),
+        source,
+    })?;
+    let pipe = child
+        .stdin
+        .take()
+        .ok_or_else(|| Error::Io(std::io::Error::other("the guardian has no stdin")))?;
+    Ok((child, pipe))
+}
+
+/// `pg_autoctl`, from `postgresql-15-auto-failover`, on PATH.
+fn which_pg_autoctl() -> Result<(), Error> {
+    let found = std::env::var_os("PATH")
+        .map(|path| std::env::split_paths(&path).any(|dir| dir.join("pg_autoctl").exists()))
+        .unwrap_or(false);
+    if found {
+        Ok(())
+    } else {
+        Err(Error::NoAutoFailover)
+    }
+}
+
+/// The nodes of `pg_autoctl show state --json`; empty when the monitor did not answer
+/// (the caller waits and asks again).
+fn parse_state(json: &str) -> Vec<NodeState> {
+    serde_json::from_str(json).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_monitors_view_of_the_nodes() {
+        let json = r#"[
+    {"health": 1, "node_id": 1, "nodehost": "127.0.0.1", "nodename": "node1", "nodeport": 55001,
+     "current_group_state": "primary", "assigned_group_state": "primary"},
+    {"health": 1, "node_id": 2, "nodehost": "127.0.0.1", "nodename": "node2", "nodeport": 55002,
+     "current_group_state": "secondary", "assigned_group_state": "secondary"}
+]"#;
+        let state = parse_state(json);
+        assert_eq!(state.len(), 2);
+        assert_eq!(state[0].name, "node1");
+        assert_eq!(state[0].port, 55001);
+        assert_eq!(state[1].reported, "secondary");
+        assert!(parse_state("ERROR: could not connect to the monitor").is_empty());
+    }
+
+    #[test]
+    fn a_printed_command_is_one_shell_word_per_argument() {
+        assert_eq!(
+            shell_quoted("/tmp/retrychain-ha-x/monitor"),
+            "/tmp/retrychain-ha-x/monitor"
+        );
+        assert_eq!(shell_quoted("a b"), "'a b'");
+        assert_eq!(shell_quoted("it's"), "'it'\\''s'");
+        assert_eq!(shell_quoted(""), "''");
+    }
+}
