@@ -104,12 +104,15 @@ async fn under_load(
     tokio::time::sleep(Duration::from_secs(1)).await;
     let faulted = Instant::now();
     formation.with(fault).await;
+    // Calls started once the fault is done: a call that completed in the moment before the
+    // fault took hold says nothing about the recovery.
+    let fault_done = Instant::now();
     let state = formation.settle(after).await;
     let settled = faulted.elapsed();
     tokio::time::sleep(Duration::from_secs(2)).await;
     let sent = load.finish().await;
 
-    let after_fault: Vec<&Sent> = sent.iter().filter(|s| s.started > faulted).collect();
+    let after_fault: Vec<&Sent> = sent.iter().filter(|s| s.started > fault_done).collect();
     let first_success = after_fault
         .iter()
         .filter(|s| s.code == Code::Ok)
@@ -142,6 +145,15 @@ async fn under_load(
         "{what}: a client saw INTERNAL or UNKNOWN: {:?}",
         codes(&sent)
     );
+    // Whatever failed, it was never because the ledger tried a standby or a demoted
+    // primary: those it refuses before writing (`after_connect`) or finds read-only.
+    let refused: Vec<&str> = sent
+        .iter()
+        .filter(|s| s.message.contains("standby") || s.message.contains("read-only"))
+        .map(|s| s.message.as_str())
+        .take(3)
+        .collect();
+    println!("{what}: failures that met a standby or a read-only server: {refused:?}");
     let (_, primary_url) = formation.primary().await;
     assert_acknowledged_kept(&primary_url, &sent).await;
     sent
@@ -187,17 +199,26 @@ async fn postgres_failover_and_switchover_lose_no_acknowledged_charge_and_charge
     assert_ne!(new_primary, old_primary, "the standby was promoted");
 
     // The old primary returns (rewound), as the new one's standby: the ledger keeps writing
-    // to the new primary and holds no session on the old one.
-    sent.extend(
-        under_load(
-            &chain,
-            &formation,
-            "old primary returns",
-            move |f| f.restart_node(old_primary),
-            replicating,
-        )
-        .await,
+    // to the new primary — no call of the phase met the old one (a refused connection or
+    // a read-only write would say "standby" or "read-only") — and holds no session there.
+    let rejoin = under_load(
+        &chain,
+        &formation,
+        "old primary returns",
+        move |f| f.restart_node(old_primary),
+        replicating,
+    )
+    .await;
+    let met_old: Vec<&str> = rejoin
+        .iter()
+        .filter(|s| s.message.contains("standby") || s.message.contains("read-only"))
+        .map(|s| s.message.as_str())
+        .collect();
+    assert!(
+        met_old.is_empty(),
+        "calls met the returning old primary: {met_old:?}"
     );
+    sent.extend(rejoin);
     let old_primary_url = formation.with(move |f| Ok(f.node_url(old_primary))).await;
     assert_eq!(
         ledger_sessions(&old_primary_url).await,
@@ -481,6 +502,14 @@ async fn a_success_is_answered_only_once_the_standby_has_the_charge() {
         header(&replayed, IDEMPOTENT_REPLAYED).as_deref(),
         Some("true")
     );
-    assert!(has_charge(&standby_url, &key).await);
+    // Flushed on the standby before the replay's commit returned; applied a moment later.
+    let start = Instant::now();
+    while !has_charge(&standby_url, &key).await {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "the standby applies the charge"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     assert_eq!(chain.account(&account).await, Some((350, 2)));
 }

@@ -47,9 +47,11 @@ use tokio::sync::Notify;
 pub struct Hosts(Vec<PgConnectOptions>);
 
 impl Hosts {
-    /// Reads a database URL with one host or several (`postgres://u:p@h1:5432,h2:5433/db`),
-    /// `target_session_attrs` included: `read-write` (or `primary`, or nothing) is what the
-    /// ledger does anyway; anything that would allow a standby is refused.
+    /// Reads a database URL with one host or several (`postgres://u:p@h1:5432,h2:5433/db`,
+    /// IPv6 literals in brackets), `target_session_attrs` included: the ledger connects to
+    /// the primary whatever it says, so `read-write`, `primary` and `any` (or nothing) are
+    /// accepted, and a value that asks for a standby (`read-only`, `standby`, …) is refused
+    /// as a misconfiguration.
     pub fn parse(url: &str) -> anyhow::Result<Self> {
         let (scheme, rest) = url
             .split_once("://")
@@ -70,8 +72,18 @@ impl Hosts {
                     Some(userinfo) => format!("{scheme}://{userinfo}@{host}{path}"),
                     None => format!("{scheme}://{host}{path}"),
                 };
-                PgConnectOptions::from_str(&single)
-                    .with_context(|| format!("the database URL's host {host:?}"))
+                let options = PgConnectOptions::from_str(&single)
+                    .with_context(|| format!("the database URL's host {host:?}"))?;
+                // sqlx keeps an IPv6 literal's brackets (`[::1]`), which no resolver takes.
+                let bare = options
+                    .get_host()
+                    .strip_prefix('[')
+                    .and_then(|h| h.strip_suffix(']'))
+                    .map(str::to_owned);
+                Ok(match bare {
+                    Some(bare) => options.host(&bare),
+                    None => options,
+                })
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
         anyhow::ensure!(!options.is_empty(), "the database URL names no host");
@@ -126,6 +138,9 @@ fn without_target_session_attrs(path: &str) -> anyhow::Result<String> {
 /// How often the watcher asks the hosts even when nothing suggested the primary moved.
 const RECHECK: Duration = Duration::from_secs(10);
 
+/// The least time between two askings that found the primary where it was.
+const CALM: Duration = Duration::from_millis(500);
+
 /// Which host is the primary, and since when; see the module docs.
 #[derive(Debug)]
 pub struct Primary {
@@ -133,11 +148,11 @@ pub struct Primary {
     hosts: Hosts,
     /// The host the pool connects to.
     current: AtomicUsize,
-    /// The clock's origin, for `moved_at_ms`.
+    /// The clock's origin, for `moved_at_ns`.
     origin: std::time::Instant,
-    /// When the primary last moved (ms after `origin`); connections older than that were
-    /// opened to the old one.
-    moved_at_ms: AtomicU64,
+    /// When the primary last moved (ns after `origin`, 0: never); a connection opened
+    /// before that, or at the same instant, may have been opened to the old one.
+    moved_at_ns: AtomicU64,
     /// Wakes the watcher.
     suspected: Notify,
     /// How long one host may take to answer whether it is the primary.
@@ -156,7 +171,7 @@ impl Primary {
             hosts,
             current: AtomicUsize::new(0),
             origin: std::time::Instant::now(),
-            moved_at_ms: AtomicU64::new(0),
+            moved_at_ns: AtomicU64::new(0),
             suspected: Notify::new(),
             probe_timeout,
         });
@@ -212,13 +227,15 @@ impl Primary {
         Ok(())
     }
 
-    /// Whether a pooled connection of `age` was opened before the primary last moved, and
-    /// so to the old one (the pool's `before_acquire` retires it).
+    /// Whether a pooled connection of `age` was opened before the primary last moved, or
+    /// at the same instant, and so perhaps to the old one (the pool's `before_acquire`
+    /// retires it). The move is stamped after the pool was pointed at the new host, so a
+    /// connection whose opening began with the old host's options counts as older.
     pub fn opened_before_move(&self, age: Duration) -> bool {
-        let moved_at = self.moved_at_ms.load(Ordering::Relaxed);
+        let moved_at = self.moved_at_ns.load(Ordering::Acquire);
         moved_at > 0 && {
-            let opened_at = self.origin.elapsed().saturating_sub(age).as_millis() as u64;
-            opened_at < moved_at
+            let opened_at = self.origin.elapsed().saturating_sub(age).as_nanos();
+            opened_at <= u128::from(moved_at)
         }
     }
 
@@ -244,20 +261,20 @@ impl Primary {
                 self.suspect();
                 continue;
             };
-            if i != self.current.load(Ordering::Relaxed) {
-                self.current.store(i, Ordering::Relaxed);
-                self.moved_at_ms.store(
-                    (self.origin.elapsed().as_millis() as u64).max(1),
-                    Ordering::Relaxed,
-                );
-                pool.set_connect_options(self.options());
-                tracing::warn!(
-                    host = %format!("{}:{}", self.options().get_host(), self.options().get_port()),
-                    "the primary moved; the ledger now writes there"
-                );
+            if i == self.current.load(Ordering::Relaxed) {
+                // Still the primary: a slow or briefly unreachable server, not a move. Ask
+                // again no sooner than half a second from now, however many calls fail meanwhile.
+                tokio::time::sleep(CALM).await;
+                continue;
             }
-            // Coalesce a burst of suspicions into one probe.
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            self.current.store(i, Ordering::Relaxed);
+            pool.set_connect_options(self.options());
+            let now = u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            self.moved_at_ns.store(now.max(1), Ordering::Release);
+            tracing::warn!(
+                host = %format!("{}:{}", self.options().get_host(), self.options().get_port()),
+                "the primary moved; the ledger now writes there"
+            );
         }
     }
 }

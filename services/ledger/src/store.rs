@@ -342,6 +342,19 @@ pub struct KeyStore {
     round_trip_timeout: Duration,
     /// Which host the pool writes to; told when a failure suggests it moved.
     primary: Arc<Primary>,
+    /// The task that follows the primary, stopped with the last clone of the store (it
+    /// holds the pool, which would otherwise never close).
+    _watcher: Arc<AbortOnDrop>,
+}
+
+/// Aborts a task when dropped.
+#[derive(Debug)]
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// What the store counts for `/metrics`.
@@ -416,7 +429,11 @@ impl KeyStore {
             .map(|host| {
                 // Named, so that an operator (and the failover tests) can tell the
                 // ledger's sessions in pg_stat_activity.
-                host.application_name("retrychain-ledger").options([
+                let host = match host.get_application_name() {
+                    Some(_) => host,
+                    None => host.application_name("retrychain-ledger"),
+                };
+                host.options([
                     // Custom plans: a generic plan cached while the key table was empty (say
                     // after a retention purge) can pick a sequential scan and keep it.
                     ("plan_cache_mode", "force_custom_plan"),
@@ -464,11 +481,18 @@ impl KeyStore {
                 }
             })
             .connect_lazy_with(primary.options());
-        tokio::spawn(Arc::clone(&primary).watch(pool.clone()));
+        let watcher =
+            AbortOnDrop(tokio::spawn(Arc::clone(&primary).watch(pool.clone())).abort_handle());
         let started = std::time::Instant::now();
         loop {
             let error = match MIGRATOR.run(&pool).await {
                 Ok(()) => break,
+                // A migration's lock_timeout: other instances' charges hold the table; they
+                // end within their deadlines, so try again rather than queue every new
+                // charge behind the ALTER.
+                Err(sqlx::migrate::MigrateError::Execute(error)) if is_lock_timeout(&error) => {
+                    StoreError::Unavailable(format!("a migration waited for a table lock: {error}"))
+                }
                 Err(sqlx::migrate::MigrateError::Execute(error)) => StoreError::from(error),
                 Err(error) => return Err(error).context("applying the ledger's migrations"),
             };
@@ -488,6 +512,7 @@ impl KeyStore {
             max_connections: options.pool_size,
             round_trip_timeout: options.round_trip_timeout,
             primary,
+            _watcher: Arc::new(watcher),
         })
     }
 
@@ -540,7 +565,14 @@ impl KeyStore {
                 None => {
                     let mut conn = self.acquire(deadline).await?;
                     let rt = self.round_trip(deadline);
-                    let result = replay_or_in_flight(conn.get(), rt, account, key, amount).await;
+                    let charge = Charge {
+                        account,
+                        key,
+                        amount,
+                        deadline,
+                        in_flight,
+                    };
+                    let result = replay_or_in_flight(conn.get(), rt, &charge).await;
                     return self.settle(conn, result);
                 }
             },
@@ -735,7 +767,8 @@ where
         match claim(&mut tx, rt, &charge).await {
             Ok(Claim::Claimed) => break tx,
             Ok(Claim::Settled(outcome)) => {
-                replicated(&mut tx, rt, account, key).await?;
+                // The replay was counted on the key row (`replicated`): this COMMIT returns
+                // once the saved reply is on the synchronous standby.
                 rt.bound("COMMIT", tx.commit()).await?;
                 return Ok(outcome);
             }
@@ -910,7 +943,7 @@ async fn claim(
             .await?;
         if !free {
             return match saved(tx, rt, account, key).await? {
-                Some(row) => row.replay(account, amount).map(Claim::Settled),
+                Some(row) => settled(tx, rt, charge, row).await,
                 None => Err(StoreError::InFlight),
             };
         }
@@ -931,16 +964,33 @@ async fn claim(
         .await?;
     match inserted {
         Ok(done) if done.rows_affected() == 1 => Ok(Claim::Claimed),
-        Ok(_) => saved(tx, rt, account, key)
-            .await?
-            .ok_or(StoreError::Purged)?
-            .replay(account, amount)
-            .map(Claim::Settled),
+        Ok(_) => {
+            let row = saved(tx, rt, account, key)
+                .await?
+                .ok_or(StoreError::Purged)?;
+            settled(tx, rt, charge, row).await
+        }
         // lock_not_available, our lock_timeout, with time left: this turn is over, not the
         // request.
         Err(error) if is_lock_timeout(&error) && rt.has_time() => Ok(Claim::Busy),
         Err(error) => Err(rt.judge("claiming the key", error.into())),
     }
+}
+
+/// A repeat of a committed key: its saved reply, once the replay is counted on the key
+/// row (`replicated`); another turn if that row is locked past this turn's lock timeout.
+async fn settled(
+    tx: &mut PgConnection,
+    rt: RoundTrip<'_>,
+    charge: &Charge<'_>,
+    row: KeyRow,
+) -> Result<Claim, StoreError> {
+    let outcome = row.replay(charge.account, charge.amount)?;
+    Ok(if replicated(tx, rt, charge.account, charge.key).await? {
+        Claim::Settled(outcome)
+    } else {
+        Claim::Busy
+    })
 }
 
 /// Whether `error` is Postgres's `lock_not_available` (our `lock_timeout`).
@@ -949,27 +999,33 @@ fn is_lock_timeout(error: &sqlx::Error) -> bool {
 }
 
 /// `--in-flight reject`, when this key is already running in this process: its saved
-/// reply if it has in fact finished (a plain read, no lock), else ABORTED.
+/// reply if it has in fact finished (a plain read, no lock; the replay counted as in
+/// [`settled`], in a transaction of its own), else ABORTED.
 async fn replay_or_in_flight(
     conn: &mut PgConnection,
     rt: RoundTrip<'_>,
-    account: &AccountId,
-    key: &IdempotencyKey,
-    amount: AmountCents,
+    charge: &Charge<'_>,
 ) -> Result<ChargeOutcome, StoreError> {
-    match saved(&mut *conn, rt, account, key).await? {
-        Some(row) if row.reply.is_some() => {
-            let outcome = row.replay(account, amount)?;
-            replicated(conn, rt, account, key).await?;
+    let mut tx = begin(conn, rt, charge.deadline).await?;
+    let replayed = match saved(&mut tx, rt, charge.account, charge.key).await {
+        Ok(Some(row)) if row.reply.is_some() => settled(&mut tx, rt, charge, row).await,
+        Ok(_) => Err(StoreError::InFlight),
+        Err(error) => Err(error),
+    };
+    match replayed {
+        Ok(Claim::Settled(outcome)) => {
+            rt.bound("COMMIT", tx.commit()).await?;
             Ok(outcome)
         }
-        _ => Err(StoreError::InFlight),
+        // Claimed cannot come from `settled`; Busy: another replay holds the row.
+        Ok(Claim::Busy | Claim::Claimed) => Err(rolled_back(tx, rt, StoreError::InFlight).await),
+        Err(error) => Err(rolled_back(tx, rt, error).await),
     }
 }
 
-/// Counts a replay on the key's row; committed (by the caller, or as its own statement
-/// outside a transaction), it returns only once the saved reply is on the synchronous
-/// standby too (on a server without one: at once).
+/// Counts a replay on the key's row (false: the row stayed locked past this turn's lock
+/// timeout); the caller's COMMIT then returns only once the saved reply is on the
+/// synchronous standby too (on a server without one: at once).
 ///
 /// A replay must not claim a success the standby lacks. A commit that waited for the
 /// standby and was cut short (its session cancelled or ended: an operator, a pooler's
@@ -985,20 +1041,27 @@ async fn replicated(
     rt: RoundTrip<'_>,
     account: &AccountId,
     key: &IdempotencyKey,
-) -> Result<(), StoreError> {
-    rt.bound(
-        "counting the replay",
-        sqlx::query(
-            "UPDATE idempotency_keys SET replays = replays + 1, replayed_at = now() \
-             WHERE account_id = $1 AND idempotency_key = $2",
+) -> Result<bool, StoreError> {
+    let counted = rt
+        .answer(
+            "counting the replay",
+            sqlx::query(
+                "UPDATE idempotency_keys SET replays = replays + 1, replayed_at = now() \
+                 WHERE account_id = $1 AND idempotency_key = $2",
+            )
+            .bind(account.as_str())
+            .bind(key.as_str())
+            .execute(conn)
+            .instrument(tracing::info_span!("count_replay")),
         )
-        .bind(account.as_str())
-        .bind(key.as_str())
-        .execute(conn)
-        .instrument(tracing::info_span!("count_replay")),
-    )
-    .await?;
-    Ok(())
+        .await?;
+    match counted {
+        Ok(_) => Ok(true),
+        // Another replay of this key (another ledger instance) holds the row: this turn is
+        // over, not the request.
+        Err(error) if is_lock_timeout(&error) && rt.has_time() => Ok(false),
+        Err(error) => Err(rt.judge("counting the replay", error.into())),
+    }
 }
 
 /// A key's row as committed.

@@ -6,9 +6,11 @@
 //! The monitor decides failovers from its health checks, and the timings are tuned here
 //! for a fast failover ([`MONITOR_SETTINGS`], [`NETWORK_PARTITION_TIMEOUT`]): a check every
 //! second and a node unhealthy after 2 s without answering (defaults 5 s and 20 s); a
-//! primary cut off from both the monitor and its standby demotes itself after 2 s
-//! (default 20 s), and the monitor promotes the standby 4 s after it asked an unreachable
-//! primary to step down (default 30 s). The order of the last two is what prevents two
+//! primary cut off from both the monitor and its standby demotes itself after 4 s
+//! (default 20 s: not shorter here, since a primary whose standby is down has only the
+//! monitor to keep it up, and a loaded machine can stall that long), and the monitor
+//! promotes the standby 6 s after it asked an unreachable primary to step down (default
+//! 30 s). The order of the last two is what prevents two
 //! primaries, whatever the scale. The price of the short scale on a real network: a slow
 //! link or a long pause (a GC-like stall, a VM migration) fails over, or demotes a primary,
 //! that would have come back — production keeps the defaults or tunes them to its network.
@@ -25,7 +27,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::{Error, find_bindir, free_port, read_to_string, unprivileged_user};
+use crate::{
+    error::Error,
+    host::{find_bindir, free_port, read_to_string, unprivileged_user},
+};
 
 /// How a node of the formation stands, as the monitor sees it (one object of `pg_autoctl
 /// show state --json`).
@@ -77,12 +82,12 @@ pub const MONITOR_SETTINGS: [(&str, &str); 6] = [
     // Longer than a cut-off primary takes to demote itself (NETWORK_PARTITION_TIMEOUT,
     // counted from when it lost contact, before the monitor even noticed): else, for a
     // moment, two primaries.
-    ("pgautofailover.primary_demote_timeout", "4000"),
+    ("pgautofailover.primary_demote_timeout", "6000"),
 ];
 
 /// Seconds after which a node's keeper that reaches neither the monitor nor its standby
 /// demotes its primary (`timeout.network_partition_timeout`; see the module docs).
-pub const NETWORK_PARTITION_TIMEOUT: &str = "2";
+pub const NETWORK_PARTITION_TIMEOUT: &str = "4";
 
 const SUPERUSER: &str = "postgres";
 
@@ -112,7 +117,9 @@ impl HaFormation {
         let (guardian, guardian_pipe) = guardian(&dir, run_as, &path)?;
         let mut formation = HaFormation {
             monitor_port: free_port()?,
-            ports: [free_port()?, free_port()?],
+            // Each node's port is picked just before the node is created, so that little
+            // time passes in which another process could take it.
+            ports: [0, 0],
             dir,
             run_as,
             path,
@@ -217,19 +224,22 @@ impl HaFormation {
         let name = format!("node{}", i + 1);
         let postmaster = postmaster_of(&self.dir.join(&name));
         if let Some(pid) = postmaster {
-            // Stopped first, so that it starts no backend while they are being killed.
+            // Stopped first, so that it starts no process while its children are killed;
+            // they go first, while it is still their parent and they can be found by it.
             signal(pid, "STOP");
+            let _ = Command::new("pkill")
+                .args(["-KILL", "-P", &pid.to_string()])
+                .status();
         }
         if let Some((_, slot)) = self.keepers.iter_mut().find(|(n, _)| *n == name)
             && let Some(mut keeper) = slot.take()
         {
             signal_group(keeper.id(), "KILL");
             let _ = keeper.wait();
+            // Its group is gone: the guardian must not signal that id, which may be reused.
+            let _ = fs::remove_file(self.dir.join(format!("{name}.pgid")));
         }
         if let Some(pid) = postmaster {
-            let _ = Command::new("pkill")
-                .args(["-KILL", "-P", &pid.to_string()])
-                .status();
             signal(pid, "KILL");
         }
         Ok(())
@@ -310,6 +320,7 @@ impl HaFormation {
 
     fn create_node(&mut self, i: usize) -> Result<(), Error> {
         let name = format!("node{}", i + 1);
+        self.ports[i] = free_port()?;
         let monitor = format!(
             "postgres://autoctl_node@127.0.0.1:{}/pg_auto_failover?sslmode=disable",
             self.monitor_port
@@ -530,23 +541,44 @@ fn postmaster_of(pgdata: &Path) -> Option<u32> {
     cmdline.contains(&*pgdata.to_string_lossy()).then_some(pid)
 }
 
-/// Kills every process group of the formation (its `*.pgid` files: each keeper with its
-/// helpers), then every server still running on one of its data directories with its
-/// backends, and removes the directory — once our end of its pipe closes: when the
-/// [`HaFormation`] is dropped, or this process dies. `env kill`: the shell's own `kill`
-/// may not take `--`.
+/// Stops the formation and removes its directory once our end of its pipe closes — when
+/// the [`HaFormation`] is dropped, or this process dies: freezes every keeper with its
+/// helpers (the process groups of its `*.pgid` files, each checked to still be a
+/// `pg_autoctl`, since a group id can be reused), so none restarts a server; asks every
+/// server still running on one of its data directories for an immediate shutdown
+/// (SIGQUIT, which also releases its shared memory), then kills what is left. `env kill`:
+/// the shell's own `kill` may not take `--`.
 const GUARDIAN: &str = r#"
 trap '' INT TERM
 dir="$1"
 cat >/dev/null
+groups=""
 for file in "$dir"/*.pgid; do
-  [ -f "$file" ] && env kill -KILL -- "-$(cat "$file")" 2>/dev/null
+  [ -f "$file" ] || continue
+  pgid=$(cat "$file")
+  if tr '\0' ' ' <"/proc/$pgid/cmdline" 2>/dev/null | grep -q pg_autoctl; then
+    env kill -STOP -- "-$pgid" 2>/dev/null
+    groups="$groups $pgid"
+  fi
 done
+servers=""
 for pgdata in "$dir"/monitor "$dir"/node1 "$dir"/node2; do
   pid=$(head -n 1 "$pgdata/postmaster.pid" 2>/dev/null)
   if [ -n "$pid" ] && tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF "$pgdata"; then
-    env kill -STOP "$pid"; pkill -KILL -P "$pid"; env kill -KILL "$pid"
-  fi 2>/dev/null
+    # In a keeper's group, so stopped with it above: let it run to shut down.
+    env kill -CONT "$pid" 2>/dev/null; env kill -QUIT "$pid" 2>/dev/null
+    servers="$servers $pid"
+  fi
+done
+for attempt in 1 2 3 4 5 6 7 8 9 10; do
+  alive=""
+  for pid in $servers; do [ -d "/proc/$pid" ] && alive="$alive $pid"; done
+  [ -z "$alive" ] && break
+  sleep 0.2
+done
+for pgid in $groups; do env kill -KILL -- "-$pgid" 2>/dev/null; done
+for pid in $servers; do
+  [ -d "/proc/$pid" ] && { pkill -KILL -P "$pid"; env kill -KILL "$pid"; } 2>/dev/null
 done
 # A process that was dying may still write a file as the directory goes: try again.
 for attempt in 1 2 3 4 5; do
@@ -569,7 +601,10 @@ fn guardian(
         .env("PATH", path)
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
-        .stderr(Stdio::null());
+        .stderr(Stdio::null())
+        // A group of its own: whoever kills this process's group (a CI timeout) must not
+        // take the guardian with it, or the formation would outlive us.
+        .process_group(0);
     if let Some((uid, gid)) = run_as {
         command.uid(uid).gid(gid);
     }
