@@ -24,6 +24,7 @@ mod load;
 mod logs;
 mod metrics;
 mod otel;
+mod replicas;
 mod service_config;
 mod sim;
 mod storm;

@@ -52,6 +52,11 @@ pub struct UpArgs {
     /// The retry mode of all five services.
     #[arg(long, env = "RETRYCHAIN_RETRY_MODE", value_enum, default_value_t = RetryMode::EdgeOnly)]
     pub retry_mode: RetryMode,
+    /// How many replicas of each relay and of the ledger (the edge is one); each tier
+    /// balances over the replicas below it. Replica r of a service listens ten ports up
+    /// per replica: hop3's are 50053, 50063, 50073, …
+    #[arg(long, env = "RETRYCHAIN_REPLICAS", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=9))]
+    pub replicas: u16,
     /// The edge's port; hop2, hop3, hop4 and the ledger take the next four.
     #[arg(long, env = "RETRYCHAIN_BASE_PORT", default_value_t = 50051)]
     pub base_port: u16,

@@ -42,6 +42,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         database_url: args.database_url.clone(),
         postgres: args.postgres,
         base_port: args.base_port,
+        replicas: usize::from(args.replicas),
         logs: if json { Logs::Raw } else { Logs::Prefixed },
         ..ChainSpec::default()
     }
@@ -60,7 +61,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     if let Some(database) = chain.own_database() {
         say(&format!("postgres | {}", database.describe()));
     }
-    say(&hints(args.base_port));
+    say(&hints(args.base_port, usize::from(args.replicas)));
     tokio::select! {
         _ = &mut interrupted => {}
         _ = chain.supervise() => {}
@@ -70,13 +71,27 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// What to try once the chain is up.
-fn hints(base: u16) -> String {
+/// What to try once the chain is up: the layout (every replica's port), then calls.
+fn hints(base: u16, replicas: usize) -> String {
     let edge = format!("localhost:{base}");
     let ledger = format!("localhost:{}", base + 1004);
+    let tier = |i: u16| {
+        let count = if i == 0 { 1 } else { replicas };
+        (0..count as u16)
+            .map(|r| format!(":{}", base + i + 10 * r))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let balanced = if replicas > 1 {
+        format!(
+            "\n{replicas} replicas of each relay and of the ledger; each tier balances over the one below (admin ports: each + 1000)"
+        )
+    } else {
+        String::new()
+    };
     format!(
         r#"
-retrychain is up: edge :{base} -> hop2 :{} -> hop3 :{} -> hop4 :{} -> ledger :{}
+retrychain is up: edge {} -> hop2 {} -> hop3 {} -> hop4 {} -> ledger {}{balanced}
 Control (admin ports, this machine only): edge :{} … ledger :{}
 Try:
   grpcurl -plaintext {edge} list
@@ -87,10 +102,11 @@ Try:
   grpcurl -plaintext {ledger} retrychain.v1.Control/GetStats
 Ctrl-C stops everything.
 "#,
-        base + 1,
-        base + 2,
-        base + 3,
-        base + 4,
+        tier(0),
+        tier(1),
+        tier(2),
+        tier(3),
+        tier(4),
         base + 1000,
         base + 1004,
     )

@@ -28,8 +28,12 @@ pub struct ChainSpec {
     pub database_url: Option<String>,
     /// The database the chain starts when `database_url` is `None`.
     pub postgres: Postgres,
-    /// The edge's port; hop2..ledger take the next four. 0: any free ports.
+    /// The edge's port; hop2..ledger take the next four (replica r of service i:
+    /// base + i + 10·r). 0: any free ports.
     pub base_port: u16,
+    /// How many replicas of each relay and of the ledger (the edge is one): each tier's
+    /// replicas are the `--downstream` list of the tier above, which balances over them.
+    pub replicas: usize,
     /// Edge first, ledger last. Where each listens, its name, its downstream and the
     /// ledger's database are set by the chain as it starts them.
     pub services: [ServiceCommand; 5],
@@ -57,6 +61,7 @@ impl Default for ChainSpec {
             database_url: None,
             postgres: Postgres::Single,
             base_port: 0,
+            replicas: 1,
             services,
             env: Vec::new(),
             logs: Logs::Discard,
@@ -103,15 +108,22 @@ impl ChainSpec {
         }
     }
 
-    /// Service `i` as it is started: listening on its port of the chain, named, pointed at
-    /// `downstream` (the ledger at `database_url`).
-    pub fn placed(&self, i: usize, downstream: &str, database_url: &str) -> ServiceCommand {
+    /// Replica `r` of service `i` as it is started: listening on its port of the chain
+    /// (base + i + 10·r), named after its tier, pointed at `downstream` (the ledger at
+    /// `database_url`).
+    pub fn placed(
+        &self,
+        i: usize,
+        r: usize,
+        downstream: &str,
+        database_url: &str,
+    ) -> ServiceCommand {
         let mut command = self.services[i].clone();
         let listen = SocketAddr::from((
             [127, 0, 0, 1],
             match self.base_port {
                 0 => 0,
-                base => base + i as u16,
+                base => base + i as u16 + 10 * r as u16,
             },
         ));
         let service = command.service_mut();
@@ -124,6 +136,19 @@ impl ChainSpec {
             ServiceCommand::Ledger(args) => args.database_url = database_url.to_owned(),
         }
         command
+    }
+
+    /// How many replicas service `i` runs: one edge, [`ChainSpec::replicas`] of the rest.
+    pub fn replicas_of(&self, i: usize) -> usize {
+        if i == 0 { 1 } else { self.replicas.max(1) }
+    }
+}
+
+/// How a chain's replica `r` of service `i` is called in logs: `hop3`, then `hop3.2`, …
+pub fn replica_name(i: usize, r: usize) -> String {
+    match r {
+        0 => NAMES[i].to_owned(),
+        r => format!("{}.{}", NAMES[i], r + 1),
     }
 }
 
@@ -188,20 +213,23 @@ where
 pub struct LocalChain {
     /// The database, if we started one.
     database: Option<OwnDatabase>,
-    /// Edge first, ledger last.
+    /// The first replica of each service, edge first, ledger last.
     pub services: Vec<ChildService>,
+    /// The other replicas ([`ChainSpec::replicas`]), tier by tier from the ledger up.
+    pub replicas: Vec<ChildService>,
     /// Where the services' logs go, and so what the chain says itself.
     logs: Logs,
 }
 
 impl LocalChain {
-    /// Starts Postgres if needed, then the ledger, hop4, hop3, hop2 and the edge, each
-    /// after the one below reports SERVING.
+    /// Starts Postgres if needed, then the ledger's replicas, hop4's, hop3's, hop2's and
+    /// the edge, each after those below report SERVING.
     pub async fn start(spec: ChainSpec) -> anyhow::Result<Self> {
         let (database, database_url) = database(&spec).await?;
         let mut chain = LocalChain {
             database,
             services: Vec::new(),
+            replicas: Vec::new(),
             logs: spec.logs,
         };
         let mut downstream = String::new();
@@ -212,26 +240,33 @@ impl LocalChain {
             if i == 4 {
                 env.push(("DATABASE_URL".to_owned(), database_url.clone()));
             }
-            let launch = Launch {
-                program: spec.program.clone(),
-                args: spec.placed(i, &downstream, &database_url).to_args(),
-                env,
-                logs: spec.logs,
-            };
-            let service = match ChildService::start(NAMES[i], launch).await {
-                Ok(service) => service,
-                Err(error) => {
+            let mut urls = Vec::new();
+            for r in 0..spec.replicas_of(i) {
+                let launch = Launch {
+                    program: spec.program.clone(),
+                    args: spec.placed(i, r, &downstream, &database_url).to_args(),
+                    env: env.clone(),
+                    logs: spec.logs,
+                };
+                let service = match ChildService::start(&replica_name(i, r), launch).await {
+                    Ok(service) => service,
+                    Err(error) => {
+                        chain.stop().await;
+                        return Err(error);
+                    }
+                };
+                let serving = wait_serving(&service.name, service.url()).await;
+                urls.push(service.addr.url.clone());
+                match r {
+                    0 => chain.services.insert(0, service),
+                    _ => chain.replicas.push(service),
+                }
+                if let Err(error) = serving {
                     chain.stop().await;
                     return Err(error);
                 }
-            };
-            let serving = wait_serving(&service.name, service.url()).await;
-            downstream = service.addr.url.clone();
-            chain.services.insert(0, service);
-            if let Err(error) = serving {
-                chain.stop().await;
-                return Err(error);
             }
+            downstream = urls.join(",");
         }
         Ok(chain)
     }
@@ -254,21 +289,22 @@ impl LocalChain {
         const FIRST: Duration = Duration::from_millis(250);
         const LONGEST: Duration = Duration::from_secs(8);
         const STEADY: Duration = Duration::from_secs(30);
-        let mut waits = vec![FIRST; self.services.len()];
-        let mut started = vec![tokio::time::Instant::now(); self.services.len()];
+        let count = self.services.len() + self.replicas.len();
+        let mut waits = vec![FIRST; count];
+        let mut started = vec![tokio::time::Instant::now(); count];
         loop {
             let (i, status) = self.first_exit().await;
             if started[i].elapsed() >= STEADY {
                 waits[i] = FIRST;
             }
-            let name = self.services[i].name.clone();
+            let name = self.nth(i).name.clone();
             announce(
                 self.logs,
                 "up",
                 &format!("{name} exited ({status}); restarting in {:?}", waits[i]),
             );
             tokio::time::sleep(waits[i]).await;
-            match self.services[i].restart().await {
+            match self.nth(i).restart().await {
                 Ok(()) => announce(self.logs, "up", &format!("{name} restarted")),
                 Err(error) => announce(
                     self.logs,
@@ -281,11 +317,21 @@ impl LocalChain {
         }
     }
 
-    /// Completes when any service exits: its index and exit status.
+    /// Service `i` of the first replicas followed by the other replicas.
+    fn nth(&mut self, i: usize) -> &mut ChildService {
+        match i.checked_sub(self.services.len()) {
+            None => &mut self.services[i],
+            Some(extra) => &mut self.replicas[extra],
+        }
+    }
+
+    /// Completes when any service (any replica) exits: its index, as [`Self::nth`]
+    /// counts, and its exit status.
     async fn first_exit(&mut self) -> (usize, String) {
         let waits = self
             .services
             .iter_mut()
+            .chain(self.replicas.iter_mut())
             .enumerate()
             .map(|(i, service)| Box::pin(async move { (i, service.exited().await) }));
         futures::future::select_all(waits).await.0
@@ -294,6 +340,9 @@ impl LocalChain {
     /// Stops the services top-down, then removes the chain's own database.
     pub async fn stop(mut self) {
         for service in std::mem::take(&mut self.services) {
+            service.stop().await;
+        }
+        for service in std::mem::take(&mut self.replicas) {
             service.stop().await;
         }
         if let Some(database) = self.database.take() {
@@ -307,8 +356,10 @@ impl LocalChain {
 /// calls (as [`InProcessService`]'s drop does) and removes the database.
 #[derive(Debug)]
 pub struct InProcessChain {
-    /// Edge first, ledger last.
+    /// The first replica of each service, edge first, ledger last.
     pub services: Vec<InProcessService>,
+    /// The other replicas ([`ChainSpec::replicas`]).
+    pub replicas: Vec<InProcessService>,
     /// The database, if we started one: held to be removed on drop, after the services
     /// (fields drop in order).
     _database: Option<OwnDatabase>,
@@ -320,16 +371,24 @@ impl InProcessChain {
     /// do not apply).
     pub async fn start(spec: ChainSpec) -> anyhow::Result<Self> {
         let (database, database_url) = database(&spec).await?;
-        let mut services = Vec::new();
+        let (mut services, mut replicas) = (Vec::new(), Vec::new());
         let mut downstream = String::new();
         for i in (0..NAMES.len()).rev() {
-            let command = spec.placed(i, &downstream, &database_url);
-            let service = InProcessService::start(NAMES[i], command).await?;
-            downstream = service.addr.url.clone();
-            services.insert(0, service);
+            let mut urls = Vec::new();
+            for r in 0..spec.replicas_of(i) {
+                let command = spec.placed(i, r, &downstream, &database_url);
+                let service = InProcessService::start(&replica_name(i, r), command).await?;
+                urls.push(service.addr.url.clone());
+                match r {
+                    0 => services.insert(0, service),
+                    _ => replicas.push(service),
+                }
+            }
+            downstream = urls.join(",");
         }
         Ok(Self {
             services,
+            replicas,
             _database: database,
         })
     }
@@ -360,7 +419,7 @@ mod tests {
         };
         spec.edge().service.max_attempts = 4;
         spec.ledger().db_pool_size = 8;
-        let ServiceCommand::Edge(edge) = spec.placed(0, "http://127.0.0.1:50052", "") else {
+        let ServiceCommand::Edge(edge) = spec.placed(0, 0, "http://127.0.0.1:50052", "") else {
             panic!("service 0 is the edge")
         };
         assert_eq!(
@@ -371,7 +430,7 @@ mod tests {
         assert_eq!(edge.downstream.as_deref(), Some("http://127.0.0.1:50052"));
         assert_eq!(edge.service.max_attempts, 4);
         assert!(edge.service.fault_injection && edge.service.allow_retry_mode_override);
-        let ServiceCommand::Relay(hop3) = spec.placed(2, "http://127.0.0.1:50054", "") else {
+        let ServiceCommand::Relay(hop3) = spec.placed(2, 0, "http://127.0.0.1:50054", "") else {
             panic!("service 2 is a relay")
         };
         assert_eq!(hop3.service.name.as_deref(), Some("hop3"));
@@ -379,17 +438,32 @@ mod tests {
             hop3.service.max_attempts, 3,
             "the edge's setting is the edge's"
         );
-        let ServiceCommand::Ledger(ledger) = spec.placed(4, "", "postgres://db") else {
+        let ServiceCommand::Ledger(ledger) = spec.placed(4, 0, "", "postgres://db") else {
             panic!("service 4 is the ledger")
         };
         assert_eq!(ledger.database_url, "postgres://db");
         assert_eq!(ledger.db_pool_size, 8);
-        let ServiceCommand::Ledger(any_port) = ChainSpec::default().placed(4, "", "") else {
+        let ServiceCommand::Ledger(any_port) = ChainSpec::default().placed(4, 0, "", "") else {
             panic!("service 4 is the ledger")
         };
         assert_eq!(
             any_port.service.listen,
             Some("127.0.0.1:0".parse().unwrap())
         );
+        let ServiceCommand::Relay(hop3_b) = spec.placed(2, 1, "http://a,http://b", "") else {
+            panic!("service 2 is a relay")
+        };
+        assert_eq!(
+            hop3_b.service.listen,
+            Some("127.0.0.1:50063".parse().unwrap()),
+            "replica 2 of hop3: ten ports up"
+        );
+        assert_eq!(
+            hop3_b.service.name.as_deref(),
+            Some("hop3"),
+            "named after its tier"
+        );
+        assert_eq!(replica_name(2, 1), "hop3.2");
+        assert_eq!(spec.replicas_of(0), 1, "one edge");
     }
 }

@@ -27,7 +27,7 @@ use std::{
 };
 
 use resilience::{
-    PropagateDeadlineLayer, RetryLayer, ServiceConfig, client::RetryService,
+    Balancer, PropagateDeadlineLayer, RetryLayer, ServiceConfig, client::RetryService,
     propagate::PropagateDeadline, wire,
 };
 use retrychain_node::{
@@ -43,7 +43,6 @@ use retrychain_proto::v1::{
 use tonic::{
     Request, Response, Status,
     metadata::{MetadataMap, MetadataValue},
-    transport::Channel,
 };
 use tower::{Layer, ServiceBuilder, ServiceExt, util::Either};
 
@@ -57,14 +56,16 @@ use tower::{Layer, ServiceBuilder, ServiceExt, util::Either};
 /// 3. [`InjectTrace`]: each attempt's trace context (the attempt's span while exporting
 ///    traces, else this hop's).
 /// 4. [`FaultLayer`], only in a service started with `--fault-injection`.
-/// 5. The channel: one HTTP/2 connection shared by all calls.
+/// 5. [`Balancer`]: the replicas below (`--downstream`: URLs or a DNS name), each attempt
+///    sent to the cheaper of two — to one the call has not tried, when there is one — over
+///    one HTTP/2 connection per replica.
 ///
 /// The idempotency key and the retry mode are written once, by the handler, on the call it
 /// makes ([`Hop::outgoing`]).
 pub type Downstream = PropagateDeadline<ByPlan<RetryService<InjectTrace<Faults>>>>;
 
 /// The fault layer, when the service has one.
-pub type Faults = Either<Faulty<Channel>, Channel>;
+pub type Faults = Either<Faulty<Balancer>, Balancer>;
 
 /// Which retry policy a downstream call goes out under. The handler puts it in the call's
 /// extensions; [`ByPlan`] reads it.
@@ -135,17 +136,17 @@ pub struct HopSettings {
     pub min_attempt: Duration,
 }
 
-/// Builds the [`Downstream`] stack over `channel`.
+/// Builds the [`Downstream`] stack over `replicas`.
 fn downstream(
     node: &Arc<Node>,
     role: Role,
     settings: &HopSettings,
-    channel: Channel,
+    replicas: Balancer,
 ) -> Downstream {
     let faults = if node.fault_injection {
-        Either::Left(FaultLayer::new(Arc::clone(&node.faults), &node.name).layer(channel))
+        Either::Left(FaultLayer::new(Arc::clone(&node.faults), &node.name).layer(replicas))
     } else {
-        Either::Right(channel)
+        Either::Right(replicas)
     };
     let below = InjectTraceLayer.layer(faults);
     let observer: Arc<dyn resilience::RetryObserver> = Arc::clone(node) as _;
@@ -200,12 +201,12 @@ pub struct Hop {
 }
 
 impl Hop {
-    /// A hop in `role` forwarding to `channel`.
-    pub fn new(node: Arc<Node>, role: Role, settings: HopSettings, channel: Channel) -> Self {
+    /// A hop in `role` forwarding to the replicas of `replicas`.
+    pub fn new(node: Arc<Node>, role: Role, settings: HopSettings, replicas: Balancer) -> Self {
         Self {
             role,
             mode: settings.mode,
-            downstream: PaymentsClient::new(downstream(&node, role, &settings, channel)),
+            downstream: PaymentsClient::new(downstream(&node, role, &settings, replicas)),
             node,
         }
     }

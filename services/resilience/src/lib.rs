@@ -20,6 +20,9 @@
 //! - [`engine`]: the one retry loop, for any kind of call ([`Attempt`]).
 //! - [`replay`]: a gRPC call's body buffered once and replayed per attempt.
 //! - [`hedge`]: gRFC A6 hedging on the engine's parts.
+//! - [`balance`]: [`Balancer`], the bottom of a hop's downstream stack: the replicas of
+//!   the service below (URLs or a DNS name, followed), power of two choices over a
+//!   peak-EWMA load, and a retry sent to a replica the call has not tried.
 //! - [`client`]: [`RetryLayer`], the engine's face: a tower layer over any tonic client,
 //!   and [`client::RetryCalls`] over an in-process service.
 //! - [`server_deadline`]: [`DeadlineLayer`], the tower layer that gives each server
@@ -28,6 +31,7 @@
 //!   served request's deadline, shortened.
 
 pub mod backoff;
+pub mod balance;
 pub mod budget;
 pub mod classify;
 pub mod client;
@@ -44,6 +48,7 @@ pub mod throttle;
 pub mod wire;
 
 pub use backoff::{Backoff, BackoffKind, BackoffSchedule};
+pub use balance::{Balancer, Downstream, Tried};
 pub use budget::RetryBudget;
 pub use classify::is_retryable;
 pub use client::{AttemptRequest, CallRequest, RetryCalls, RetryLayer};

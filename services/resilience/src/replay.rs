@@ -19,6 +19,7 @@ use tonic::{Code, Status, body::Body};
 use tower::{Service, ServiceExt};
 
 use crate::{
+    balance::Tried,
     classify::{is_local_timeout, never_processed, transport_failure_as_unavailable},
     deadline::CallDeadline,
     engine::{Attempt, Attempts, Verdict, uncancelled},
@@ -155,7 +156,12 @@ impl<S> Replay<S> {
         budget: &Arc<ReplayBudget>,
         request: http::Request<Body>,
     ) -> Result<Self, (S, http::Request<Body>)> {
-        let (parts, body) = request.into_parts();
+        let (mut parts, body) = request.into_parts();
+        // One per call, shared by its attempts (each gets a copy of these parts): where a
+        // balancer below records the replicas tried, so that a retry goes elsewhere.
+        if parts.extensions.get::<Tried>().is_none() {
+            parts.extensions.insert(Tried::default());
+        }
         match buffer(budget, body).await {
             Ok(body) => Ok(Self { inner, parts, body }),
             Err(whole) => Err((inner, http::Request::from_parts(parts, whole))),

@@ -207,7 +207,9 @@ pub struct HopArgs {
     /// Flags every service takes.
     #[command(flatten)]
     pub service: ServiceArgs,
-    /// The next service's URL [default: http://127.0.0.1:50052 for the edge; required for a relay].
+    /// The next service: one URL, several comma-separated (its replicas), or
+    /// dns:///host:port (every address the name resolves to, resolved again every 5 s)
+    /// [default: http://127.0.0.1:50052 for the edge; required for a relay].
     #[arg(long, env = "RETRYCHAIN_DOWNSTREAM")]
     pub downstream: Option<String>,
 }

@@ -5,11 +5,10 @@
 use std::{net::SocketAddr, pin::Pin, sync::Arc, time::Duration};
 
 use anyhow::Context;
-use resilience::{A6Throttle, RetryBudget, ServiceConfig, Throttle};
+use resilience::{A6Throttle, Balancer, Downstream, RetryBudget, ServiceConfig, Throttle};
 use retrychain_hop::{Hop, HopSettings, Role};
 use retrychain_ledger::{InFlight, KeyStore, Ledger, StoreOptions, run_retention};
 use retrychain_node::{Listeners, Node, NodeConfig, ReadyAddrs, default_admin_addr, telemetry};
-use tonic::transport::Endpoint;
 
 use crate::args::{HopArgs, InFlightArg, LedgerArgs, ServiceArgs, ServiceCommand};
 
@@ -92,13 +91,10 @@ async fn hop(
         None
     };
     let node = node(service, name, budget, policies.config);
-    // Connect lazily: services may start in any order, and a downstream that is not up
-    // yet is an UNAVAILABLE attempt like any other.
-    let channel = Endpoint::from_shared(downstream.clone())
-        .with_context(|| format!("downstream URL {downstream:?}"))?
-        .tcp_nodelay(true)
-        .connect_timeout(Duration::from_secs(2))
-        .connect_lazy();
+    // Replicas connect lazily: services may start in any order, and a downstream that is
+    // not up yet is an UNAVAILABLE attempt like any other.
+    let downstream = Downstream::parse(&downstream)?;
+    let replicas = Balancer::start(downstream.clone()).await;
     let hop = Hop::new(
         Arc::clone(&node),
         role,
@@ -107,9 +103,14 @@ async fn hop(
             margin: service.margin(),
             min_attempt: service.min_attempt(),
         },
-        channel,
+        replicas.clone(),
     );
-    tracing::info!(%downstream, mode = %service.retry_mode.as_str(), "forwarding");
+    tracing::info!(
+        %downstream,
+        replicas = ?replicas.replicas(),
+        mode = %service.retry_mode.as_str(),
+        "forwarding"
+    );
     let addrs = listeners.addrs();
     let reserve = service.reserve();
     let serving = retrychain_node::serve(listeners, node, hop, reserve, shutdown);

@@ -1,0 +1,602 @@
+//! Balancing a hop's calls over the replicas of the service below it.
+//!
+//! A hop's `--downstream` names one URL, several (`http://a:50053,http://b:50053`), or a
+//! DNS name (`dns:///hop3:50053`) whose addresses are the replicas — what a Kubernetes
+//! headless Service or Docker's embedded DNS for a scaled compose service answers. A name
+//! is resolved again every few seconds ([`Balancer::start`]): replicas that appear join,
+//! those that vanish leave, and a call in flight keeps the replica it was sent to.
+//!
+//! [`Balancer`] is the tower service at the bottom of the downstream stack, under the retry
+//! loop, so that every attempt is balanced on its own:
+//!
+//! - **Which replica**: the power of two choices — two replicas drawn at random, the one
+//!   with the lower cost taken — where the cost is a peak-EWMA of the replica's response
+//!   times multiplied by its calls in flight plus one (Finagle's and Linkerd's load
+//!   estimate). A slow replica, or one with a queue, is chosen less, without any replica
+//!   being starved of the samples that would show it recovered.
+//! - **A retry goes elsewhere**: the retry engine puts a [`Tried`] in each call's
+//!   attempts; the balancer records there the replica each attempt went to, and the next
+//!   attempt of the same call is drawn from the replicas not yet tried, when there is one
+//!   (Envoy's `previous_hosts`). Hedged copies of a call go to distinct replicas the same
+//!   way.
+//!
+//! Why not `tower::balance::p2c`: its choice cannot exclude the replicas a call already
+//! tried, and its endpoints must be polled ready one by one; tonic's own balanced channel
+//! evicts a failed endpoint for good. The estimate itself is the one `tower::load::PeakEwma`
+//! keeps, kept here per replica so that it can be read without owning the service.
+
+use std::{
+    sync::{Arc, Mutex, RwLock, Weak},
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use rand::{RngExt, rngs::SmallRng};
+use tokio::time::Instant;
+use tonic::{
+    Status,
+    body::Body,
+    transport::{Channel, Endpoint},
+};
+use tower::{Service, ServiceExt};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type BoxFuture<T> = std::pin::Pin<Box<dyn Future<Output = T> + Send>>;
+
+/// How often a DNS name is resolved again.
+pub const RESOLVE_EVERY: Duration = Duration::from_secs(5);
+
+/// The response time a replica is assumed to have before its first answer: optimistic, so
+/// that a replica that joins (or comes back) is tried at once and its real time learnt.
+const DEFAULT_RTT: Duration = Duration::from_millis(1);
+
+/// How fast the estimate forgets a slow answer: a sample's weight halves in about 7 s.
+const DECAY: Duration = Duration::from_secs(10);
+
+/// Where a hop's calls go: its `--downstream`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Downstream {
+    /// One URL or several, each a replica.
+    Urls(Vec<String>),
+    /// Every address `host` resolves to, on `port`, resolved again every
+    /// [`RESOLVE_EVERY`].
+    Dns {
+        /// The name.
+        host: String,
+        /// The port of every replica.
+        port: u16,
+    },
+}
+
+/// Why a `--downstream` value was refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum DownstreamError {
+    /// Nothing was given.
+    #[error("--downstream is empty")]
+    Empty,
+    /// A URL was not `http://host:port` (or https).
+    #[error("--downstream {0:?} is not a URL such as http://hop3:50053")]
+    BadUrl(String),
+    /// A `dns:` target without a port, or with a bad one.
+    #[error("--downstream {0:?}: a DNS target is dns:///host:port, e.g. dns:///hop3:50053")]
+    BadDns(String),
+}
+
+impl Downstream {
+    /// Reads `--downstream`: `dns:///host:port` (gRPC's name syntax; `dns:host:port` too),
+    /// or one or more comma-separated `http(s)://host:port` URLs.
+    pub fn parse(spec: &str) -> Result<Self, DownstreamError> {
+        let spec = spec.trim();
+        if spec.is_empty() {
+            return Err(DownstreamError::Empty);
+        }
+        if let Some(target) = spec.strip_prefix("dns:") {
+            // dns:///host:port (empty authority) or dns:host:port; an authority (a DNS
+            // server of its own choosing, dns://8.8.8.8/host:port) is not supported.
+            let target = target.strip_prefix("///").unwrap_or(target);
+            let bad = || DownstreamError::BadDns(spec.to_owned());
+            let (host, port) = target.rsplit_once(':').ok_or_else(bad)?;
+            let host = host.trim_start_matches('[').trim_end_matches(']');
+            if host.is_empty() || host.contains('/') {
+                return Err(bad());
+            }
+            let port = port
+                .parse::<u16>()
+                .ok()
+                .filter(|p| *p != 0)
+                .ok_or_else(bad)?;
+            return Ok(Self::Dns {
+                host: host.to_owned(),
+                port,
+            });
+        }
+        let urls = spec
+            .split(',')
+            .map(str::trim)
+            .filter(|url| !url.is_empty())
+            .map(|url| {
+                let uri: http::Uri = url
+                    .parse()
+                    .map_err(|_| DownstreamError::BadUrl(url.to_owned()))?;
+                let scheme_ok = matches!(uri.scheme_str(), Some("http" | "https"));
+                if !scheme_ok || uri.host().is_none() {
+                    return Err(DownstreamError::BadUrl(url.to_owned()));
+                }
+                Ok(url.trim_end_matches('/').to_owned())
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        if urls.is_empty() {
+            return Err(DownstreamError::Empty);
+        }
+        Ok(Self::Urls(urls))
+    }
+}
+
+impl std::fmt::Display for Downstream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Urls(urls) => f.write_str(&urls.join(",")),
+            Self::Dns { host, port } => write!(f, "dns:///{host}:{port}"),
+        }
+    }
+}
+
+/// The replicas one call has been sent to, shared by its attempts (the retry engine puts
+/// one in every call it drives; see the module docs).
+#[derive(Debug, Clone, Default)]
+pub struct Tried(Arc<Mutex<Vec<u64>>>);
+
+impl Tried {
+    fn contains(&self, id: u64) -> bool {
+        self.0.lock().map(|t| t.contains(&id)).unwrap_or(false)
+    }
+
+    fn push(&self, id: u64) {
+        if let Ok(mut tried) = self.0.lock() {
+            tried.push(id);
+        }
+    }
+
+    /// How many attempts of the call were sent to a replica.
+    pub fn len(&self) -> usize {
+        self.0.lock().map(|t| t.len()).unwrap_or(0)
+    }
+
+    /// Whether none was.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One replica: its channel and what the balancer has seen of it.
+#[derive(Debug)]
+struct Replica {
+    /// Unique for the life of the process: a replica that leaves and comes back at the same
+    /// address is a new one, its history not inherited.
+    id: u64,
+    /// `http://host:port`.
+    url: String,
+    /// Connected on first use, reconnected as needed.
+    channel: Channel,
+    /// The load estimate.
+    load: Mutex<Load>,
+}
+
+/// A replica's calls in flight and its peak-EWMA response time.
+#[derive(Debug)]
+struct Load {
+    pending: u32,
+    /// Nanoseconds.
+    rtt_ns: f64,
+    updated: Instant,
+}
+
+impl Load {
+    fn new() -> Self {
+        Self {
+            pending: 0,
+            rtt_ns: DEFAULT_RTT.as_nanos() as f64,
+            updated: Instant::now(),
+        }
+    }
+
+    /// The cost of sending one more call here, `now`: the estimate decayed for the time
+    /// since its last sample (as `tower::load::PeakEwma` does), so that a replica not
+    /// chosen for a while — its last answers slow, or its first one slowed by the
+    /// connection's set-up — looks cheaper until it is tried again and measured afresh.
+    fn cost(&self, now: Instant) -> f64 {
+        let idle = now.saturating_duration_since(self.updated).as_secs_f64();
+        let estimate = self.rtt_ns * (-idle / DECAY.as_secs_f64()).exp();
+        estimate * f64::from(self.pending + 1)
+    }
+
+    /// A new sample: taken at once if slower (the peak), else averaged in with a weight
+    /// that grows with the time since the last sample.
+    fn observe(&mut self, rtt: Duration, now: Instant) {
+        let sample = rtt.as_nanos() as f64;
+        if sample > self.rtt_ns {
+            self.rtt_ns = sample;
+        } else {
+            let elapsed = now.saturating_duration_since(self.updated).as_secs_f64();
+            let keep = (-elapsed / DECAY.as_secs_f64()).exp();
+            self.rtt_ns = self.rtt_ns * keep + sample * (1.0 - keep);
+        }
+        self.updated = now;
+    }
+}
+
+/// What every clone of a [`Balancer`] shares.
+#[derive(Debug)]
+struct Shared {
+    /// What `--downstream` said, for messages.
+    downstream: Downstream,
+    /// The replicas now; replaced whole when the set changes.
+    replicas: RwLock<Arc<Vec<Arc<Replica>>>>,
+    /// Ids for new replicas.
+    next_id: std::sync::atomic::AtomicU64,
+    /// The random draws of the two choices.
+    rng: Mutex<SmallRng>,
+}
+
+/// The bottom of a hop's downstream stack; see the module docs.
+#[derive(Debug, Clone)]
+pub struct Balancer {
+    shared: Arc<Shared>,
+}
+
+impl Balancer {
+    /// A balancer over `downstream`'s replicas. A DNS name is resolved once before this
+    /// returns (a failure is logged, not fatal: the service below may not exist yet, and
+    /// its calls then answer UNAVAILABLE until it does), then again every
+    /// [`RESOLVE_EVERY`] for as long as a clone of the balancer lives.
+    pub async fn start(downstream: Downstream) -> Self {
+        let balancer = Self::with_urls(downstream.clone(), &[]);
+        match &downstream {
+            Downstream::Urls(urls) => balancer.shared.update(urls),
+            Downstream::Dns { host, port } => {
+                if let Some(urls) = resolve(host, *port).await {
+                    balancer.shared.update(&urls);
+                }
+                tokio::spawn(follow(
+                    Arc::downgrade(&balancer.shared),
+                    host.clone(),
+                    *port,
+                ));
+            }
+        }
+        balancer
+    }
+
+    fn with_urls(downstream: Downstream, urls: &[String]) -> Self {
+        let shared = Arc::new(Shared {
+            downstream,
+            replicas: RwLock::new(Arc::new(Vec::new())),
+            next_id: std::sync::atomic::AtomicU64::new(1),
+            rng: Mutex::new(rand::make_rng()),
+        });
+        shared.update(urls);
+        Self { shared }
+    }
+
+    /// The replicas' URLs now.
+    pub fn replicas(&self) -> Vec<String> {
+        self.shared
+            .current()
+            .iter()
+            .map(|r| r.url.clone())
+            .collect()
+    }
+
+    /// Sets the replicas to `urls` (those already known keep their channel and history),
+    /// as a resolution of the name does; for tests of churn.
+    pub fn set_replicas(&self, urls: &[String]) {
+        self.shared.update(urls);
+    }
+}
+
+impl Shared {
+    fn current(&self) -> Arc<Vec<Arc<Replica>>> {
+        match self.replicas.read() {
+            Ok(replicas) => Arc::clone(&replicas),
+            Err(poisoned) => Arc::clone(&poisoned.into_inner()),
+        }
+    }
+
+    /// Makes the replica set `urls`: known ones stay, new ones join, the rest leave.
+    fn update(&self, urls: &[String]) {
+        let current = self.current();
+        let same = urls.len() == current.len()
+            && urls.iter().all(|url| current.iter().any(|r| &r.url == url));
+        if same {
+            return;
+        }
+        let mut next = Vec::with_capacity(urls.len());
+        for url in urls {
+            if next.iter().any(|r: &Arc<Replica>| &r.url == url) {
+                continue;
+            }
+            match current.iter().find(|r| &r.url == url) {
+                Some(known) => next.push(Arc::clone(known)),
+                None => match channel(url) {
+                    Ok(channel) => next.push(Arc::new(Replica {
+                        id: self
+                            .next_id
+                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+                        url: url.clone(),
+                        channel,
+                        load: Mutex::new(Load::new()),
+                    })),
+                    Err(error) => tracing::warn!(%url, %error, "replica address refused"),
+                },
+            }
+        }
+        let joined: Vec<&str> = next
+            .iter()
+            .filter(|r| !current.iter().any(|c| c.id == r.id))
+            .map(|r| r.url.as_str())
+            .collect();
+        let left: Vec<&str> = current
+            .iter()
+            .filter(|c| !next.iter().any(|r| r.id == c.id))
+            .map(|c| c.url.as_str())
+            .collect();
+        tracing::info!(
+            downstream = %self.downstream,
+            ?joined,
+            ?left,
+            replicas = next.len(),
+            "downstream replicas changed"
+        );
+        let next = Arc::new(next);
+        match self.replicas.write() {
+            Ok(mut replicas) => *replicas = next,
+            Err(poisoned) => *poisoned.into_inner() = next,
+        }
+    }
+
+    /// The replica for the next attempt of a call that has tried `tried`: two drawn at
+    /// random among the untried (among all, when every one has been tried), the cheaper
+    /// taken.
+    fn pick(&self, tried: Option<&Tried>) -> Option<Arc<Replica>> {
+        let replicas = self.current();
+        let untried = |r: &Arc<Replica>| tried.is_none_or(|t| !t.contains(r.id));
+        let fresh = replicas.iter().filter(|r| untried(r)).count();
+        // Among the untried while there is one, else among all.
+        let eligible = |r: &Arc<Replica>| fresh == 0 || untried(r);
+        let count = if fresh > 0 { fresh } else { replicas.len() };
+        let nth = |n: usize| replicas.iter().filter(|r| eligible(r)).nth(n).cloned();
+        match count {
+            0 => None,
+            1 => nth(0),
+            _ => {
+                let (a, b) = {
+                    let mut rng = self.rng.lock().ok()?;
+                    let a = rng.random_range(0..count);
+                    let b = (a + rng.random_range(1..count)) % count;
+                    (a, b)
+                };
+                let (a, b) = (nth(a)?, nth(b)?);
+                let now = Instant::now();
+                let cost = |r: &Replica| r.load.lock().map(|l| l.cost(now)).unwrap_or(f64::MAX);
+                Some(if cost(&b) < cost(&a) { b } else { a })
+            }
+        }
+    }
+}
+
+/// A lazily connected channel to `url`, with the settings every hop uses.
+fn channel(url: &str) -> Result<Channel, tonic::transport::Error> {
+    Ok(Endpoint::from_shared(url.to_owned())?
+        .tcp_nodelay(true)
+        .connect_timeout(Duration::from_secs(2))
+        .connect_lazy())
+}
+
+/// The replicas' URLs for `host:port`, or `None` when the name does not resolve now.
+async fn resolve(host: &str, port: u16) -> Option<Vec<String>> {
+    match tokio::net::lookup_host((host, port)).await {
+        Ok(addrs) => {
+            let mut urls: Vec<String> = addrs.map(|addr| format!("http://{addr}")).collect();
+            urls.sort();
+            urls.dedup();
+            Some(urls)
+        }
+        Err(error) => {
+            tracing::warn!(%host, port, %error, "could not resolve the downstream's name; keeping its replicas as they were");
+            None
+        }
+    }
+}
+
+/// Resolves `host` again every [`RESOLVE_EVERY`] while the balancer lives.
+async fn follow(shared: Weak<Shared>, host: String, port: u16) {
+    loop {
+        tokio::time::sleep(RESOLVE_EVERY).await;
+        let urls = resolve(&host, port).await;
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        if let Some(urls) = urls {
+            shared.update(&urls);
+        }
+    }
+}
+
+/// A call in flight to a replica: counted in its load until dropped.
+struct InFlight {
+    replica: Arc<Replica>,
+    sent: Instant,
+}
+
+impl InFlight {
+    fn start(replica: Arc<Replica>) -> Self {
+        if let Ok(mut load) = replica.load.lock() {
+            load.pending += 1;
+        }
+        Self {
+            replica,
+            sent: Instant::now(),
+        }
+    }
+
+    /// The answer came: its time is a sample.
+    fn answered(&self) {
+        let now = Instant::now();
+        if let Ok(mut load) = self.replica.load.lock() {
+            load.observe(now - self.sent, now);
+        }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if let Ok(mut load) = self.replica.load.lock() {
+            load.pending = load.pending.saturating_sub(1);
+        }
+    }
+}
+
+impl Service<http::Request<Body>> for Balancer {
+    type Response = http::Response<Body>;
+    type Error = BoxError;
+    type Future = BoxFuture<Result<Self::Response, Self::Error>>;
+
+    /// Always ready: readiness is each replica's channel's, awaited in the call.
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        let tried = request.extensions().get::<Tried>().cloned();
+        let Some(replica) = self.shared.pick(tried.as_ref()) else {
+            let message = format!(
+                "no replica of {} is known (the name resolved to no address)",
+                self.shared.downstream
+            );
+            return Box::pin(
+                async move { Err(Box::new(Status::unavailable(message)) as BoxError) },
+            );
+        };
+        if let Some(tried) = &tried {
+            tried.push(replica.id);
+        }
+        let channel = replica.channel.clone();
+        let in_flight = InFlight::start(replica);
+        Box::pin(async move {
+            let response = channel.oneshot(request).await;
+            in_flight.answered();
+            response.map_err(BoxError::from)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_urls_and_dns_targets() {
+        assert_eq!(
+            Downstream::parse("http://a:1, http://b:2/"),
+            Ok(Downstream::Urls(vec![
+                "http://a:1".into(),
+                "http://b:2".into()
+            ]))
+        );
+        assert_eq!(
+            Downstream::parse("dns:///hop3:50053"),
+            Ok(Downstream::Dns {
+                host: "hop3".into(),
+                port: 50053
+            })
+        );
+        assert_eq!(
+            Downstream::parse("dns:hop3:50053"),
+            Ok(Downstream::Dns {
+                host: "hop3".into(),
+                port: 50053
+            })
+        );
+        for bad in [
+            "",
+            "dns:///hop3",
+            "dns:///hop3:0",
+            "dns://8.8.8.8/hop3:1",
+            "hop3:50053",
+            "ftp://a:1",
+        ] {
+            assert!(Downstream::parse(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_estimate_takes_peaks_at_once_and_forgets_them_slowly() {
+        let start = Instant::now();
+        let mut load = Load::new();
+        load.observe(Duration::from_millis(100), start);
+        assert_eq!(load.rtt_ns, 100e6);
+        load.observe(Duration::from_millis(1), start + Duration::from_millis(10));
+        assert!(
+            load.rtt_ns > 99e6,
+            "10 ms later a fast answer barely moves it"
+        );
+        load.observe(Duration::from_millis(1), start + Duration::from_secs(60));
+        assert!(
+            load.rtt_ns < 2e6,
+            "a minute later it has forgotten the peak"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_call_that_tried_some_replicas_goes_to_another_while_one_is_left() {
+        let urls: Vec<String> = (1..=3).map(|i| format!("http://127.0.0.1:{i}")).collect();
+        let balancer = Balancer::with_urls(Downstream::Urls(urls.clone()), &urls);
+        for _ in 0..100 {
+            let tried = Tried::default();
+            let mut seen = Vec::new();
+            for _ in 0..3 {
+                let replica = balancer.shared.pick(Some(&tried)).expect("a replica");
+                tried.push(replica.id);
+                seen.push(replica.url.clone());
+            }
+            seen.sort();
+            assert_eq!(seen, urls, "three attempts, three replicas");
+            // Every one tried: the fourth may go anywhere.
+            assert!(balancer.shared.pick(Some(&tried)).is_some());
+        }
+    }
+
+    #[tokio::test]
+    async fn the_cheaper_of_two_is_taken() {
+        let urls: Vec<String> = (1..=2).map(|i| format!("http://127.0.0.1:{i}")).collect();
+        let balancer = Balancer::with_urls(Downstream::Urls(urls.clone()), &urls);
+        let replicas = balancer.shared.current();
+        replicas[0]
+            .load
+            .lock()
+            .unwrap()
+            .observe(Duration::from_millis(50), Instant::now());
+        for _ in 0..50 {
+            let picked = balancer.shared.pick(None).expect("a replica");
+            assert_eq!(
+                picked.url, urls[1],
+                "the slow one is never the cheaper of the two"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn a_changed_set_keeps_known_replicas_and_their_history() {
+        let a = "http://127.0.0.1:1".to_owned();
+        let b = "http://127.0.0.1:2".to_owned();
+        let c = "http://127.0.0.1:3".to_owned();
+        let balancer =
+            Balancer::with_urls(Downstream::Urls(vec![a.clone()]), &[a.clone(), b.clone()]);
+        let before = balancer.shared.current();
+        balancer.set_replicas(&[b.clone(), c.clone()]);
+        let after = balancer.shared.current();
+        assert_eq!(balancer.replicas(), vec![b.clone(), c]);
+        assert_eq!(after[0].id, before[1].id, "b is the same replica");
+        assert!(after.iter().all(|r| r.url != a), "a left");
+    }
+}

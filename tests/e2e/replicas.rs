@@ -1,0 +1,444 @@
+//! Replicas behind a hop: `--downstream` with several URLs, balanced per attempt (power of
+//! two choices over a peak-EWMA load), a retry sent to a replica the call has not tried,
+//! a killed replica ridden through and taken back once restarted, and the replica set
+//! changed under load without losing a call or sending one to a removed replica.
+
+use std::time::{Duration, Instant};
+
+use crate::{load::*, support::*};
+use futures::StreamExt;
+use resilience::{Balancer, Downstream};
+use retrychain_proto::v1::{GetAccountRequest, payments_client::PaymentsClient};
+use tonic::Code;
+
+/// A hop's command with the tests' defaults (fault injection, the override, quick
+/// backoff), on 127.0.0.1 port 0, named `name`, forwarding to `downstream`.
+fn hop_command(role: &str, name: &str, downstream: &str) -> ServiceCommand {
+    let mut command = ServiceCommand::defaults(role, "").unwrap();
+    let (ServiceCommand::Edge(args) | ServiceCommand::Relay(args)) = &mut command else {
+        unreachable!("a hop's defaults are a hop's")
+    };
+    args.service.listen = Some("127.0.0.1:0".parse().unwrap());
+    args.service.name = Some(name.to_owned());
+    args.service.fault_injection = true;
+    args.service.allow_retry_mode_override = true;
+    args.service.backoff_base_ms = 2;
+    args.service.backoff_cap_ms = 20;
+    args.downstream = Some(downstream.to_owned());
+    command
+}
+
+/// hop4 and the ledger in this runtime, on a fresh database: what the replicas above
+/// forward to. Returns them and hop4's URL.
+async fn bottom() -> (Vec<InProcessService>, String, String) {
+    let (ledger, url) = start_ledger(|_| {}).await;
+    let hop4 = InProcessService::start("hop4", hop_command("relay", "hop4", &ledger.addr.url))
+        .await
+        .unwrap();
+    let hop4_url = hop4.addr.url.clone();
+    (vec![hop4, ledger], hop4_url, url)
+}
+
+async fn received(admin: &str) -> u64 {
+    let channel = connect(admin).await;
+    retrychain_proto::v1::control_client::ControlClient::new(channel)
+        .get_stats(retrychain_proto::v1::GetStatsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .requests_received
+}
+
+#[tokio::test]
+async fn a_retry_goes_to_a_replica_the_call_has_not_tried() {
+    let (_bottom, hop4, _db) = bottom().await;
+    let hop3 = InProcessService::start("hop3", hop_command("relay", "hop3", &hop4))
+        .await
+        .unwrap();
+    // Two hop2 replicas; the first fails every call it forwards (UNAVAILABLE).
+    let mut hop2 = Vec::new();
+    for name in ["hop2-a", "hop2-b"] {
+        hop2.push(
+            InProcessService::start("hop2", hop_command("relay", name, &hop3.addr.url))
+                .await
+                .unwrap(),
+        );
+    }
+    let control = retrychain_proto::v1::control_client::ControlClient::new(
+        connect(&hop2[0].addr.admin_url).await,
+    );
+    control.clone().set_faults(failing()).await.unwrap();
+    // The edge over both, two attempts, no budget: every call whose first attempt meets
+    // the failing replica has exactly one retry, and it must not meet it again.
+    let list = format!("{},{}", hop2[0].addr.url, hop2[1].addr.url);
+    let mut edge_command = hop_command("edge", "edge", &list);
+    edge_command.service_mut().max_attempts = 2;
+    edge_command.service_mut().no_budget = true;
+    let edge = InProcessService::start("edge", edge_command).await.unwrap();
+
+    let client = PaymentsClient::new(connect(&edge.addr.url).await);
+    let account = new_account();
+    let mut failed = Vec::new();
+    for _ in 0..200 {
+        if let Err(status) = charge_on(
+            &client,
+            &account,
+            100,
+            Some(&new_key()),
+            Duration::from_secs(5),
+        )
+        .await
+        {
+            failed.push(status);
+        }
+    }
+    let on_failing = received(&hop2[0].addr.admin_url).await;
+    let on_healthy = received(&hop2[1].addr.admin_url).await;
+    let retries = {
+        let channel = connect(&edge.addr.admin_url).await;
+        retrychain_proto::v1::control_client::ControlClient::new(channel)
+            .get_stats(retrychain_proto::v1::GetStatsRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .retries
+    };
+    println!(
+        "200 charges: {} failed; the failing replica got {on_failing}, the healthy one {on_healthy}, the edge retried {retries}",
+        failed.len()
+    );
+    assert!(
+        failed.is_empty(),
+        "every retry went to the healthy replica: {failed:?}"
+    );
+    assert!(
+        on_failing > 10,
+        "the failing replica was drawn for first attempts"
+    );
+    assert_eq!(
+        on_healthy, 200,
+        "each charge reached the healthy replica once"
+    );
+    assert_eq!(
+        retries, on_failing,
+        "one retry per meeting with the failing replica"
+    );
+}
+
+#[tokio::test]
+async fn a_killed_replica_is_ridden_through_and_takes_traffic_again_once_restarted() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (_bottom, hop4, database_url) = bottom().await;
+    // Three hop3 replicas as processes, to be killed and restarted.
+    let mut hop3 = Vec::new();
+    for i in 0..3 {
+        let launch = Launch {
+            program: Some(BIN.into()),
+            args: hop_command("relay", &format!("hop3-{i}"), &hop4).to_args(),
+            env: Vec::new(),
+            logs: Logs::Capture,
+        };
+        hop3.push(ChildService::start("hop3", launch).await.unwrap());
+    }
+    let list: Vec<String> = hop3.iter().map(|s| s.addr.url.clone()).collect();
+    let hop2 = InProcessService::start("hop2", hop_command("relay", "hop2", &list.join(",")))
+        .await
+        .unwrap();
+    let edge = InProcessService::start("edge", hop_command("edge", "edge", &hop2.addr.url))
+        .await
+        .unwrap();
+
+    let load = Load::start(&edge.addr.url, 4);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    hop3[0].crash().await;
+    let killed = Instant::now();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    hop3[0].restart().await.unwrap();
+    let restarted = Instant::now();
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    let sent = load.finish().await;
+
+    let ok = sent.iter().filter(|s| s.code == Code::Ok).count();
+    let while_down = sent
+        .iter()
+        .filter(|s| s.started > killed && s.started < restarted)
+        .count();
+    let after_restart = received(&hop3[0].addr.admin_url).await;
+    println!(
+        "one of three hop3 replicas killed for 1.5 s: {ok} of {} charges succeeded ({:?}), {while_down} sent while it was down; after its restart it received {after_restart}",
+        sent.len(),
+        codes(&sent)
+    );
+    assert!(
+        ok * 1000 >= sent.len() * 999,
+        "at least 99.9% succeed: {:?}",
+        codes(&sent)
+    );
+    assert!(
+        after_restart > 0,
+        "the restarted replica takes traffic again"
+    );
+    resend_and_check(&edge.addr.url, &database_url, &sent).await;
+}
+
+#[tokio::test]
+async fn the_replica_set_changed_every_100_ms_under_load_loses_no_call() {
+    let (_bottom, hop4, _db) = bottom().await;
+    let mut hop3 = Vec::new();
+    for i in 0..3 {
+        hop3.push(
+            InProcessService::start("hop3", hop_command("relay", &format!("hop3-{i}"), &hop4))
+                .await
+                .unwrap(),
+        );
+    }
+    let urls: Vec<String> = hop3.iter().map(|s| s.addr.url.clone()).collect();
+    let balancer = Balancer::start(Downstream::Urls(urls.clone())).await;
+    let client = PaymentsClient::new(balancer.clone());
+    let account = new_account();
+    // A first charge (straight to one replica), so that the reads find the account.
+    let direct = PaymentsClient::new(connect(&urls[0]).await);
+    charge_on(
+        &direct,
+        &account,
+        100,
+        Some(&new_key()),
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let workers: Vec<_> = (0..4)
+        .map(|_| {
+            let mut client = client.clone();
+            let account = account.clone();
+            let stop = std::sync::Arc::clone(&stop);
+            tokio::spawn(async move {
+                let (mut ok, mut failed) = (0u32, Vec::new());
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let mut request = tonic::Request::new(GetAccountRequest {
+                        account_id: account.clone(),
+                    });
+                    request.set_timeout(Duration::from_secs(2));
+                    match client.get_account(request).await {
+                        Ok(_) => ok += 1,
+                        Err(status) => failed.push(status),
+                    }
+                }
+                (ok, failed)
+            })
+        })
+        .collect();
+    // Every 100 ms for 10 s: a random non-empty subset of the three.
+    let mut changes = 0;
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(10) {
+        let mask = 1 + uuid::Uuid::new_v4().as_bytes()[0] % 7;
+        let subset: Vec<String> = (0..3)
+            .filter(|i| mask & (1 << i) != 0)
+            .map(|i| urls[i].clone())
+            .collect();
+        balancer.set_replicas(&subset);
+        changes += 1;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Then the first alone: once the calls in flight are done, the two removed replicas
+    // receive nothing more while the load goes on.
+    balancer.set_replicas(&urls[..1]);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let removed_before = [
+        received(&hop3[1].addr.admin_url).await,
+        received(&hop3[2].addr.admin_url).await,
+    ];
+    let kept_before = received(&hop3[0].addr.admin_url).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let removed_after = [
+        received(&hop3[1].addr.admin_url).await,
+        received(&hop3[2].addr.admin_url).await,
+    ];
+    let kept_after = received(&hop3[0].addr.admin_url).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(
+        removed_before, removed_after,
+        "no call to a removed replica"
+    );
+    assert!(
+        kept_after > kept_before,
+        "the remaining replica took the load"
+    );
+    let results: Vec<(u32, Vec<tonic::Status>)> = futures::stream::iter(workers)
+        .then(|w| async move { w.await.unwrap() })
+        .collect()
+        .await;
+    let ok: u32 = results.iter().map(|(ok, _)| ok).sum();
+    let failed: Vec<&tonic::Status> = results.iter().flat_map(|(_, f)| f).collect();
+    println!(
+        "{changes} changes of the replica set in 10 s: {ok} calls succeeded, {} failed",
+        failed.len()
+    );
+    assert!(ok > 100, "calls went through meanwhile");
+    assert!(failed.is_empty(), "no call lost to a change: {failed:?}");
+}
+
+#[tokio::test]
+async fn up_with_replicas_balances_every_tier() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+
+    let _one = ONE_AT_A_TIME.lock().await;
+    // Two replicas: every service's ports and the next ten up, admin ports 1000 above,
+    // in a range the other tests' chains do not use.
+    let base = (30000..42000u16)
+        .step_by(20)
+        .find(|base| {
+            let ports = (*base..base + 15).chain(base + 1000..base + 1015);
+            let held: Vec<_> = ports
+                .map_while(|port| std::net::TcpListener::bind(("127.0.0.1", port)).ok())
+                .collect();
+            held.len() == 30
+        })
+        .expect("free ports");
+    let up = Command::new(BIN)
+        .args(["up", "--replicas", "2", "--base-port", &base.to_string()])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut up = KillOnDrop(up);
+    // Read up's stdout to the end (a closed pipe would fail its next line).
+    let stdout = up.0.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if line.starts_with("retrychain is up") {
+                let _ = tx.send(line.clone());
+            }
+        }
+    });
+    let layout = off_runtime(move || rx.recv_timeout(Duration::from_secs(120)))
+        .await
+        .expect("up says it is up");
+    let port = |i: u16, r: u16| base + i + 10 * r;
+    assert_eq!(
+        layout,
+        format!(
+            "retrychain is up: edge :{} -> hop2 :{} :{} -> hop3 :{} :{} -> hop4 :{} :{} -> ledger :{} :{}",
+            port(0, 0),
+            port(1, 0),
+            port(1, 1),
+            port(2, 0),
+            port(2, 1),
+            port(3, 0),
+            port(3, 1),
+            port(4, 0),
+            port(4, 1)
+        )
+    );
+    // 80 charges, 8 at a time: with calls in flight, the load estimate spreads them.
+    let edge = PaymentsClient::new(connect(&format!("http://127.0.0.1:{base}")).await);
+    let account = new_account();
+    let results: Vec<_> = futures::stream::iter(0..80)
+        .map(|_| {
+            let edge = edge.clone();
+            let account = account.clone();
+            async move {
+                charge_on(
+                    &edge,
+                    &account,
+                    100,
+                    Some(&new_key()),
+                    Duration::from_secs(5),
+                )
+                .await
+            }
+        })
+        .buffer_unordered(8)
+        .collect()
+        .await;
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+    for i in 1..5u16 {
+        let mut tier = Vec::new();
+        for r in 0..2 {
+            tier.push(received(&format!("http://127.0.0.1:{}", port(i, r) + 1000)).await);
+        }
+        println!("{}: {tier:?}", NAMES[usize::from(i)]);
+        assert_eq!(tier.iter().sum::<u64>(), 80, "each charge once per tier");
+        assert!(
+            tier.iter().all(|n| *n > 0),
+            "both replicas of {} served",
+            NAMES[usize::from(i)]
+        );
+    }
+    let _ = Command::new("kill")
+        .args(["-TERM", &up.0.id().to_string()])
+        .status();
+    assert!(up.0.wait().unwrap().success());
+}
+
+#[tokio::test]
+async fn fifty_concurrent_charges_under_one_key_over_three_ledgers_execute_once() {
+    let database_url = database().await;
+    let mut ledgers = Vec::new();
+    for _ in 0..3 {
+        let mut command = ServiceCommand::defaults("ledger", &database_url).unwrap();
+        let service = command.service_mut();
+        service.listen = Some("127.0.0.1:0".parse().unwrap());
+        service.fault_injection = true;
+        ledgers.push(InProcessService::start("ledger", command).await.unwrap());
+    }
+    let list: Vec<String> = ledgers.iter().map(|l| l.addr.url.clone()).collect();
+    let hop4 = InProcessService::start("hop4", hop_command("relay", "hop4", &list.join(",")))
+        .await
+        .unwrap();
+    // A processor slow enough that the 50 overlap.
+    for ledger in &ledgers {
+        let control = retrychain_proto::v1::control_client::ControlClient::new(
+            connect(&ledger.addr.admin_url).await,
+        );
+        control.clone().set_faults(delayed(200)).await.unwrap();
+    }
+    let client = PaymentsClient::new(connect(&hop4.addr.url).await);
+    let (account, key) = (new_account(), new_key());
+    let answers: Vec<Result<_, tonic::Status>> =
+        futures::stream::iter(0..50)
+            .map(|_| {
+                let client = client.clone();
+                let (account, key) = (account.clone(), key.clone());
+                async move {
+                    charge_on(&client, &account, 700, Some(&key), Duration::from_secs(10)).await
+                }
+            })
+            .buffer_unordered(50)
+            .collect()
+            .await;
+    let mut stats = Vec::new();
+    for ledger in &ledgers {
+        let channel = connect(&ledger.addr.admin_url).await;
+        stats.push(
+            retrychain_proto::v1::control_client::ControlClient::new(channel)
+                .get_stats(retrychain_proto::v1::GetStatsRequest {})
+                .await
+                .unwrap()
+                .into_inner(),
+        );
+    }
+    let received: Vec<u64> = stats.iter().map(|s| s.requests_received).collect();
+    let executions: u64 = stats.iter().map(|s| s.executions).sum();
+    let replays: u64 = stats.iter().map(|s| s.replays).sum();
+    println!(
+        "50 charges under one key: received {received:?}, {executions} executed, {replays} replayed"
+    );
+    for answer in &answers {
+        let reply = answer.as_ref().expect("every one answered");
+        assert_eq!(reply.get_ref().balance_cents, 700, "the one charge's reply");
+    }
+    assert!(
+        received.iter().filter(|n| **n > 0).count() >= 2,
+        "spread over the ledgers"
+    );
+    assert_eq!(executions, 1);
+    assert_eq!(replays, 49);
+    assert_eq!(row_counts(&database_url).await.1, 1, "one charge row");
+}
