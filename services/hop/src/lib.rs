@@ -291,6 +291,9 @@ fn relay<T>(answer: Result<Response<T>, Status>) -> Result<Response<T>, Status> 
         Err(status) => {
             let mut metadata = MetadataMap::new();
             copy_relayed(status.metadata(), &mut metadata);
+            // Whatever failed, it was the call below, not this service: the balancer
+            // above must not eject this replica for it.
+            wire::mark_relayed(&mut metadata);
             if let Some(value) = status.metadata().get(wire::PUSHBACK) {
                 metadata.insert(wire::PUSHBACK, value.clone());
             }

@@ -20,6 +20,18 @@
 //!   (Envoy's `previous_hosts`). Hedged copies of a call go to distinct replicas the same
 //!   way.
 //!
+//! - **A replica that stops answering costs one per-attempt timeout** (`--per-try-timeout-ms`,
+//!   Envoy's `per_try_timeout`): an attempt gets at most that long (its `grpc-timeout` says
+//!   so too), then fails UNAVAILABLE, which the caller may retry elsewhere.
+//! - **Outlier ejection** (gRFC A50's consecutive-failures detection, its defaults): a
+//!   replica whose own failures — connection errors, per-attempt timeouts, UNAVAILABLE,
+//!   INTERNAL, UNKNOWN or DATA_LOSS it answers itself — reach 5 in a row is taken out of
+//!   rotation for 30 s × the times it has been ejected (at most 300 s), then re-admitted;
+//!   never more than 10% of the replicas at once, but always one may be. A failure a
+//!   replica *relays* from below (marked [`wire::RELAYED`] by the hop that relays it) is
+//!   not held against it: a ledger outage ejects no healthy hop3. An ejected replica is
+//!   still used when every other one has been tried or is ejected too.
+//!
 //! Why not `tower::balance::p2c`: its choice cannot exclude the replicas a call already
 //! tried, and its endpoints must be polled ready one by one; tonic's own balanced channel
 //! evicts a failed endpoint for good. The estimate itself is the one `tower::load::PeakEwma`
@@ -34,11 +46,13 @@ use std::{
 use rand::{RngExt, rngs::SmallRng};
 use tokio::time::Instant;
 use tonic::{
-    Status,
+    Code, Status,
     body::Body,
     transport::{Channel, Endpoint},
 };
 use tower::{Service, ServiceExt};
+
+use crate::wire;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type BoxFuture<T> = std::pin::Pin<Box<dyn Future<Output = T> + Send>>;
@@ -52,6 +66,35 @@ const DEFAULT_RTT: Duration = Duration::from_millis(1);
 
 /// How fast the estimate forgets a slow answer: a sample's weight halves in about 7 s.
 const DECAY: Duration = Duration::from_secs(10);
+
+/// How a [`Balancer`] bounds attempts and ejects replicas; see the module docs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BalanceSettings {
+    /// The longest one attempt may take at one replica (`None`: until the call's
+    /// deadline).
+    pub per_try_timeout: Option<Duration>,
+    /// Own failures in a row that eject a replica (0: never eject).
+    pub consecutive_failures: u32,
+    /// How long a first ejection lasts; the n-th lasts n times as long.
+    pub base_ejection: Duration,
+    /// The longest an ejection lasts (or the base, if longer).
+    pub max_ejection: Duration,
+    /// The most replicas ejected at once, in percent of them (at least one may be).
+    pub max_ejection_percent: u32,
+}
+
+impl Default for BalanceSettings {
+    /// gRFC A50's defaults; no per-attempt timeout.
+    fn default() -> Self {
+        Self {
+            per_try_timeout: None,
+            consecutive_failures: 5,
+            base_ejection: Duration::from_secs(30),
+            max_ejection: Duration::from_secs(300),
+            max_ejection_percent: 10,
+        }
+    }
+}
 
 /// Where a hop's calls go: its `--downstream`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -180,6 +223,32 @@ struct Replica {
     channel: Channel,
     /// The load estimate.
     load: Mutex<Load>,
+    /// Outlier ejection's view of it.
+    health: Mutex<Health>,
+}
+
+/// A replica's own failures in a row, and its ejection.
+#[derive(Debug, Default)]
+struct Health {
+    /// Own failures since its last good answer.
+    consecutive: u32,
+    /// Out of rotation until then.
+    ejected_until: Option<Instant>,
+    /// How many times it has been ejected (the ejection time's multiplier); one is
+    /// forgiven for each base ejection time it then goes without one.
+    ejections: u32,
+    /// When it was last re-admitted.
+    readmitted: Option<Instant>,
+}
+
+/// How an attempt at a replica ended, for its health.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    /// It answered, well or with a failure of its own making not held against it.
+    Answered,
+    /// A failure of its own: no connection, no answer in time, or a server failure it
+    /// did not relay.
+    Failed,
 }
 
 /// A replica's calls in flight and its peak-EWMA response time.
@@ -225,6 +294,9 @@ impl Load {
     }
 }
 
+/// Which replicas a draw may take.
+type Eligible<'a> = &'a dyn Fn(&Arc<Replica>) -> bool;
+
 /// What every clone of a [`Balancer`] shares.
 #[derive(Debug)]
 struct Shared {
@@ -236,6 +308,8 @@ struct Shared {
     next_id: std::sync::atomic::AtomicU64,
     /// The random draws of the two choices.
     rng: Mutex<SmallRng>,
+    /// Per-attempt timeout and ejection.
+    settings: BalanceSettings,
 }
 
 /// The bottom of a hop's downstream stack; see the module docs.
@@ -249,8 +323,8 @@ impl Balancer {
     /// returns (a failure is logged, not fatal: the service below may not exist yet, and
     /// its calls then answer UNAVAILABLE until it does), then again every
     /// [`RESOLVE_EVERY`] for as long as a clone of the balancer lives.
-    pub async fn start(downstream: Downstream) -> Self {
-        let balancer = Self::with_urls(downstream.clone(), &[]);
+    pub async fn start(downstream: Downstream, settings: BalanceSettings) -> Self {
+        let balancer = Self::with_urls(downstream.clone(), &[], settings);
         match &downstream {
             Downstream::Urls(urls) => balancer.shared.update(urls),
             Downstream::Dns { host, port } => {
@@ -267,12 +341,13 @@ impl Balancer {
         balancer
     }
 
-    fn with_urls(downstream: Downstream, urls: &[String]) -> Self {
+    fn with_urls(downstream: Downstream, urls: &[String], settings: BalanceSettings) -> Self {
         let shared = Arc::new(Shared {
             downstream,
             replicas: RwLock::new(Arc::new(Vec::new())),
             next_id: std::sync::atomic::AtomicU64::new(1),
             rng: Mutex::new(rand::make_rng()),
+            settings,
         });
         shared.update(urls);
         Self { shared }
@@ -325,6 +400,7 @@ impl Shared {
                         url: url.clone(),
                         channel,
                         load: Mutex::new(Load::new()),
+                        health: Mutex::new(Health::default()),
                     })),
                     Err(error) => tracing::warn!(%url, %error, "replica address refused"),
                 },
@@ -355,30 +431,120 @@ impl Shared {
     }
 
     /// The replica for the next attempt of a call that has tried `tried`: two drawn at
-    /// random among the untried (among all, when every one has been tried), the cheaper
-    /// taken.
+    /// random among those in rotation the call has not tried, the cheaper taken. With none
+    /// such, among those in rotation; then among the untried; then among all.
     fn pick(&self, tried: Option<&Tried>) -> Option<Arc<Replica>> {
         let replicas = self.current();
+        let now = Instant::now();
+        self.readmit(&replicas, now);
         let untried = |r: &Arc<Replica>| tried.is_none_or(|t| !t.contains(r.id));
-        let fresh = replicas.iter().filter(|r| untried(r)).count();
-        // Among the untried while there is one, else among all.
-        let eligible = |r: &Arc<Replica>| fresh == 0 || untried(r);
-        let count = if fresh > 0 { fresh } else { replicas.len() };
+        let in_rotation = |r: &Arc<Replica>| {
+            r.health
+                .lock()
+                .map(|h| h.ejected_until.is_none())
+                .unwrap_or(true)
+        };
+        let levels: [Eligible<'_>; 4] = [
+            &|r| untried(r) && in_rotation(r),
+            &in_rotation,
+            &untried,
+            &|_| true,
+        ];
+        let (eligible, count) = levels.into_iter().find_map(|eligible| {
+            let count = replicas.iter().filter(|r| eligible(r)).count();
+            (count > 0).then_some((eligible, count))
+        })?;
         let nth = |n: usize| replicas.iter().filter(|r| eligible(r)).nth(n).cloned();
-        match count {
-            0 => None,
-            1 => nth(0),
-            _ => {
-                let (a, b) = {
-                    let mut rng = self.rng.lock().ok()?;
-                    let a = rng.random_range(0..count);
-                    let b = (a + rng.random_range(1..count)) % count;
-                    (a, b)
+        if count == 1 {
+            return nth(0);
+        }
+        let (a, b) = {
+            let mut rng = self.rng.lock().ok()?;
+            let a = rng.random_range(0..count);
+            let b = (a + rng.random_range(1..count)) % count;
+            (a, b)
+        };
+        let (a, b) = (nth(a)?, nth(b)?);
+        let cost = |r: &Replica| r.load.lock().map(|l| l.cost(now)).unwrap_or(f64::MAX);
+        Some(if cost(&b) < cost(&a) { b } else { a })
+    }
+
+    /// Puts back into rotation every replica whose ejection is over.
+    fn readmit(&self, replicas: &[Arc<Replica>], now: Instant) {
+        for replica in replicas {
+            let Ok(mut health) = replica.health.lock() else {
+                continue;
+            };
+            if health.ejected_until.is_some_and(|until| until <= now) {
+                health.ejected_until = None;
+                health.consecutive = 0;
+                health.readmitted = Some(now);
+                // A fresh start: the slow answers that led to the ejection are not held
+                // against it once more by the load estimate.
+                if let Ok(mut load) = replica.load.lock() {
+                    load.rtt_ns = DEFAULT_RTT.as_nanos() as f64;
+                    load.updated = now;
+                }
+                tracing::info!(
+                    downstream = %self.downstream,
+                    replica = %replica.url,
+                    "replica re-admitted after its ejection"
+                );
+            }
+        }
+    }
+
+    /// Records how an attempt at `replica` ended; ejects it after too many own failures
+    /// in a row, when the limit on ejected replicas allows.
+    fn record(&self, replica: &Replica, outcome: Outcome, now: Instant) {
+        let settings = &self.settings;
+        let Ok(mut health) = replica.health.lock() else {
+            return;
+        };
+        match outcome {
+            Outcome::Answered => {
+                health.consecutive = 0;
+                // One ejection forgiven per base time gone by without one.
+                if let Some(readmitted) = health.readmitted
+                    && now.saturating_duration_since(readmitted) >= settings.base_ejection
+                {
+                    health.ejections = health.ejections.saturating_sub(1);
+                    health.readmitted = (health.ejections > 0).then_some(now);
+                }
+            }
+            Outcome::Failed => {
+                health.consecutive += 1;
+                let due = settings.consecutive_failures > 0
+                    && health.consecutive >= settings.consecutive_failures
+                    && health.ejected_until.is_none();
+                if !due {
+                    return;
+                }
+                drop(health);
+                let replicas = self.current();
+                let ejected = replicas
+                    .iter()
+                    .filter(|r| r.health.lock().is_ok_and(|h| h.ejected_until.is_some()))
+                    .count();
+                let allowed =
+                    (replicas.len() * settings.max_ejection_percent as usize / 100).max(1);
+                if ejected >= allowed {
+                    return;
+                }
+                let Ok(mut health) = replica.health.lock() else {
+                    return;
                 };
-                let (a, b) = (nth(a)?, nth(b)?);
-                let now = Instant::now();
-                let cost = |r: &Replica| r.load.lock().map(|l| l.cost(now)).unwrap_or(f64::MAX);
-                Some(if cost(&b) < cost(&a) { b } else { a })
+                health.ejections += 1;
+                let longest = settings.max_ejection.max(settings.base_ejection);
+                let time = (settings.base_ejection * health.ejections).min(longest);
+                health.ejected_until = Some(now + time);
+                tracing::warn!(
+                    downstream = %self.downstream,
+                    replica = %replica.url,
+                    failures = health.consecutive,
+                    ejected_for_s = time.as_secs_f64(),
+                    "replica ejected after failures of its own in a row"
+                );
             }
         }
     }
@@ -466,7 +632,7 @@ impl Service<http::Request<Body>> for Balancer {
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+    fn call(&mut self, mut request: http::Request<Body>) -> Self::Future {
         let tried = request.extensions().get::<Tried>().cloned();
         let Some(replica) = self.shared.pick(tried.as_ref()) else {
             let message = format!(
@@ -480,13 +646,52 @@ impl Service<http::Request<Body>> for Balancer {
         if let Some(tried) = &tried {
             tried.push(replica.id);
         }
+        let per_try = self.shared.settings.per_try_timeout;
+        if let Some(per_try) = per_try {
+            // The replica is told too, so that it gives up when this attempt does.
+            let left = wire::timeout_of(request.headers()).ok().flatten();
+            if left.is_none_or(|left| per_try < left) {
+                wire::set_timeout(request.headers_mut(), per_try);
+            }
+        }
+        let shared = Arc::clone(&self.shared);
         let channel = replica.channel.clone();
-        let in_flight = InFlight::start(replica);
+        let in_flight = InFlight::start(Arc::clone(&replica));
         Box::pin(async move {
-            let response = channel.oneshot(request).await;
+            let sent = channel.oneshot(request);
+            let answer = match per_try {
+                Some(per_try) => match tokio::time::timeout(per_try, sent).await {
+                    Ok(answer) => answer.map_err(BoxError::from),
+                    Err(_) => Err(Box::new(Status::unavailable(format!(
+                        "{} did not answer within the per-attempt timeout ({} ms)",
+                        replica.url,
+                        per_try.as_millis()
+                    ))) as BoxError),
+                },
+                None => sent.await.map_err(BoxError::from),
+            };
             in_flight.answered();
-            response.map_err(BoxError::from)
+            shared.record(&replica, outcome(&answer), Instant::now());
+            answer
         })
+    }
+}
+
+/// Whether an attempt's answer is a failure of the replica's own.
+fn outcome(answer: &Result<http::Response<Body>, BoxError>) -> Outcome {
+    let Ok(response) = answer else {
+        return Outcome::Failed; // no connection, a broken one, no answer in time
+    };
+    let own_failure = Status::from_header_map(response.headers()).is_some_and(|status| {
+        matches!(
+            status.code(),
+            Code::Unavailable | Code::Internal | Code::Unknown | Code::DataLoss
+        ) && !wire::is_relayed(response.headers())
+    });
+    if own_failure {
+        Outcome::Failed
+    } else {
+        Outcome::Answered
     }
 }
 
@@ -550,7 +755,11 @@ mod tests {
     #[tokio::test]
     async fn a_call_that_tried_some_replicas_goes_to_another_while_one_is_left() {
         let urls: Vec<String> = (1..=3).map(|i| format!("http://127.0.0.1:{i}")).collect();
-        let balancer = Balancer::with_urls(Downstream::Urls(urls.clone()), &urls);
+        let balancer = Balancer::with_urls(
+            Downstream::Urls(urls.clone()),
+            &urls,
+            BalanceSettings::default(),
+        );
         for _ in 0..100 {
             let tried = Tried::default();
             let mut seen = Vec::new();
@@ -569,7 +778,11 @@ mod tests {
     #[tokio::test]
     async fn the_cheaper_of_two_is_taken() {
         let urls: Vec<String> = (1..=2).map(|i| format!("http://127.0.0.1:{i}")).collect();
-        let balancer = Balancer::with_urls(Downstream::Urls(urls.clone()), &urls);
+        let balancer = Balancer::with_urls(
+            Downstream::Urls(urls.clone()),
+            &urls,
+            BalanceSettings::default(),
+        );
         let replicas = balancer.shared.current();
         replicas[0]
             .load
@@ -590,13 +803,65 @@ mod tests {
         let a = "http://127.0.0.1:1".to_owned();
         let b = "http://127.0.0.1:2".to_owned();
         let c = "http://127.0.0.1:3".to_owned();
-        let balancer =
-            Balancer::with_urls(Downstream::Urls(vec![a.clone()]), &[a.clone(), b.clone()]);
+        let balancer = Balancer::with_urls(
+            Downstream::Urls(vec![a.clone()]),
+            &[a.clone(), b.clone()],
+            BalanceSettings::default(),
+        );
         let before = balancer.shared.current();
         balancer.set_replicas(&[b.clone(), c.clone()]);
         let after = balancer.shared.current();
         assert_eq!(balancer.replicas(), vec![b.clone(), c]);
         assert_eq!(after[0].id, before[1].id, "b is the same replica");
         assert!(after.iter().all(|r| r.url != a), "a left");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_replica_failing_on_its_own_is_ejected_then_readmitted_one_at_a_time() {
+        let urls: Vec<String> = (1..=3).map(|i| format!("http://127.0.0.1:{i}")).collect();
+        let settings = BalanceSettings {
+            base_ejection: Duration::from_secs(1),
+            ..BalanceSettings::default()
+        };
+        let balancer = Balancer::with_urls(Downstream::Urls(urls.clone()), &urls, settings);
+        let shared = &balancer.shared;
+        let replicas = shared.current();
+        let ejected = |r: &Replica| r.health.lock().unwrap().ejected_until.is_some();
+        for _ in 0..4 {
+            shared.record(&replicas[0], Outcome::Failed, Instant::now());
+        }
+        shared.record(&replicas[0], Outcome::Answered, Instant::now());
+        for _ in 0..4 {
+            shared.record(&replicas[0], Outcome::Failed, Instant::now());
+        }
+        assert!(
+            !ejected(&replicas[0]),
+            "an answer in between starts the count again"
+        );
+        shared.record(&replicas[0], Outcome::Failed, Instant::now());
+        assert!(ejected(&replicas[0]), "five in a row");
+        for _ in 0..50 {
+            assert_ne!(
+                shared.pick(None).unwrap().id,
+                replicas[0].id,
+                "out of rotation"
+            );
+        }
+        for _ in 0..5 {
+            shared.record(&replicas[1], Outcome::Failed, Instant::now());
+        }
+        assert!(!ejected(&replicas[1]), "10% of three: only one at a time");
+        tokio::time::advance(Duration::from_millis(1100)).await;
+        shared.pick(None);
+        assert!(!ejected(&replicas[0]), "back after its ejection time");
+        for _ in 0..5 {
+            shared.record(&replicas[0], Outcome::Failed, Instant::now());
+        }
+        let until = replicas[0].health.lock().unwrap().ejected_until.unwrap();
+        assert_eq!(
+            until - Instant::now(),
+            Duration::from_secs(2),
+            "the second ejection lasts twice as long"
+        );
     }
 }

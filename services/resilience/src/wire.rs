@@ -35,6 +35,10 @@ pub const TRACEPARENT: &str = "traceparent";
 pub const TRACE_ID: &str = "trace-id";
 /// Response: `true` when the ledger replayed a saved reply instead of charging.
 pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
+/// On a failure a service passes on from the service below it (its own downstream call
+/// failed), not one of its own: the caller's balancer does not hold it against the
+/// replica that relayed it (outlier ejection, `balance`).
+pub const RELAYED: &str = "retrychain-relayed";
 
 /// The largest number a timeout may carry: at most eight ASCII digits.
 const MAX_TIMEOUT_VALUE: u64 = 99_999_999;
@@ -228,6 +232,16 @@ pub fn code_by_name(name: &str) -> Option<Code> {
         .iter()
         .find(|(_, n)| n.eq_ignore_ascii_case(name))
         .map(|(code, _)| *code)
+}
+
+/// Marks a failure's metadata as relayed from below ([`RELAYED`]).
+pub fn mark_relayed(metadata: &mut tonic::metadata::MetadataMap) {
+    metadata.insert(RELAYED, tonic::metadata::MetadataValue::from_static("1"));
+}
+
+/// Whether a response's headers mark its failure as relayed from below ([`RELAYED`]).
+pub fn is_relayed(headers: &HeaderMap) -> bool {
+    headers.contains_key(RELAYED)
 }
 
 #[cfg(test)]

@@ -212,6 +212,39 @@ pub struct HopArgs {
     /// [default: http://127.0.0.1:50052 for the edge; required for a relay].
     #[arg(long, env = "RETRYCHAIN_DOWNSTREAM")]
     pub downstream: Option<String>,
+    /// The longest one attempt may take at one replica, in ms; past it the attempt fails
+    /// UNAVAILABLE and may be retried at another (Envoy's per_try_timeout). Unset: each
+    /// attempt may take the call's whole remaining deadline.
+    #[arg(long, env = "RETRYCHAIN_PER_TRY_TIMEOUT_MS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub per_try_timeout_ms: Option<u64>,
+    /// A replica below is ejected after this many failures of its own in a row (gRFC A50's
+    /// consecutive-failures detection; 0: never).
+    #[arg(long, env = "RETRYCHAIN_EJECT_AFTER_FAILURES", default_value_t = 5)]
+    pub eject_after_failures: u32,
+    /// How long a replica's first ejection lasts, in ms; the n-th lasts n times as long.
+    #[arg(long, env = "RETRYCHAIN_EJECTION_BASE_MS", default_value_t = 30_000)]
+    pub ejection_base_ms: u64,
+    /// The longest an ejection lasts, in ms.
+    #[arg(long, env = "RETRYCHAIN_EJECTION_MAX_MS", default_value_t = 300_000)]
+    pub ejection_max_ms: u64,
+    /// The most replicas below ejected at once, in percent (one may always be).
+    #[arg(long, env = "RETRYCHAIN_MAX_EJECTION_PERCENT", default_value_t = 10, value_parser = clap::value_parser!(u32).range(0..=100))]
+    pub max_ejection_percent: u32,
+}
+
+impl HopArgs {
+    /// How the hop's balancer bounds attempts and ejects replicas.
+    pub fn balance(&self) -> resilience::balance::BalanceSettings {
+        resilience::balance::BalanceSettings {
+            per_try_timeout: self
+                .per_try_timeout_ms
+                .map(std::time::Duration::from_millis),
+            consecutive_failures: self.eject_after_failures,
+            base_ejection: std::time::Duration::from_millis(self.ejection_base_ms),
+            max_ejection: std::time::Duration::from_millis(self.ejection_max_ms),
+            max_ejection_percent: self.max_ejection_percent,
+        }
+    }
 }
 
 /// Flags of `ledger`.
@@ -268,6 +301,19 @@ impl ServiceCommand {
                 );
                 hop.service.push_args(&mut args);
                 push(&mut args, "--downstream", hop.downstream.as_ref());
+                push(&mut args, "--per-try-timeout-ms", hop.per_try_timeout_ms);
+                push(
+                    &mut args,
+                    "--eject-after-failures",
+                    Some(hop.eject_after_failures),
+                );
+                push(&mut args, "--ejection-base-ms", Some(hop.ejection_base_ms));
+                push(&mut args, "--ejection-max-ms", Some(hop.ejection_max_ms));
+                push(
+                    &mut args,
+                    "--max-ejection-percent",
+                    Some(hop.max_ejection_percent),
+                );
             }
             ServiceCommand::Ledger(ledger) => {
                 args.push("ledger".to_owned());

@@ -94,7 +94,7 @@ async fn hop(
     // Replicas connect lazily: services may start in any order, and a downstream that is
     // not up yet is an UNAVAILABLE attempt like any other.
     let downstream = Downstream::parse(&downstream)?;
-    let replicas = Balancer::start(downstream.clone()).await;
+    let replicas = Balancer::start(downstream.clone(), args.balance()).await;
     let hop = Hop::new(
         Arc::clone(&node),
         role,
