@@ -14,7 +14,10 @@
 //! | `retries_total{reason}` | counter | Stats `retries`, by the code that caused each |
 //! | `retries_refused_total{by="budget"\|"deadline"}` | counter | Stats `budget_denied`, `deadline_denied` |
 //! | `attempts_per_call` | histogram, buckets 1–5 | each downstream call (as gRFC A96) |
-//! | `budget_tokens` | gauge | the retry budget (edge) |
+//! | `budget_tokens` | gauge | the retry budget or throttle (edge): tokens, or for adaptive throttling the requests left before it rejects |
+//! | `throttle_reject_probability` | gauge | adaptive throttling's local rejection probability now (edge) |
+//! | `endpoint_calls_total{endpoint}`, `endpoint_failures_total{endpoint}`, `endpoint_ejections_total{endpoint}` | counter | a hop's balancer, per replica below: attempts, failures of its own, ejections |
+//! | `endpoint_ejected{endpoint}`, `endpoint_in_flight{endpoint}`, `endpoint_rtt_seconds{endpoint}` | gauge | per replica below: out of rotation (0/1), attempts in flight, load estimate |
 //! | `ledger_executions_total`, `ledger_replays_total` | counter | Stats `executions`, `replays` |
 //! | `ledger_in_flight_waits_total` | counter | duplicates that waited for their key |
 //! | `ledger_db_connections{state="in_use"\|"idle"}`, `ledger_db_acquires_waiting` | gauge | the ledger's pool |
@@ -116,6 +119,75 @@ impl NodeCollector {
     }
 }
 
+impl NodeCollector {
+    /// One family per figure, one series per replica below (`endpoint` = its URL).
+    fn endpoints(
+        encoder: &mut DescriptorEncoder,
+        endpoints: &[resilience::balance::EndpointStats],
+    ) -> Result<(), std::fmt::Error> {
+        type Read = fn(&resilience::balance::EndpointStats) -> f64;
+        let counters: [(&str, &str, Read); 3] = [
+            (
+                "endpoint_calls",
+                "Attempts sent to each replica below",
+                |e| e.calls as f64,
+            ),
+            (
+                "endpoint_failures",
+                "Failures of each replica below's own (not relayed from further down)",
+                |e| e.failures as f64,
+            ),
+            (
+                "endpoint_ejections",
+                "Times each replica below was ejected (gRFC A50)",
+                |e| e.ejections as f64,
+            ),
+        ];
+        for (name, help, read) in counters {
+            let mut metric = encoder.encode_descriptor(
+                name,
+                help,
+                None,
+                prometheus_client::metrics::MetricType::Counter,
+            )?;
+            for endpoint in endpoints {
+                ConstCounter::new(read(endpoint) as u64)
+                    .encode(metric.encode_family(&vec![("endpoint", endpoint.url.as_str())])?)?;
+            }
+        }
+        let gauges: [(&str, &str, Read); 3] = [
+            (
+                "endpoint_ejected",
+                "1 while a replica below is out of rotation",
+                |e| f64::from(u8::from(e.ejected)),
+            ),
+            (
+                "endpoint_in_flight",
+                "Attempts in flight to each replica below",
+                |e| f64::from(e.in_flight),
+            ),
+            (
+                "endpoint_rtt_seconds",
+                "Each replica below's load estimate (peak-EWMA response time)",
+                |e| e.rtt_seconds,
+            ),
+        ];
+        for (name, help, read) in gauges {
+            let mut metric = encoder.encode_descriptor(
+                name,
+                help,
+                None,
+                prometheus_client::metrics::MetricType::Gauge,
+            )?;
+            for endpoint in endpoints {
+                ConstGauge::new(read(endpoint))
+                    .encode(metric.encode_family(&vec![("endpoint", endpoint.url.as_str())])?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Collector for NodeCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let node = &self.0;
@@ -154,6 +226,15 @@ impl Collector for NodeCollector {
                 "Tokens in this service's retry budget now",
                 budget.tokens(),
             )?;
+            Self::gauge(
+                &mut encoder,
+                "throttle_reject_probability",
+                "Probability that adaptive throttling rejects an attempt locally now (0 for a budget)",
+                budget.reject_probability(),
+            )?;
+        }
+        if let Some(balancer) = node.downstream.get() {
+            Self::endpoints(&mut encoder, &balancer.endpoints())?;
         }
         if let Some(db) = node.database.get() {
             Self::counter(

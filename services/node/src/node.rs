@@ -41,6 +41,9 @@ pub struct Node {
     pub policy: Arc<ServiceConfig>,
     /// The ledger's database gauges for `/metrics`, once it has connected.
     pub database: std::sync::OnceLock<Arc<dyn DatabaseGauges>>,
+    /// A hop's replicas below, for their per-endpoint calls, failures and ejections in
+    /// `/metrics`, once its balancer has started.
+    pub downstream: std::sync::OnceLock<resilience::Balancer>,
     /// Bounds on the public port's connections.
     pub connection_limits: limits::ConnectionLimits,
 }
@@ -80,6 +83,7 @@ impl Node {
             budget: config.budget,
             policy: config.policy,
             database: std::sync::OnceLock::new(),
+            downstream: std::sync::OnceLock::new(),
             connection_limits: config.connection_limits,
         }
     }

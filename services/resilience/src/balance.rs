@@ -30,7 +30,13 @@
 //!   never more than 10% of the replicas at once, but always one may be. A failure a
 //!   replica *relays* from below (marked [`wire::RELAYED`] by the hop that relays it) is
 //!   not held against it: a ledger outage ejects no healthy hop3. An ejected replica is
-//!   still used when every other one has been tried or is ejected too.
+//!   still used when every other one has been tried or is ejected too. gRFC A50's
+//!   failure-percentage detection runs beside it: every 10 s, among replicas with at least
+//!   50 attempts in that interval, and when there are at least 5 such, one whose own
+//!   failures exceed 85% of its attempts is ejected the same way. At 85% it adds little to
+//!   five in a row; with a lower `--failure-percentage-threshold` (50) it catches a replica
+//!   that fails half its calls but never five in a row. Every ejection and re-admission is one log
+//!   line; [`Balancer::endpoints`] has each replica's calls, failures and ejections.
 //!
 //! Why not `tower::balance::p2c`: its choice cannot exclude the replicas a call already
 //! tried, and its endpoints must be polled ready one by one; tonic's own balanced channel
@@ -81,6 +87,16 @@ pub struct BalanceSettings {
     pub max_ejection: Duration,
     /// The most replicas ejected at once, in percent of them (at least one may be).
     pub max_ejection_percent: u32,
+    /// Failure-percentage detection: a replica whose own failures exceed this percentage
+    /// of its attempts in an interval is ejected (above 100: never).
+    pub failure_percentage_threshold: u32,
+    /// ... only when at least this many replicas had enough attempts in the interval to
+    /// be judged (a replica is an outlier only beside others).
+    pub failure_percentage_minimum_hosts: u32,
+    /// ... and only replicas with at least this many attempts in the interval are judged.
+    pub failure_percentage_request_volume: u32,
+    /// How often failure percentages are judged (and their counts started again).
+    pub interval: Duration,
 }
 
 impl Default for BalanceSettings {
@@ -92,9 +108,18 @@ impl Default for BalanceSettings {
             base_ejection: Duration::from_secs(30),
             max_ejection: Duration::from_secs(300),
             max_ejection_percent: 10,
+            failure_percentage_threshold: 85,
+            failure_percentage_minimum_hosts: 5,
+            failure_percentage_request_volume: 50,
+            interval: Duration::from_secs(10),
         }
     }
 }
+
+/// A call's own per-attempt timeout (a method config's `retrychainPerTryTimeout`, put on
+/// the request by the retry layer), which the balancer takes over its own setting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PerTryTimeout(pub Duration);
 
 /// Where a hop's calls go: its `--downstream`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -239,6 +264,32 @@ struct Health {
     ejections: u32,
     /// When it was last re-admitted.
     readmitted: Option<Instant>,
+    /// Attempts and own failures in the current interval (failure-percentage detection).
+    interval_calls: u32,
+    interval_failures: u32,
+    /// Since it joined: attempts, own failures, ejections (for `/metrics`).
+    calls_total: u64,
+    failures_total: u64,
+    ejections_total: u64,
+}
+
+/// One replica as `/metrics` and `retrychain top` show it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EndpointStats {
+    /// `http://host:port`.
+    pub url: String,
+    /// Attempts sent to it since it joined.
+    pub calls: u64,
+    /// Failures of its own among them (see the module docs).
+    pub failures: u64,
+    /// Times it was ejected.
+    pub ejections: u64,
+    /// Whether it is out of rotation now.
+    pub ejected: bool,
+    /// Attempts in flight to it now.
+    pub in_flight: u32,
+    /// Its load estimate now (peak-EWMA response time), in seconds.
+    pub rtt_seconds: f64,
 }
 
 /// How an attempt at a replica ended, for its health.
@@ -310,6 +361,8 @@ struct Shared {
     rng: Mutex<SmallRng>,
     /// Per-attempt timeout and ejection.
     settings: BalanceSettings,
+    /// When failure percentages were last judged.
+    swept: Mutex<Instant>,
 }
 
 /// The bottom of a hop's downstream stack; see the module docs.
@@ -348,6 +401,7 @@ impl Balancer {
             next_id: std::sync::atomic::AtomicU64::new(1),
             rng: Mutex::new(rand::make_rng()),
             settings,
+            swept: Mutex::new(Instant::now()),
         });
         shared.update(urls);
         Self { shared }
@@ -359,6 +413,40 @@ impl Balancer {
             .current()
             .iter()
             .map(|r| r.url.clone())
+            .collect()
+    }
+
+    /// Each replica's calls, failures and ejections, in the order of the set.
+    pub fn endpoints(&self) -> Vec<EndpointStats> {
+        let now = Instant::now();
+        self.shared
+            .current()
+            .iter()
+            .map(|r| {
+                let (calls, failures, ejections, ejected) = r.health.lock().map_or(
+                    (0, 0, 0, false),
+                    |h| {
+                        (
+                            h.calls_total,
+                            h.failures_total,
+                            h.ejections_total,
+                            h.ejected_until.is_some_and(|until| until > now),
+                        )
+                    },
+                );
+                let (in_flight, rtt_seconds) = r.load.lock().map_or((0, 0.0), |l| {
+                    (l.pending, l.cost(now) / f64::from(l.pending + 1) / 1e9)
+                });
+                EndpointStats {
+                    url: r.url.clone(),
+                    calls,
+                    failures,
+                    ejections,
+                    ejected,
+                    in_flight,
+                    rtt_seconds,
+                }
+            })
             .collect()
     }
 
@@ -495,12 +583,14 @@ impl Shared {
     }
 
     /// Records how an attempt at `replica` ended; ejects it after too many own failures
-    /// in a row, when the limit on ejected replicas allows.
+    /// in a row, and judges failure percentages once an interval is over.
     fn record(&self, replica: &Replica, outcome: Outcome, now: Instant) {
         let settings = &self.settings;
         let Ok(mut health) = replica.health.lock() else {
             return;
         };
+        health.calls_total += 1;
+        health.interval_calls = health.interval_calls.saturating_add(1);
         match outcome {
             Outcome::Answered => {
                 health.consecutive = 0;
@@ -511,42 +601,108 @@ impl Shared {
                     health.ejections = health.ejections.saturating_sub(1);
                     health.readmitted = (health.ejections > 0).then_some(now);
                 }
+                drop(health);
             }
             Outcome::Failed => {
                 health.consecutive += 1;
+                health.failures_total += 1;
+                health.interval_failures = health.interval_failures.saturating_add(1);
                 let due = settings.consecutive_failures > 0
                     && health.consecutive >= settings.consecutive_failures
                     && health.ejected_until.is_none();
-                if !due {
-                    return;
-                }
+                let failures = health.consecutive;
                 drop(health);
-                let replicas = self.current();
-                let ejected = replicas
-                    .iter()
-                    .filter(|r| r.health.lock().is_ok_and(|h| h.ejected_until.is_some()))
-                    .count();
-                let allowed =
-                    (replicas.len() * settings.max_ejection_percent as usize / 100).max(1);
-                if ejected >= allowed {
-                    return;
+                if due {
+                    self.eject(
+                        replica,
+                        now,
+                        &format!("{failures} failures of its own in a row"),
+                    );
                 }
-                let Ok(mut health) = replica.health.lock() else {
-                    return;
-                };
-                health.ejections += 1;
-                let longest = settings.max_ejection.max(settings.base_ejection);
-                let time = (settings.base_ejection * health.ejections).min(longest);
-                health.ejected_until = Some(now + time);
-                tracing::warn!(
-                    downstream = %self.downstream,
-                    replica = %replica.url,
-                    failures = health.consecutive,
-                    ejected_for_s = time.as_secs_f64(),
-                    "replica ejected after failures of its own in a row"
+            }
+        }
+        self.sweep(now);
+    }
+
+    /// gRFC A50's failure-percentage detection, once per interval: among the replicas
+    /// with enough attempts, when there are enough of them, those whose own failures
+    /// exceed the threshold are ejected; then every replica's interval counts restart.
+    fn sweep(&self, now: Instant) {
+        let settings = &self.settings;
+        {
+            let Ok(mut swept) = self.swept.lock() else {
+                return;
+            };
+            if now.saturating_duration_since(*swept) < settings.interval {
+                return;
+            }
+            *swept = now;
+        }
+        let replicas = self.current();
+        let counts: Vec<(u32, u32)> = replicas
+            .iter()
+            .map(|r| {
+                r.health.lock().map_or((0, 0), |mut h| {
+                    let counts = (h.interval_calls, h.interval_failures);
+                    (h.interval_calls, h.interval_failures) = (0, 0);
+                    counts
+                })
+            })
+            .collect();
+        let judged = counts
+            .iter()
+            .filter(|(calls, _)| *calls >= settings.failure_percentage_request_volume)
+            .count();
+        if settings.failure_percentage_threshold > 100
+            || judged < settings.failure_percentage_minimum_hosts as usize
+        {
+            return;
+        }
+        for (replica, (calls, failures)) in replicas.iter().zip(counts) {
+            let over = calls >= settings.failure_percentage_request_volume
+                && u64::from(failures) * 100
+                    > u64::from(settings.failure_percentage_threshold) * u64::from(calls);
+            if over {
+                self.eject(
+                    replica,
+                    now,
+                    &format!("{failures} of its {calls} attempts failed on its own"),
                 );
             }
         }
+    }
+
+    /// Takes `replica` out of rotation for its next ejection time, unless it is out
+    /// already or the limit on ejected replicas is reached.
+    fn eject(&self, replica: &Replica, now: Instant, why: &str) {
+        let settings = &self.settings;
+        let replicas = self.current();
+        let ejected = replicas
+            .iter()
+            .filter(|r| r.health.lock().is_ok_and(|h| h.ejected_until.is_some()))
+            .count();
+        let allowed = (replicas.len() * settings.max_ejection_percent as usize / 100).max(1);
+        if ejected >= allowed {
+            return;
+        }
+        let Ok(mut health) = replica.health.lock() else {
+            return;
+        };
+        if health.ejected_until.is_some() {
+            return;
+        }
+        health.ejections += 1;
+        health.ejections_total += 1;
+        let longest = settings.max_ejection.max(settings.base_ejection);
+        let time = (settings.base_ejection * health.ejections).min(longest);
+        health.ejected_until = Some(now + time);
+        tracing::warn!(
+            downstream = %self.downstream,
+            replica = %replica.url,
+            why,
+            ejected_for_s = time.as_secs_f64(),
+            "replica ejected"
+        );
     }
 }
 
@@ -646,7 +802,11 @@ impl Service<http::Request<Body>> for Balancer {
         if let Some(tried) = &tried {
             tried.push(replica.id);
         }
-        let per_try = self.shared.settings.per_try_timeout;
+        let per_try = request
+            .extensions()
+            .get::<PerTryTimeout>()
+            .map(|p| p.0)
+            .or(self.shared.settings.per_try_timeout);
         if let Some(per_try) = per_try {
             // The replica is told too, so that it gives up when this attempt does.
             let left = wire::timeout_of(request.headers()).ok().flatten();
@@ -863,5 +1023,62 @@ mod tests {
             Duration::from_secs(2),
             "the second ejection lasts twice as long"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_replica_failing_most_calls_is_ejected_by_its_failure_percentage() {
+        let urls: Vec<String> = (1..=5).map(|i| format!("http://127.0.0.1:{i}")).collect();
+        let settings = BalanceSettings {
+            max_ejection_percent: 40,
+            failure_percentage_threshold: 50,
+            ..BalanceSettings::default()
+        };
+        let balancer = Balancer::with_urls(Downstream::Urls(urls.clone()), &urls, settings);
+        let shared = &balancer.shared;
+        let replicas = shared.current();
+        let ejected = |r: &Replica| r.health.lock().unwrap().ejected_until.is_some();
+        // Replica 0 fails 3 of 4, never 5 in a row; replica 1 fails 1 of 3 (under 50%);
+        // the others answer.
+        for round in 0..60 {
+            for (i, replica) in replicas.iter().enumerate() {
+                let failed = match i {
+                    0 => round % 4 != 0,
+                    1 => round % 3 == 0,
+                    _ => false,
+                };
+                let outcome = if failed {
+                    Outcome::Failed
+                } else {
+                    Outcome::Answered
+                };
+                shared.record(replica, outcome, Instant::now());
+            }
+        }
+        assert!(replicas.iter().all(|r| !ejected(r)), "not judged before the interval ends");
+        tokio::time::advance(Duration::from_secs(10)).await;
+        shared.record(&replicas[2], Outcome::Answered, Instant::now());
+        let stats = balancer.endpoints();
+        let rate = |i: usize| stats[i].failures as f64 / stats[i].calls as f64;
+        assert!(rate(0) > 0.5 && rate(1) < 0.5, "{} {}", rate(0), rate(1));
+        assert!(ejected(&replicas[0]), "over 50%");
+        assert!(!ejected(&replicas[1]), "under 50%");
+        assert_eq!(stats[0].ejections, 1);
+        // Four judged replicas are fewer than the minimum of five: nobody is ejected.
+        let few = Balancer::with_urls(
+            Downstream::Urls(urls[..4].to_vec()),
+            &urls[..4],
+            settings,
+        );
+        let replicas = few.shared.current();
+        for _ in 0..60 {
+            for replica in replicas.iter() {
+                few.shared.record(replica, Outcome::Failed, Instant::now());
+                few.shared.record(replica, Outcome::Answered, Instant::now());
+            }
+            few.shared.record(&replicas[0], Outcome::Failed, Instant::now());
+        }
+        tokio::time::advance(Duration::from_secs(10)).await;
+        few.shared.record(&replicas[1], Outcome::Answered, Instant::now());
+        assert!(replicas.iter().all(|r| !ejected(r)));
     }
 }

@@ -60,7 +60,8 @@ use crate::{
     observe::RetryObserver,
     replay::{DEFAULT_PER_CALL_LIMIT, DEFAULT_PER_CHANNEL_LIMIT, Replay, ReplayBudget},
     service_config::{CallPolicy, MethodConfig, RetryPolicyConfig, ServiceConfig},
-    throttle::{A6Throttle, Throttle},
+    throttle::Throttle,
+    balance::PerTryTimeout,
 };
 
 /// Retries calls per a service config; see the module docs.
@@ -122,13 +123,12 @@ impl std::fmt::Debug for RetryLayer {
 }
 
 impl RetryLayer {
-    /// A layer applying `config` (its `retryThrottling` becomes the layer's throttle). The
+    /// A layer applying `config` (its `retryThrottling` or `adaptiveThrottling` becomes the
+    /// layer's throttle). The
     /// config is shared, not copied: a service parses it once and hands it to every layer.
     pub fn new(config: impl Into<Arc<ServiceConfig>>) -> Self {
         let config = config.into();
-        let throttle = config
-            .retry_throttling
-            .map(|t| Arc::new(A6Throttle::new(t.max_tokens, t.token_ratio)) as Arc<dyn Throttle>);
+        let throttle = config.throttle();
         Self {
             shared: Arc::new(Shared {
                 config,
@@ -289,8 +289,12 @@ where
         let ready = std::mem::replace(&mut self.inner, ready);
         let shared = Arc::clone(&self.shared);
         Box::pin(async move {
+            let mut request = request;
             let path = request.uri().path().to_owned();
             let method = shared.method(&path);
+            if let Some(per_try) = method.and_then(|m| m.per_try_timeout) {
+                request.extensions_mut().insert(PerTryTimeout(per_try));
+            }
             let deadline = Replay::<S>::deadline(&request, method.and_then(|m| m.timeout));
             let policy = match method.and_then(|m| m.policy.as_ref()) {
                 Some(policy) => policy,

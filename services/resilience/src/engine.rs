@@ -197,6 +197,31 @@ impl Call<'_> {
         }
     }
 
+    /// The failure of a call the throttle rejected before its first attempt (adaptive
+    /// throttling: the service below has accepted too few of the latest calls):
+    /// UNAVAILABLE, with a negative pushback where this layer is the retrying one, so
+    /// that a caller does not put back the load the throttle just shed.
+    pub fn throttled(&self) -> Status {
+        let settings = self.settings;
+        settings.observer.refused(self.path, Refusal::Throttle);
+        let probability = settings
+            .throttle
+            .as_ref()
+            .map_or(0.0, |t| t.reject_probability());
+        let who = settings
+            .label
+            .as_deref()
+            .map_or(String::new(), |who| format!("{who}: "));
+        let mut status = Status::unavailable(format!(
+            "{who}rejected locally by adaptive throttling: the service below accepted too few of the latest calls (rejecting {:.0}% now)",
+            probability * 100.0
+        ));
+        if settings.refuse_caller_retries {
+            wire::set_pushback(&mut status, -1);
+        }
+        status
+    }
+
     /// A failed call's answer, told as the layer was set up: its message naming the
     /// attempts made and why they stopped (`label`), and a negative pushback where this
     /// layer was the retrying one (`refuse_caller_retries`).
@@ -265,12 +290,14 @@ pub(crate) async fn retry<A: Attempts>(
     mut attempts: A,
 ) -> A::Answer {
     let settings = call.settings;
-    let mut state = Retrying::start(
+    let Some(mut state) = Retrying::start(
         policy.max_attempts,
         &policy.retryable_status_codes,
         policy.backoff(),
         settings.throttle.as_deref(),
-    );
+    ) else {
+        return attempts.failure(call.throttled());
+    };
     let mut sent = 0;
     let mut retry_of = None;
     let mut last: Option<Status> = None;

@@ -164,6 +164,9 @@ impl<A: Attempts> Hedging<'_, A> {
             Verdict::Failed { status, answer } | Verdict::Unprocessed { status, answer } => {
                 outcome(&span, Some(status.code()));
                 if !self.policy.non_fatal_status_codes.contains(&status.code()) {
+                    if let Some(throttle) = &settings.throttle {
+                        throttle.attempt_answered(status.code());
+                    }
                     return Some(Ended::Failed(answer, StopReason::NotRetryable));
                 }
                 if let Some(throttle) = &settings.throttle {
@@ -195,8 +198,10 @@ pub(crate) async fn hedge<A: Attempts>(
     policy: &HedgingPolicy,
     mut attempts: A,
 ) -> A::Answer {
-    if let Some(throttle) = &call.settings.throttle {
-        throttle.first_attempt();
+    if let Some(throttle) = &call.settings.throttle
+        && !throttle.first_attempt()
+    {
+        return attempts.failure(call.throttled());
     }
     let mut state = Hedging::<A> {
         policy,

@@ -10,7 +10,7 @@
 //! - [`backoff`]: the five backoff policies of the design notes.
 //! - [`budget`]: [`RetryBudget`], the token bucket that caps retries per process.
 //! - [`throttle`]: [`Throttle`], what limits retries across calls: our [`RetryBudget`] or
-//!   gRFC A6's [`A6Throttle`].
+//!   gRFC A6's [`A6Throttle`], or Google SRE's [`AdaptiveThrottle`].
 //! - [`classify`]: which codes are retryable; which errors prove a call never left.
 //! - [`service_config`]: [`ServiceConfig`], the gRPC service config JSON (retry policy,
 //!   hedging, throttling, timeouts as data), parsed and validated once: the one policy value.
@@ -48,7 +48,7 @@ pub mod throttle;
 pub mod wire;
 
 pub use backoff::{Backoff, BackoffKind, BackoffSchedule};
-pub use balance::{Balancer, Downstream, Tried};
+pub use balance::{BalanceSettings, Balancer, Downstream, PerTryTimeout, Tried};
 pub use budget::RetryBudget;
 pub use classify::is_retryable;
 pub use client::{AttemptRequest, CallRequest, RetryCalls, RetryLayer};
@@ -59,4 +59,4 @@ pub use propagate::PropagateDeadlineLayer;
 pub use rules::StopReason;
 pub use server_deadline::{DeadlineLayer, IncomingDeadline};
 pub use service_config::{ConfigError, ServiceConfig};
-pub use throttle::{A6Throttle, Throttle};
+pub use throttle::{A6Throttle, AdaptiveThrottle, Throttle};

@@ -117,24 +117,27 @@ pub(crate) struct Retrying<'a> {
 }
 
 impl<'a> Retrying<'a> {
-    /// A call is starting (a budget's refund for a first attempt is taken here).
+    /// A call is starting (a budget's refund for a first attempt is taken here); `None`
+    /// when the throttle rejects the call before its first attempt (adaptive throttling).
     pub fn start(
         max_attempts: u32,
         retryable: &'a [Code],
         backoff: Backoff,
         throttle: Option<&'a dyn Throttle>,
-    ) -> Self {
-        if let Some(throttle) = throttle {
-            throttle.first_attempt();
+    ) -> Option<Self> {
+        if let Some(throttle) = throttle
+            && !throttle.first_attempt()
+        {
+            return None;
         }
-        Self {
+        Some(Self {
             max_attempts,
             retryable,
             backoff,
             schedule: backoff.schedule(),
             throttle,
             attempts: 0,
-        }
+        })
     }
 
     /// The attempt made counts as a success.
@@ -154,6 +157,9 @@ impl<'a> Retrying<'a> {
         rng: &Mutex<SmallRng>,
     ) -> Next {
         if !self.retryable.contains(&code) {
+            if let Some(throttle) = self.throttle {
+                throttle.attempt_answered(code);
+            }
             return Next::Stop(StopReason::NotRetryable);
         }
         if let Some(throttle) = self.throttle {

@@ -27,15 +27,27 @@
 //! the reason — a service must not start on a policy it half understood. Unknown fields
 //! are ignored, as grpc-go ignores them.
 //!
-//! One extension: `retryPolicy.retrychainJitter` picks one of this crate's jitter kinds
-//! (`full`, `equal`, `decorrelated`, `exponential`, `none`); A6's own formula is `full`.
+//! Three extensions, which other gRPC clients ignore:
+//! - `retryPolicy.retrychainJitter` picks one of this crate's jitter kinds (`full`,
+//!   `equal`, `decorrelated`, `exponential`, `none`); A6's own formula is `full`.
+//! - `methodConfig[].retrychainPerTryTimeout` (Envoy's `per_try_timeout`): the longest one
+//!   attempt may take at one replica before it is given up (UNAVAILABLE, retryable
+//!   elsewhere), e.g. `"0.3s"`; it overrides `--per-try-timeout-ms` for those methods.
+//! - `adaptiveThrottling: {"k": 2, "window": "10s"}`: Google SRE's client-side throttling
+//!   ([`AdaptiveThrottle`]) instead of A6's `retryThrottling` (not both); `k` at least 1,
+//!   the window between 1 s and 10 min.
+//!
+//! [`AdaptiveThrottle`]: crate::throttle::AdaptiveThrottle
 
-use std::{collections::HashSet, time::Duration};
+use std::{collections::HashSet, sync::Arc, time::Duration};
 
 use serde_json::{Map, Value};
 use tonic::Code;
 
-use crate::backoff::BackoffKind;
+use crate::{
+    backoff::BackoffKind,
+    throttle::{A6Throttle, AdaptiveThrottle, Throttle},
+};
 
 /// The longest protobuf `Duration`, in seconds (about 10,000 years): no longer one is read.
 const MAX_DURATION_SECONDS: u64 = 315_576_000_000;
@@ -50,6 +62,8 @@ pub struct ServiceConfig {
     pub method_configs: Vec<MethodConfig>,
     /// The channel-wide retry throttle, if any.
     pub retry_throttling: Option<RetryThrottling>,
+    /// Adaptive client-side throttling instead (an extension), if any.
+    pub adaptive_throttling: Option<AdaptiveThrottling>,
 }
 
 /// Settings for the methods `names` matches.
@@ -61,6 +75,9 @@ pub struct MethodConfig {
     pub timeout: Option<Duration>,
     /// How calls are retried or hedged.
     pub policy: Option<CallPolicy>,
+    /// The longest one attempt may take at one replica (extension
+    /// `retrychainPerTryTimeout`).
+    pub per_try_timeout: Option<Duration>,
 }
 
 /// One `name` entry.
@@ -150,6 +167,15 @@ pub struct RetryThrottling {
     pub token_ratio: f64,
 }
 
+/// `adaptiveThrottling` (extension): Google SRE's client-side throttling for a channel.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdaptiveThrottling {
+    /// Requests tolerated per accepted one before rejecting locally.
+    pub k: f64,
+    /// How far back requests and accepts are counted.
+    pub window: Duration,
+}
+
 /// Why a service config was refused: where, and why.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("service config: {field}: {reason}")]
@@ -191,7 +217,26 @@ impl ServiceConfig {
         if let Some(throttling) = root.get("retryThrottling") {
             config.retry_throttling = Some(retry_throttling(throttling)?);
         }
+        if let Some(throttling) = root.get("adaptiveThrottling") {
+            if config.retry_throttling.is_some() {
+                return Err(error(
+                    "adaptiveThrottling",
+                    "a service config takes retryThrottling or adaptiveThrottling, not both",
+                ));
+            }
+            config.adaptive_throttling = Some(adaptive_throttling(throttling)?);
+        }
         Ok(config)
+    }
+
+    /// The throttle the config asks for (`retryThrottling` or `adaptiveThrottling`), new
+    /// and shared by the calls of whoever asks: one per channel or service.
+    pub fn throttle(&self) -> Option<Arc<dyn Throttle>> {
+        if let Some(t) = self.retry_throttling {
+            return Some(Arc::new(A6Throttle::new(t.max_tokens, t.token_ratio)));
+        }
+        self.adaptive_throttling
+            .map(|t| Arc::new(AdaptiveThrottle::new(t.k, t.window)) as Arc<dyn Throttle>)
     }
 
     /// A config that gives every method `policy` (retries or hedging), without
@@ -205,8 +250,10 @@ impl ServiceConfig {
                 }],
                 timeout: None,
                 policy: Some(policy),
+                per_try_timeout: None,
             }],
             retry_throttling: None,
+            adaptive_throttling: None,
         }
     }
 
@@ -280,6 +327,10 @@ fn method_config(
     if let Some(timeout) = entry.get("timeout") {
         let field = format!("{path}.timeout");
         config.timeout = Some(positive(&field, duration(&field, timeout)?)?);
+    }
+    if let Some(per_try) = entry.get("retrychainPerTryTimeout") {
+        let field = format!("{path}.retrychainPerTryTimeout");
+        config.per_try_timeout = Some(positive(&field, duration(&field, per_try)?)?);
     }
     let retry = entry.get("retryPolicy");
     let hedging = entry.get("hedgingPolicy");
@@ -418,6 +469,34 @@ fn retry_throttling(value: &Value) -> Result<RetryThrottling, ConfigError> {
         max_tokens,
         token_ratio,
     })
+}
+
+fn adaptive_throttling(value: &Value) -> Result<AdaptiveThrottling, ConfigError> {
+    let path = "adaptiveThrottling";
+    let throttling = object(path, value)?;
+    let k = match throttling.get("k") {
+        None => crate::throttle::ADAPTIVE_K,
+        Some(k) => k
+            .as_f64()
+            .ok_or_else(|| error("adaptiveThrottling.k", "must be a number"))?,
+    };
+    if !(k.is_finite() && k >= 1.0) {
+        return Err(error(
+            "adaptiveThrottling.k",
+            format!("must be at least 1 (below 1 it rejects a healthy server's calls), got {k}"),
+        ));
+    }
+    let window = match throttling.get("window") {
+        None => crate::throttle::ADAPTIVE_WINDOW,
+        Some(window) => duration("adaptiveThrottling.window", window)?,
+    };
+    if !(Duration::from_secs(1)..=Duration::from_secs(600)).contains(&window) {
+        return Err(error(
+            "adaptiveThrottling.window",
+            format!("must be between 1s and 600s, got {window:?}"),
+        ));
+    }
+    Ok(AdaptiveThrottling { k, window })
 }
 
 fn positive(path: &str, duration: Duration) -> Result<Duration, ConfigError> {
@@ -573,6 +652,55 @@ mod tests {
                 token_ratio: 0.1
             })
         );
+    }
+
+    #[test]
+    fn the_extensions_per_try_timeout_and_adaptive_throttling() {
+        let config = ServiceConfig::parse(
+            r#"{"methodConfig": [{"name": [{}], "retrychainPerTryTimeout": "0.3s"}],
+                "adaptiveThrottling": {"k": 3, "window": "20s"}}"#,
+        )
+        .expect("valid");
+        assert_eq!(
+            config.method_configs[0].per_try_timeout,
+            Some(Duration::from_millis(300))
+        );
+        assert_eq!(
+            config.adaptive_throttling,
+            Some(AdaptiveThrottling {
+                k: 3.0,
+                window: Duration::from_secs(20)
+            })
+        );
+        let throttle = config.throttle().expect("a throttle");
+        assert_eq!(throttle.reject_probability(), 0.0);
+        let defaults = ServiceConfig::parse(r#"{"adaptiveThrottling": {}}"#).expect("valid");
+        assert_eq!(
+            defaults.adaptive_throttling.map(|t| (t.k, t.window)),
+            Some((2.0, Duration::from_secs(10)))
+        );
+        for (json, field, reason) in [
+            (
+                r#"{"retryThrottling": {"maxTokens": 10, "tokenRatio": 0.1}, "adaptiveThrottling": {}}"#,
+                "adaptiveThrottling",
+                "not both",
+            ),
+            (r#"{"adaptiveThrottling": {"k": 0.5}}"#, "adaptiveThrottling.k", "at least 1"),
+            (
+                r#"{"adaptiveThrottling": {"window": "0.5s"}}"#,
+                "adaptiveThrottling.window",
+                "between 1s and 600s",
+            ),
+            (
+                r#"{"methodConfig": [{"retrychainPerTryTimeout": "0s"}]}"#,
+                "methodConfig[0].retrychainPerTryTimeout",
+                "above 0s",
+            ),
+        ] {
+            let e = refused(json);
+            assert_eq!(e.field, field, "{json}");
+            assert!(e.reason.contains(reason), "{json}: {}", e.reason);
+        }
     }
 
     #[test]

@@ -118,6 +118,19 @@ pub struct ServiceArgs {
     /// Retry without a budget: retries limited only by --max-attempts.
     #[arg(long, env = "RETRYCHAIN_NO_BUDGET")]
     pub no_budget: bool,
+    /// Adaptive client-side throttling (Google SRE) instead of the retry budget: every
+    /// attempt, first ones too, is rejected locally with probability
+    /// max(0, (requests - K*accepts) / (requests + 1)) over a sliding window, so that a
+    /// service below that accepts nothing receives almost nothing. A --service-config's
+    /// `retryThrottling` or `adaptiveThrottling` takes its place.
+    #[arg(long, env = "RETRYCHAIN_ADAPTIVE_THROTTLING")]
+    pub adaptive_throttling: bool,
+    /// Adaptive throttling's K: requests tolerated per accepted one (at least 1).
+    #[arg(long, env = "RETRYCHAIN_ADAPTIVE_THROTTLING_K", default_value_t = resilience::throttle::ADAPTIVE_K)]
+    pub adaptive_throttling_k: f64,
+    /// Adaptive throttling's window, in ms: how far back requests and accepts count.
+    #[arg(long, env = "RETRYCHAIN_ADAPTIVE_THROTTLING_WINDOW_MS", default_value_t = resilience::throttle::ADAPTIVE_WINDOW.as_millis() as u64, value_parser = clap::value_parser!(u64).range(1000..=600_000))]
+    pub adaptive_throttling_window_ms: u64,
     /// Deadline applied to a request that carries none, in ms (a --service-config method's
     /// `timeout` takes its place for that method).
     #[arg(long, env = "RETRYCHAIN_DEFAULT_DEADLINE_MS", default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
@@ -230,6 +243,21 @@ pub struct HopArgs {
     /// The most replicas below ejected at once, in percent (one may always be).
     #[arg(long, env = "RETRYCHAIN_MAX_EJECTION_PERCENT", default_value_t = 10, value_parser = clap::value_parser!(u32).range(0..=100))]
     pub max_ejection_percent: u32,
+    /// A replica below whose own failures exceed this percentage of its attempts in an
+    /// interval is ejected (gRFC A50's failure-percentage detection; 100: never).
+    #[arg(long, env = "RETRYCHAIN_FAILURE_PERCENTAGE_THRESHOLD", default_value_t = 85, value_parser = clap::value_parser!(u32).range(0..=100))]
+    pub failure_percentage_threshold: u32,
+    /// Failure percentages are judged only when at least this many replicas had enough
+    /// attempts in the interval.
+    #[arg(long, env = "RETRYCHAIN_FAILURE_PERCENTAGE_MINIMUM_HOSTS", default_value_t = 5)]
+    pub failure_percentage_minimum_hosts: u32,
+    /// A replica's failure percentage is judged only with at least this many attempts in
+    /// the interval.
+    #[arg(long, env = "RETRYCHAIN_FAILURE_PERCENTAGE_REQUEST_VOLUME", default_value_t = 50)]
+    pub failure_percentage_request_volume: u32,
+    /// How often failure percentages are judged, in ms.
+    #[arg(long, env = "RETRYCHAIN_EJECTION_INTERVAL_MS", default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub ejection_interval_ms: u64,
 }
 
 impl HopArgs {
@@ -243,6 +271,10 @@ impl HopArgs {
             base_ejection: std::time::Duration::from_millis(self.ejection_base_ms),
             max_ejection: std::time::Duration::from_millis(self.ejection_max_ms),
             max_ejection_percent: self.max_ejection_percent,
+            failure_percentage_threshold: self.failure_percentage_threshold,
+            failure_percentage_minimum_hosts: self.failure_percentage_minimum_hosts,
+            failure_percentage_request_volume: self.failure_percentage_request_volume,
+            interval: std::time::Duration::from_millis(self.ejection_interval_ms),
         }
     }
 }
@@ -314,6 +346,26 @@ impl ServiceCommand {
                     "--max-ejection-percent",
                     Some(hop.max_ejection_percent),
                 );
+                push(
+                    &mut args,
+                    "--failure-percentage-threshold",
+                    Some(hop.failure_percentage_threshold),
+                );
+                push(
+                    &mut args,
+                    "--failure-percentage-minimum-hosts",
+                    Some(hop.failure_percentage_minimum_hosts),
+                );
+                push(
+                    &mut args,
+                    "--failure-percentage-request-volume",
+                    Some(hop.failure_percentage_request_volume),
+                );
+                push(
+                    &mut args,
+                    "--ejection-interval-ms",
+                    Some(hop.ejection_interval_ms),
+                );
             }
             ServiceCommand::Ledger(ledger) => {
                 args.push("ledger".to_owned());
@@ -376,6 +428,17 @@ impl ServiceArgs {
         push(args, "--budget-tokens", Some(self.budget_tokens));
         push(args, "--budget-refund", Some(self.budget_refund));
         switch(args, "--no-budget", self.no_budget);
+        switch(args, "--adaptive-throttling", self.adaptive_throttling);
+        push(
+            args,
+            "--adaptive-throttling-k",
+            Some(self.adaptive_throttling_k),
+        );
+        push(
+            args,
+            "--adaptive-throttling-window-ms",
+            Some(self.adaptive_throttling_window_ms),
+        );
         push(
             args,
             "--default-deadline-ms",
@@ -456,6 +519,9 @@ mod tests {
         s.budget_tokens = 2.5;
         s.budget_refund = 0.25;
         s.no_budget = true;
+        s.adaptive_throttling = true;
+        s.adaptive_throttling_k = 1.5;
+        s.adaptive_throttling_window_ms = 4000;
         s.default_deadline_ms = 1500;
         s.max_deadline_ms = 9000;
         s.deadline_margin_ms = 7;
@@ -478,6 +544,15 @@ mod tests {
         let mut edge = ServiceCommand::defaults("edge", "").expect("parses");
         if let ServiceCommand::Edge(args) = &mut edge {
             args.downstream = Some("http://127.0.0.1:3".into());
+            args.per_try_timeout_ms = Some(250);
+            args.eject_after_failures = 3;
+            args.ejection_base_ms = 1000;
+            args.ejection_max_ms = 9000;
+            args.max_ejection_percent = 50;
+            args.failure_percentage_threshold = 60;
+            args.failure_percentage_minimum_hosts = 2;
+            args.failure_percentage_request_volume = 20;
+            args.ejection_interval_ms = 3000;
         }
         let back = ServiceCli::try_parse_from(edge.to_args())
             .expect("reads back")

@@ -5,7 +5,7 @@
 use std::{net::SocketAddr, pin::Pin, sync::Arc, time::Duration};
 
 use anyhow::Context;
-use resilience::{A6Throttle, Balancer, Downstream, RetryBudget, ServiceConfig, Throttle};
+use resilience::{AdaptiveThrottle, Balancer, Downstream, RetryBudget, ServiceConfig, Throttle};
 use retrychain_hop::{Hop, HopSettings, Role};
 use retrychain_ledger::{InFlight, KeyStore, Ledger, StoreOptions, run_retention};
 use retrychain_node::{Listeners, Node, NodeConfig, ReadyAddrs, default_admin_addr, telemetry};
@@ -95,6 +95,7 @@ async fn hop(
     // not up yet is an UNAVAILABLE attempt like any other.
     let downstream = Downstream::parse(&downstream)?;
     let replicas = Balancer::start(downstream.clone(), args.balance()).await;
+    let _ = node.downstream.set(replicas.clone());
     let hop = Hop::new(
         Arc::clone(&node),
         role,
@@ -186,8 +187,9 @@ struct Policies {
     /// Per method: retry or hedging policy, and timeout. Every retrying layer of the
     /// service (a hop's plans, the ledger's processor) applies this one value.
     config: Arc<ServiceConfig>,
-    /// The throttle of the edge's edge-only retries: the budget flags, or the config's
-    /// `retryThrottling`; `None` with `--no-budget` and no `retryThrottling`.
+    /// The throttle of the edge's edge-only retries: the config's `retryThrottling` or
+    /// `adaptiveThrottling`, else `--adaptive-throttling`, else the budget flags; `None`
+    /// with `--no-budget` and none of those.
     throttle: Option<Arc<dyn Throttle>>,
 }
 
@@ -212,18 +214,27 @@ impl Policies {
                 );
             }
         }
-        let throttle = match config.retry_throttling {
-            Some(throttling) => Some(Arc::new(A6Throttle::new(
-                throttling.max_tokens,
-                throttling.token_ratio,
-            )) as Arc<dyn Throttle>),
-            None => (!service.no_budget).then(|| {
-                Arc::new(RetryBudget::new(
-                    service.budget_tokens,
-                    service.budget_refund,
-                )) as Arc<dyn Throttle>
-            }),
-        };
+        anyhow::ensure!(
+            service.adaptive_throttling_k.is_finite() && service.adaptive_throttling_k >= 1.0,
+            "--adaptive-throttling-k must be at least 1 (below 1 it rejects a healthy service's calls), got {}",
+            service.adaptive_throttling_k
+        );
+        // The document's throttle, else the flags': adaptive throttling, the budget, none.
+        let throttle = config.throttle().or_else(|| {
+            if service.adaptive_throttling {
+                Some(Arc::new(AdaptiveThrottle::new(
+                    service.adaptive_throttling_k,
+                    Duration::from_millis(service.adaptive_throttling_window_ms),
+                )) as Arc<dyn Throttle>)
+            } else {
+                (!service.no_budget).then(|| {
+                    Arc::new(RetryBudget::new(
+                        service.budget_tokens,
+                        service.budget_refund,
+                    )) as Arc<dyn Throttle>
+                })
+            }
+        });
         Ok(Policies {
             config: Arc::new(config),
             throttle,
