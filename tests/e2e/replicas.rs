@@ -594,3 +594,205 @@ async fn a_ledger_outage_ejects_no_relay() {
         "neither hop4 was ejected"
     );
 }
+
+/// The sum of one metric's series in a `/metrics` text (`name{…} value` lines).
+fn metric_sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|line| line.starts_with(&format!("{name}{{")))
+        .filter_map(|line| line.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
+}
+
+/// Two replicas of every tier below the edge, the ledgers' processor failing and then
+/// both ledgers stopped: bottom calls stay at most 3 per charge with the edge's retries
+/// and exactly 243 in every-layer mode (balancing spreads them, it does not add any), and
+/// no relay is ejected — each hop's per-endpoint metrics say so.
+#[tokio::test]
+async fn a_ledger_outage_over_replicas_keeps_3_and_243_and_ejects_no_relay() {
+    use retrychain_harness::{ChainClient, InProcessChain};
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut options = Options::default();
+    options.spec.replicas = 2;
+    options.spec.database_url = Some(database().await);
+    let mut chain = InProcessChain::start(options.spec).await.unwrap();
+    let addrs = chain.addrs();
+    let client = ChainClient::connect(&addrs).await.unwrap();
+    let is_ledger = |s: &InProcessService| s.name.starts_with("ledger");
+    let ledgers: Vec<String> = chain
+        .services
+        .iter()
+        .chain(&chain.replicas)
+        .filter(|s| is_ledger(s))
+        .map(|s| s.addr.admin_url.clone())
+        .collect();
+    let relays: Vec<(String, String)> = chain
+        .services
+        .iter()
+        .chain(&chain.replicas)
+        .filter(|s| !is_ledger(s))
+        .map(|s| (s.name.clone(), s.addr.admin_url.clone()))
+        .collect();
+    assert_eq!((ledgers.len(), relays.len()), (2, 7));
+    let mut controls = Vec::new();
+    for admin in &ledgers {
+        controls.push(retrychain_proto::v1::control_client::ControlClient::new(
+            connect(admin).await,
+        ));
+    }
+    let bottom = || async {
+        let mut sum = 0;
+        for control in &controls {
+            sum += bottom_calls(control).await;
+        }
+        sum
+    };
+    for control in &controls {
+        control.clone().set_faults(failing()).await.unwrap();
+    }
+
+    // The edge's retries: 20 charges, each at most 3 bottom calls (the budget may refuse
+    // some retries; never more).
+    for _ in 0..20 {
+        let status = client
+            .charge(charge(
+                &new_account(),
+                100,
+                None,
+                Duration::from_secs(5),
+                &[],
+            ))
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    }
+    let edge_only = bottom().await;
+    println!("edge-only: {edge_only} bottom calls for 20 charges");
+    assert!((20..=60).contains(&edge_only), "{edge_only}");
+
+    // Every layer retrying: 3^5, however the replicas shared them.
+    let status = client
+        .charge(charge(
+            &new_account(),
+            100,
+            None,
+            Duration::from_secs(20),
+            &[("x-retry-mode", "every-layer")],
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    let every_layer = bottom().await - edge_only;
+    println!("every-layer: {every_layer} bottom calls for one charge over two replicas a tier");
+    assert_eq!(every_layer, 243);
+
+    // Both ledgers stopped: the hop4s lose their downstream; nobody above ejects a relay.
+    let stopped: Vec<InProcessService> = {
+        let mut stopped = Vec::new();
+        for i in (0..chain.replicas.len()).rev() {
+            if is_ledger(&chain.replicas[i]) {
+                stopped.push(chain.replicas.remove(i));
+            }
+        }
+        stopped.push(chain.services.remove(4));
+        stopped
+    };
+    for ledger in stopped {
+        ledger.stop().await.unwrap();
+    }
+    for _ in 0..20 {
+        let status = client
+            .charge(charge(
+                &new_account(),
+                100,
+                None,
+                Duration::from_secs(5),
+                &[],
+            ))
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    }
+    for (name, admin) in &relays {
+        let text = scrape_metrics(admin).await;
+        let calls = metric_sum(&text, "retrychain_endpoint_calls_total");
+        let ejections = metric_sum(&text, "retrychain_endpoint_ejections_total");
+        let failures = metric_sum(&text, "retrychain_endpoint_failures_total");
+        println!("{name}: {calls} calls below, {failures} own failures, {ejections} ejections");
+        assert!(calls > 0.0, "{name} called below");
+        if !name.starts_with("hop4") {
+            // Its replicas below are relays: they relayed every failure, had none.
+            assert_eq!((failures, ejections), (0.0, 0.0), "{name}:\n{text}");
+        }
+    }
+}
+
+/// Adaptive throttling at the edge, the ledger's processor failing everything: the
+/// edge sheds the load locally, so what reaches the ledger stays within K × accepted plus
+/// the window's first few draws — far below what the clients send — and the edge's
+/// `/metrics` shows the throttle's rejection probability near 1.
+#[tokio::test]
+async fn adaptive_throttling_keeps_a_failing_ledgers_load_near_k_times_accepted() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut options = Options::default();
+    options.spec.edge().service.adaptive_throttling = true;
+    // A 2 s window (the default is 10 s): the throttle opens again within seconds.
+    options.spec.edge().service.adaptive_throttling_window_ms = 2000;
+    let chain = Chain::spawn(options).await;
+    chain.fail_processor().await;
+    chain.reset_stats().await;
+    let edge = chain.edge().await;
+    let sent = 400;
+    let answers: Vec<_> = futures::stream::iter(0..sent)
+        .map(|_| {
+            let edge = edge.clone();
+            async move { charge_on(&edge, &new_account(), 100, None, Duration::from_secs(5)).await }
+        })
+        .buffer_unordered(4)
+        .collect()
+        .await;
+    let shed = answers
+        .iter()
+        .filter(|a| {
+            a.as_ref().is_err_and(|s| {
+                s.message()
+                    .contains("rejected locally by adaptive throttling")
+            })
+        })
+        .count();
+    assert!(answers.iter().all(Result::is_err));
+    let stats = chain.all_stats().await;
+    let ledger = stats[4].requests_received;
+    let accepted = 0; // the processor fails every charge
+    println!(
+        "{sent} charges, {shed} shed at the edge, the ledger received {ledger} (without the throttle: up to {})",
+        sent * 3
+    );
+    // K × accepted + the window's slack: while nothing is accepted, an attempt goes with
+    // probability 1/(requests + 1), about ln(requests) of them in all, plus those in
+    // flight when the window filled.
+    assert!(ledger <= 2 * accepted + 30, "the ledger received {ledger}");
+    assert!(shed >= 350, "{shed} shed");
+    let text = scrape_metrics(&chain.admins[0]).await;
+    let p = metric_sum(&text, "retrychain_throttle_reject_probability");
+    assert!(p > 0.95, "reject probability {p}");
+
+    // The processor back: the edge opens again as its attempts are accepted.
+    chain.set_faults(4, faults()).await;
+    let mut ok_in_a_row = 0;
+    let started = Instant::now();
+    while ok_in_a_row < 20 {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the throttle did not open again within 30 s"
+        );
+        match charge_on(&edge, &new_account(), 100, None, Duration::from_secs(5)).await {
+            Ok(_) => ok_in_a_row += 1,
+            Err(_) => ok_in_a_row = 0,
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await; // 100 calls a second at most
+    }
+    println!(
+        "open again {:?} after the processor came back",
+        started.elapsed()
+    );
+}

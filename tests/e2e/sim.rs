@@ -43,6 +43,32 @@ fn sim_reproduces_the_design_notes() {
         "{}",
         outage.budget.load
     );
+
+    // The three throttles through the same outage, on the real engine: the budget and
+    // A6 cap retries (about 1.1x and 1.0x) and recover at once; adaptive throttling sheds
+    // the first attempts too (the backend gets almost nothing) and pays with the seconds
+    // it takes to open again.
+    let t = &report.throttles;
+    assert_eq!((t.none.backend, t.none.load), (24_000, 4.0));
+    assert_eq!(t.budget.backend, 6609);
+    assert!(
+        (6000..=6010).contains(&t.a6.backend),
+        "A6: {}",
+        t.a6.backend
+    );
+    for run in [t.none, t.budget, t.a6] {
+        assert_eq!(
+            (run.rejected_locally, run.recovery_s, run.failed_after),
+            (0, 0.0, 0)
+        );
+    }
+    assert!(t.adaptive.backend < 100, "adaptive: {}", t.adaptive.backend);
+    assert!(t.adaptive.rejected_locally > 5900);
+    assert!(
+        t.adaptive.recovery_s > 0.0 && t.adaptive.recovery_s < 120.0,
+        "adaptive recovered after {} s",
+        t.adaptive.recovery_s
+    );
 }
 
 #[test]
@@ -57,6 +83,7 @@ fn sim_prints_the_notes_beside_our_figures() {
         String::from_utf8_lossy(&output.stderr)
     );
     let text = String::from_utf8_lossy(&output.stdout);
+    assert!(text.contains("adaptive K=2, 10 s"), "{text}");
     // The measured column, not only the notes': five layers made 243 bottom calls.
     assert!(
         text.lines()

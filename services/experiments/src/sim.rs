@@ -1,6 +1,7 @@
 //! `retrychain sim`: the design notes' three simulations, run on the resilience crate's own
 //! retry engine, backoff and budget — so the figures describe the code the services run, not a
-//! model of it. No network, no clock: ticks are milliseconds of simulated time.
+//! model of it — and a fourth that sets the three throttles side by side through an outage
+//! and its end. No network, no clock: time is simulated.
 
 use std::{
     sync::{
@@ -13,8 +14,8 @@ use std::{
 use clap::Args;
 use rand::{RngExt, SeedableRng, rngs::SmallRng};
 use resilience::{
-    Attempt, AttemptRequest, Backoff, BackoffKind, CallRequest, RetryBudget, RetryLayer,
-    ServiceConfig,
+    A6Throttle, AdaptiveThrottle, Attempt, AttemptRequest, Backoff, BackoffKind, CallRequest,
+    RetryBudget, RetryLayer, ServiceConfig, Throttle,
     service_config::{CallPolicy, RetryPolicyConfig},
 };
 use serde::Serialize;
@@ -44,6 +45,39 @@ pub struct SimReport {
     pub storm: StormReport,
     /// The total outage, without and with a budget.
     pub outage: OutageReport,
+    /// The throttles through an outage and after it.
+    pub throttles: ThrottleReport,
+}
+
+/// Each throttle through [`through_outage`].
+#[derive(Debug, Clone, Serialize)]
+pub struct ThrottleReport {
+    /// Retries limited only by the attempt count.
+    pub none: ThrottleRun,
+    /// The retry budget: 10 tokens, 0.1 refunded per first attempt.
+    pub budget: ThrottleRun,
+    /// gRFC A6's `retryThrottling`: maxTokens 10, tokenRatio 0.1.
+    pub a6: ThrottleRun,
+    /// Adaptive client-side throttling: K = 2 over 10 s.
+    pub adaptive: ThrottleRun,
+}
+
+/// One throttle through an outage and after it.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct ThrottleRun {
+    /// Calls the clients made while the backend was down.
+    pub first: u64,
+    /// Attempts the backend received meanwhile.
+    pub backend: u64,
+    /// backend / first.
+    pub load: f64,
+    /// Calls failed by the throttle without an attempt sent, while down.
+    pub rejected_locally: u64,
+    /// Seconds from the backend's return to the first whole second in which at least
+    /// 99% of the calls succeeded.
+    pub recovery_s: f64,
+    /// Calls failed after the backend was back.
+    pub failed_after: u64,
 }
 
 /// Mean calls and ticks of the storm, per policy.
@@ -109,6 +143,114 @@ pub fn run(seeds: u64) -> anyhow::Result<SimReport> {
             no_budget: outage(None, 6000, 3),
             budget: outage(Some(&RetryBudget::new(10.0, 0.1)), 6000, 3),
         },
+        throttles: ThrottleReport {
+            none: through_outage(|_| None)?,
+            budget: through_outage(|_| Some(Arc::new(RetryBudget::new(10.0, 0.1))))?,
+            a6: through_outage(|_| Some(Arc::new(A6Throttle::new(10.0, 0.1))))?,
+            adaptive: through_outage(|clock| {
+                Some(Arc::new(
+                    AdaptiveThrottle::with_clock(
+                        resilience::throttle::ADAPTIVE_K,
+                        resilience::throttle::ADAPTIVE_WINDOW,
+                        clock,
+                    )
+                    .seed(0),
+                ))
+            })?,
+        },
+    })
+}
+
+/// Calls per simulated second in [`through_outage`].
+const RATE: u64 = 100;
+/// Seconds the backend is down, then up, in [`through_outage`].
+const DOWN_S: u64 = 60;
+const UP_S: u64 = 120;
+
+/// 100 calls a second through the real retry engine (up to 3 retries, no backoff) with
+/// the throttle `throttle` makes (given the simulation's clock, for a throttle that keeps
+/// time): the backend fails everything for 60 s, then answers everything for 120 s.
+/// Counts what the backend received while down and how long the clients took to see
+/// their calls succeed again once it was back.
+pub fn through_outage(
+    throttle: impl FnOnce(resilience::throttle::Clock) -> Option<Arc<dyn Throttle>>,
+) -> anyhow::Result<ThrottleRun> {
+    let elapsed_ms = Arc::new(AtomicU64::new(0));
+    let clock: resilience::throttle::Clock = {
+        let (origin, elapsed_ms) = (tokio::time::Instant::now(), Arc::clone(&elapsed_ms));
+        Arc::new(move || origin + Duration::from_millis(elapsed_ms.load(Ordering::Relaxed)))
+    };
+    let throttle = throttle(clock);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()?;
+    let policy = Arc::new(ServiceConfig::every_method(CallPolicy::Retry(
+        RetryPolicyConfig::new(
+            4,
+            Backoff::new(BackoffKind::None, Duration::ZERO, Duration::ZERO),
+            resilience::classify::RETRYABLE.to_vec(),
+        ),
+    )));
+    let layer = RetryLayer::new(policy).seed(0);
+    let layer = match throttle {
+        Some(throttle) => layer.throttle(throttle),
+        None => layer.no_throttle(),
+    };
+    let down = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let received = Arc::new(AtomicU64::new(0));
+    let backend = {
+        let (down, received) = (Arc::clone(&down), Arc::clone(&received));
+        tower::service_fn(move |_: AttemptRequest<()>| {
+            received.fetch_add(1, Ordering::Relaxed);
+            std::future::ready(if down.load(Ordering::Relaxed) {
+                Err(Status::unavailable("the backend is down"))
+            } else {
+                Ok(())
+            })
+        })
+    };
+    let calls = layer.calls("/sim/Outage", backend);
+    runtime.block_on(async move {
+        let mut run = ThrottleRun {
+            first: DOWN_S * RATE,
+            backend: 0,
+            load: 0.0,
+            rejected_locally: 0,
+            recovery_s: UP_S as f64,
+            failed_after: 0,
+        };
+        let mut succeeded_this_second = 0;
+        for n in 0..(DOWN_S + UP_S) * RATE {
+            if n == DOWN_S * RATE {
+                down.store(false, Ordering::Relaxed);
+                run.backend = received.load(Ordering::Relaxed);
+            }
+            let before = received.load(Ordering::Relaxed);
+            let answer = calls
+                .clone()
+                .oneshot(CallRequest {
+                    request: (),
+                    deadline: None,
+                })
+                .await;
+            let sent = received.load(Ordering::Relaxed) - before;
+            if n < DOWN_S * RATE {
+                run.rejected_locally += u64::from(sent == 0);
+            } else {
+                run.failed_after += u64::from(answer.is_err());
+                succeeded_this_second += u64::from(answer.is_ok());
+                if (n + 1) % RATE == 0 {
+                    let second = (n + 1) / RATE - DOWN_S - 1;
+                    if succeeded_this_second * 100 >= RATE * 99 && run.recovery_s == UP_S as f64 {
+                        run.recovery_s = second as f64;
+                    }
+                    succeeded_this_second = 0;
+                }
+            }
+            elapsed_ms.fetch_add(1000 / RATE, Ordering::Relaxed);
+        }
+        run.load = run.backend as f64 / run.first as f64;
+        Ok(run)
     })
 }
 
@@ -270,4 +412,27 @@ pub fn print_tables(report: &SimReport, seeds: u64) {
             name, result.first, result.backend, result.load, notes
         );
     }
+    println!();
+    println!(
+        "Throttles through an outage: 100 calls/s, backend down {DOWN_S} s then up, up to 3 retries, the real engine"
+    );
+    println!(
+        "  {:<26} {:>8} {:>7} {:>9} {:>10} {:>13}",
+        "throttle", "backend", "load", "shed", "recovery", "failed after"
+    );
+    let t = &report.throttles;
+    for (name, run) in [
+        ("none (max attempts only)", t.none),
+        ("budget 10, refund 0.1", t.budget),
+        ("A6 maxTokens 10, ratio 0.1", t.a6),
+        ("adaptive K=2, 10 s", t.adaptive),
+    ] {
+        println!(
+            "  {:<26} {:>8} {:>6.2}x {:>9} {:>9.0} s {:>13}",
+            name, run.backend, run.load, run.rejected_locally, run.recovery_s, run.failed_after
+        );
+    }
+    println!(
+        "  (load: backend attempts per call while down; shed: calls the throttle failed without sending;\n   recovery: seconds after the backend's return until a whole second with 99% of calls succeeding)"
+    );
 }

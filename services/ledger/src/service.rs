@@ -160,7 +160,14 @@ impl From<StoreError> for Status {
             StoreError::InFlight => Status::aborted(message),
             StoreError::DeadlineWhileWaiting(_) => Status::deadline_exceeded(message),
             StoreError::BalanceOverflow => Status::out_of_range(message),
-            StoreError::Processor(status) => status,
+            // The payment processor below failed, not this replica: marked relayed, so
+            // that a processor outage ejects no ledger from a hop's rotation. (A replica
+            // that cannot reach the database is not marked: that may be its own fault,
+            // and the ejection limit bounds what a shared database's outage costs.)
+            StoreError::Processor(mut status) => {
+                resilience::wire::mark_relayed(status.metadata_mut());
+                status
+            }
             StoreError::Purged => Status::aborted(message),
             StoreError::Unavailable(_) => {
                 tracing::warn!(%message, "database unavailable");

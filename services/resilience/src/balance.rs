@@ -423,17 +423,15 @@ impl Balancer {
             .current()
             .iter()
             .map(|r| {
-                let (calls, failures, ejections, ejected) = r.health.lock().map_or(
-                    (0, 0, 0, false),
-                    |h| {
+                let (calls, failures, ejections, ejected) =
+                    r.health.lock().map_or((0, 0, 0, false), |h| {
                         (
                             h.calls_total,
                             h.failures_total,
                             h.ejections_total,
                             h.ejected_until.is_some_and(|until| until > now),
                         )
-                    },
-                );
+                    });
                 let (in_flight, rtt_seconds) = r.load.lock().map_or((0, 0.0), |l| {
                     (l.pending, l.cost(now) / f64::from(l.pending + 1) / 1e9)
                 });
@@ -1054,7 +1052,10 @@ mod tests {
                 shared.record(replica, outcome, Instant::now());
             }
         }
-        assert!(replicas.iter().all(|r| !ejected(r)), "not judged before the interval ends");
+        assert!(
+            replicas.iter().all(|r| !ejected(r)),
+            "not judged before the interval ends"
+        );
         tokio::time::advance(Duration::from_secs(10)).await;
         shared.record(&replicas[2], Outcome::Answered, Instant::now());
         let stats = balancer.endpoints();
@@ -1064,21 +1065,20 @@ mod tests {
         assert!(!ejected(&replicas[1]), "under 50%");
         assert_eq!(stats[0].ejections, 1);
         // Four judged replicas are fewer than the minimum of five: nobody is ejected.
-        let few = Balancer::with_urls(
-            Downstream::Urls(urls[..4].to_vec()),
-            &urls[..4],
-            settings,
-        );
+        let few = Balancer::with_urls(Downstream::Urls(urls[..4].to_vec()), &urls[..4], settings);
         let replicas = few.shared.current();
         for _ in 0..60 {
             for replica in replicas.iter() {
                 few.shared.record(replica, Outcome::Failed, Instant::now());
-                few.shared.record(replica, Outcome::Answered, Instant::now());
+                few.shared
+                    .record(replica, Outcome::Answered, Instant::now());
             }
-            few.shared.record(&replicas[0], Outcome::Failed, Instant::now());
+            few.shared
+                .record(&replicas[0], Outcome::Failed, Instant::now());
         }
         tokio::time::advance(Duration::from_secs(10)).await;
-        few.shared.record(&replicas[1], Outcome::Answered, Instant::now());
+        few.shared
+            .record(&replicas[1], Outcome::Answered, Instant::now());
         assert!(replicas.iter().all(|r| !ejected(r)));
     }
 }

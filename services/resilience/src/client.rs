@@ -54,6 +54,7 @@ use tonic::{Status, body::Body};
 use tower::{Layer, Service, ServiceExt};
 
 use crate::{
+    balance::PerTryTimeout,
     classify::transport_failure_as_unavailable,
     engine::{self, Attempt, Attempts, Call, Settings, Verdict, uncancelled},
     hedge,
@@ -61,7 +62,6 @@ use crate::{
     replay::{DEFAULT_PER_CALL_LIMIT, DEFAULT_PER_CHANNEL_LIMIT, Replay, ReplayBudget},
     service_config::{CallPolicy, MethodConfig, RetryPolicyConfig, ServiceConfig},
     throttle::Throttle,
-    balance::PerTryTimeout,
 };
 
 /// Retries calls per a service config; see the module docs.

@@ -342,7 +342,10 @@ pub(crate) async fn retry<A: Attempts>(
             Next::RetryAfter(wait) => {
                 retry_of = Some(status.code());
                 last = Some(status);
-                tokio::time::sleep(wait).await;
+                if !wait.is_zero() {
+                    // No timer for no wait (a timer fires at the next millisecond).
+                    tokio::time::sleep(wait).await;
+                }
             }
             Next::NoRoom { wait } => {
                 let status = call.no_room(Some(&status), wait);

@@ -685,7 +685,11 @@ mod tests {
                 "adaptiveThrottling",
                 "not both",
             ),
-            (r#"{"adaptiveThrottling": {"k": 0.5}}"#, "adaptiveThrottling.k", "at least 1"),
+            (
+                r#"{"adaptiveThrottling": {"k": 0.5}}"#,
+                "adaptiveThrottling.k",
+                "at least 1",
+            ),
             (
                 r#"{"adaptiveThrottling": {"window": "0.5s"}}"#,
                 "adaptiveThrottling.window",

@@ -136,13 +136,27 @@ impl Throttle for A6Throttle {
 /// DEADLINE_EXCEEDED, INTERNAL, UNKNOWN, DATA_LOSS, CANCELLED). With the server failing
 /// everything, what it receives stays near `K·accepts` plus the window's first few
 /// draws; as it recovers, each accepted attempt widens the way for the next.
-#[derive(Debug)]
 pub struct AdaptiveThrottle {
     /// How many requests per accept are tolerated before rejecting (the book's K, 2).
     k: f64,
     /// One bucket's span: the window over [`BUCKETS`].
     bucket: Duration,
     state: Mutex<Window>,
+    /// Where the time comes from: the runtime's clock, or a simulation's.
+    clock: Clock,
+}
+
+/// A source of the time now, for a throttle driven by simulated time.
+pub type Clock = std::sync::Arc<dyn Fn() -> Instant + Send + Sync>;
+
+impl std::fmt::Debug for AdaptiveThrottle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AdaptiveThrottle")
+            .field("k", &self.k)
+            .field("bucket", &self.bucket)
+            .field("state", &self.state)
+            .finish_non_exhaustive()
+    }
 }
 
 /// The window's buckets: it slides by one bucket at a time.
@@ -196,22 +210,39 @@ impl AdaptiveThrottle {
     /// Rejects with probability `(requests − k·accepts) / (requests + 1)` over the last
     /// `window`. `k` below 1 would reject even a healthy server's calls; it is raised to 1.
     pub fn new(k: f64, window: Duration) -> Self {
+        Self::with_clock(k, window, std::sync::Arc::new(Instant::now))
+    }
+
+    /// The same, its window slid by `clock` (`retrychain sim` runs it on simulated time).
+    pub fn with_clock(k: f64, window: Duration, clock: Clock) -> Self {
         let window = window.max(Duration::from_millis(BUCKETS as u64));
         Self {
-            k: if k.is_finite() { k.max(1.0) } else { ADAPTIVE_K },
+            k: if k.is_finite() {
+                k.max(1.0)
+            } else {
+                ADAPTIVE_K
+            },
             bucket: window / BUCKETS as u32,
             state: Mutex::new(Window {
                 counts: [(0, 0); BUCKETS],
                 current: 0,
-                started: Instant::now(),
+                started: clock(),
                 rng: rand::make_rng(),
             }),
+            clock,
         }
+    }
+
+    /// Makes its draws from `seed`: a simulation gives the same figures every run.
+    pub fn seed(self, seed: u64) -> Self {
+        use rand::SeedableRng;
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).rng = SmallRng::seed_from_u64(seed);
+        self
     }
 
     fn window(&self) -> std::sync::MutexGuard<'_, Window> {
         let mut window = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        window.advance(Instant::now(), self.bucket);
+        window.advance((self.clock)(), self.bucket);
         window
     }
 

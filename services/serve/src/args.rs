@@ -249,11 +249,19 @@ pub struct HopArgs {
     pub failure_percentage_threshold: u32,
     /// Failure percentages are judged only when at least this many replicas had enough
     /// attempts in the interval.
-    #[arg(long, env = "RETRYCHAIN_FAILURE_PERCENTAGE_MINIMUM_HOSTS", default_value_t = 5)]
+    #[arg(
+        long,
+        env = "RETRYCHAIN_FAILURE_PERCENTAGE_MINIMUM_HOSTS",
+        default_value_t = 5
+    )]
     pub failure_percentage_minimum_hosts: u32,
     /// A replica's failure percentage is judged only with at least this many attempts in
     /// the interval.
-    #[arg(long, env = "RETRYCHAIN_FAILURE_PERCENTAGE_REQUEST_VOLUME", default_value_t = 50)]
+    #[arg(
+        long,
+        env = "RETRYCHAIN_FAILURE_PERCENTAGE_REQUEST_VOLUME",
+        default_value_t = 50
+    )]
     pub failure_percentage_request_volume: u32,
     /// How often failure percentages are judged, in ms.
     #[arg(long, env = "RETRYCHAIN_EJECTION_INTERVAL_MS", default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
