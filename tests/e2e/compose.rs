@@ -114,10 +114,10 @@ fn compose_file_is_valid_and_wires_the_chain() {
         );
     }
     for downstream in [
-        "http://hop2:50052",
-        "http://hop3:50053",
-        "http://hop4:50054",
-        "http://ledger:50055",
+        "dns:///hop2:50052",
+        "dns:///hop3:50053",
+        "dns:///hop4:50054",
+        "dns:///ledger:50055",
     ] {
         assert!(resolved.contains(downstream), "{downstream}");
     }
@@ -130,6 +130,28 @@ fn compose_file_is_valid_and_wires_the_chain() {
             .matches("RETRYCHAIN_ALLOW_RETRY_MODE_OVERRIDE: \"true\"")
             .count();
     assert_eq!(override_on, 5, "the override is a demo setting on all five");
+}
+
+/// A tier can be scaled: with its *_PORT variables empty, its replicas publish on free
+/// loopback ports instead of clashing on one, and the tier above finds them all by name.
+#[test]
+fn a_scaled_tier_publishes_on_free_loopback_ports() {
+    let resolved = config(&[
+        ("HOP3_PORT", ""),
+        ("HOP3_ADMIN_PORT", ""),
+        ("LEDGER_PORT", ""),
+        ("LEDGER_ADMIN_PORT", ""),
+    ]);
+    for port in [50053, 51053, 50055, 51055] {
+        assert!(
+            resolved.contains(&format!("127.0.0.1::{port}")),
+            "{port} on a free loopback port:\n{resolved}"
+        );
+    }
+    for port in [50052, 51052, 50054, 51054] {
+        assert!(resolved.contains(&format!("127.0.0.1:{port}:{port}")), "{port} fixed");
+    }
+    assert!(section(&resolved, "hop2").contains("RETRYCHAIN_DOWNSTREAM: dns:///hop3:50053"));
 }
 
 #[test]
@@ -167,14 +189,17 @@ fn the_observability_profile_is_valid_and_scrapes_the_five_admin_ports() {
         "/deploy/prometheus/prometheus.yml"
     ))
     .unwrap();
-    for target in [
-        "edge:51051",
-        "hop2:51052",
-        "hop3:51053",
-        "hop4:51054",
-        "ledger:51055",
+    for (name, port) in [
+        ("edge", 51051),
+        ("hop2", 51052),
+        ("hop3", 51053),
+        ("hop4", 51054),
+        ("ledger", 51055),
     ] {
-        assert!(prometheus.contains(target), "Prometheus scrapes {target}");
+        assert!(
+            prometheus.contains(&format!("names: [{name}], type: A, port: {port}")),
+            "Prometheus finds every replica of {name} by DNS"
+        );
     }
     let dashboard: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(concat!(
