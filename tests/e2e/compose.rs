@@ -149,7 +149,10 @@ fn a_scaled_tier_publishes_on_free_loopback_ports() {
         );
     }
     for port in [50052, 51052, 50054, 51054] {
-        assert!(resolved.contains(&format!("127.0.0.1:{port}:{port}")), "{port} fixed");
+        assert!(
+            resolved.contains(&format!("127.0.0.1:{port}:{port}")),
+            "{port} fixed"
+        );
     }
     assert!(section(&resolved, "hop2").contains("RETRYCHAIN_DOWNSTREAM: dns:///hop3:50053"));
 }
