@@ -251,3 +251,63 @@ async fn amplification_shows_as_processor_spans_243_against_3() {
         );
     }
 }
+
+/// Sampling is decided once per request and agreed by every hop: at a trace-id ratio of
+/// 0.5, with the edge starting each trace (no `traceparent` sent), every trace is either
+/// exported whole — five linked server spans, under the trace id the client was told — or
+/// not at all, and about half are exported.
+#[tokio::test]
+async fn a_sampled_trace_is_exported_whole_under_the_id_the_logs_show() {
+    let (collector, endpoint) = Collector::start().await;
+    let mut options = Options::processes();
+    options.spec.env = vec![
+        ("OTEL_EXPORTER_OTLP_ENDPOINT".into(), endpoint),
+        ("OTEL_BSP_SCHEDULE_DELAY".into(), "50".into()),
+        ("OTEL_TRACES_SAMPLER".into(), "traceidratio".into()),
+        ("OTEL_TRACES_SAMPLER_ARG".into(), "0.5".into()),
+    ];
+    let chain = Chain::spawn(options).await;
+    let mut trace_ids = Vec::new();
+    for _ in 0..40 {
+        let reply = chain
+            .charge_new(Duration::from_secs(10), &[])
+            .await
+            .unwrap();
+        trace_ids.push(header(&reply, TRACE_ID).unwrap());
+    }
+    // Every batch lands within a second (50 ms schedule).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let spans = collector.spans.lock().unwrap().clone();
+    let mut exported = 0;
+    for trace_id in &trace_ids {
+        let of_trace: Vec<&Got> = spans.iter().filter(|s| &s.trace_id == trace_id).collect();
+        let servers = of_trace
+            .iter()
+            .filter(|s| s.kind == SpanKind::Server)
+            .count();
+        if of_trace.is_empty() {
+            continue;
+        }
+        exported += 1;
+        assert_eq!(servers, 5, "trace {trace_id}: {of_trace:#?}");
+        for service in ["edge", "hop2", "hop3", "hop4", "ledger"] {
+            assert!(
+                of_trace.iter().any(|s| s.service == service),
+                "{service} in {trace_id}"
+            );
+        }
+    }
+    let foreign = spans
+        .iter()
+        .filter(|s| !trace_ids.contains(&s.trace_id))
+        .count();
+    println!("{exported} of 40 traces exported whole; {foreign} spans under other trace ids");
+    assert_eq!(
+        foreign, 0,
+        "every exported span is under a trace id a client was told"
+    );
+    assert!(
+        (8..=32).contains(&exported),
+        "{exported} of 40 at a ratio of 0.5"
+    );
+}

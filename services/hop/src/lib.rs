@@ -270,7 +270,7 @@ impl Hop {
             RetryMode::EdgeOnly => Plan::EdgeOnly,
         };
         outgoing.extensions_mut().insert(plan);
-        if let Some(traceparent) = scope.trace.traceparent_header() {
+        if let Some(traceparent) = scope.trace.traceparent_header(scope.exported()) {
             outgoing.extensions_mut().insert(traceparent);
         }
         Ok(outgoing)

@@ -83,48 +83,70 @@ pub fn retry_mode(metadata: &MetadataMap) -> Result<Option<RetryMode>, Status> {
 
 /// This hop's `traceparent`, formatted once per request for the calls it makes (each
 /// attempt's request carries a cheap clone): the value the trace layer writes on the wire
-/// when it is not exporting spans of its own.
+/// when this request's spans are not exported.
 #[derive(Debug, Clone)]
-pub struct TraceParent(pub http::HeaderValue);
+pub struct TraceParent {
+    /// `00-<trace id>-<this hop's span id>-<flags>`.
+    pub value: http::HeaderValue,
+    /// Whether this request's spans go to the collector (exporting, and sampled): then
+    /// the trace layer writes the attempt span's own context instead.
+    pub exported: bool,
+}
 
-/// The part of W3C trace context every hop keeps: the trace id, and this hop's span id,
-/// which becomes the parent of the next hop's.
+/// The part of W3C trace context every hop keeps: the trace id, this hop's span id (the
+/// parent of the next hop's), the caller's, and the sampled flag.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TraceContext {
     /// 32 lowercase hex digits, shared by every hop of one request.
     pub trace_id: String,
     /// 16 lowercase hex digits, new at each hop.
     pub span_id: String,
+    /// The caller's span id, when a valid `traceparent` came.
+    pub parent_id: Option<String>,
+    /// The W3C `sampled` flag this hop passes on: the caller's (set for a new trace),
+    /// replaced by this hop's sampling decision when it exports spans.
+    pub sampled: bool,
 }
 
 impl TraceContext {
     /// Continues the trace of an incoming `traceparent`, or starts a new one when it is
     /// absent or malformed (a bad trace header is not worth failing a payment for).
     pub fn continue_or_start(traceparent: Option<&str>) -> Self {
-        let trace_id = traceparent
-            .and_then(parse_trace_id)
-            .unwrap_or_else(|| random_hex(16));
-        Self {
-            trace_id,
-            span_id: random_hex(8),
+        let span_id = random_hex(8);
+        match traceparent.and_then(parse_traceparent) {
+            Some((trace_id, parent_id, sampled)) => Self {
+                trace_id: trace_id.to_owned(),
+                span_id,
+                parent_id: Some(parent_id.to_owned()),
+                sampled,
+            },
+            None => Self {
+                trace_id: random_hex(16),
+                span_id,
+                parent_id: None,
+                sampled: true,
+            },
         }
     }
 
     /// The `traceparent` to send downstream: this trace, with this hop as parent.
     pub fn traceparent(&self) -> String {
-        format!("00-{}-{}-01", self.trace_id, self.span_id)
+        let flags = if self.sampled { "01" } else { "00" };
+        format!("00-{}-{}-{flags}", self.trace_id, self.span_id)
     }
 
-    /// [`TraceContext::traceparent`] as the header value the calls of this hop carry.
-    pub fn traceparent_header(&self) -> Option<TraceParent> {
+    /// [`TraceContext::traceparent`] as the header value the calls of this hop carry;
+    /// `exported`: whether this request's spans go to the collector.
+    pub fn traceparent_header(&self, exported: bool) -> Option<TraceParent> {
         http::HeaderValue::try_from(self.traceparent())
             .ok()
-            .map(TraceParent)
+            .map(|value| TraceParent { value, exported })
     }
 }
 
-/// The trace id of a version-00 `traceparent`, if well formed and not all zeros.
-fn parse_trace_id(value: &str) -> Option<String> {
+/// The trace id, parent span id and sampled flag of a version-00 `traceparent`, if well
+/// formed and neither id is all zeros.
+fn parse_traceparent(value: &str) -> Option<(&str, &str, bool)> {
     let mut parts = value.trim().split('-');
     let (version, trace, parent, flags) =
         (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
@@ -138,14 +160,17 @@ fn parse_trace_id(value: &str) -> Option<String> {
         && hex(trace, 32)
         && trace.bytes().any(|b| b != b'0')
         && hex(parent, 16)
+        && parent.bytes().any(|b| b != b'0')
         && hex(flags, 2);
-    valid.then(|| trace.to_owned())
+    let sampled = u8::from_str_radix(flags, 16).ok()? & 1 == 1;
+    valid.then_some((trace, parent, sampled))
 }
 
 fn random_hex(bytes: usize) -> String {
     let value: u128 = rand::rng().random();
-    let hex = format!("{value:032x}");
-    hex[..bytes * 2].to_owned()
+    let mut hex = format!("{value:032x}");
+    hex.truncate(bytes * 2);
+    hex
 }
 
 #[cfg(test)]
@@ -158,8 +183,19 @@ mod tests {
         let ctx = TraceContext::continue_or_start(Some(incoming));
         assert_eq!(ctx.trace_id, "4bf92f3577b34da6a3ce929d0e0e4736");
         assert_ne!(ctx.span_id, "00f067aa0ba902b7");
+        assert_eq!(ctx.parent_id.as_deref(), Some("00f067aa0ba902b7"));
+        assert!(ctx.sampled);
         let next = TraceContext::continue_or_start(Some(&ctx.traceparent()));
         assert_eq!(next.trace_id, ctx.trace_id);
+        assert_eq!(next.parent_id, Some(ctx.span_id));
+        let unsampled = TraceContext::continue_or_start(Some(
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00",
+        ));
+        assert!(!unsampled.sampled);
+        assert!(
+            unsampled.traceparent().ends_with("-00"),
+            "passed on as it came"
+        );
     }
 
     #[test]
@@ -169,6 +205,7 @@ mod tests {
             Some(""),
             Some("00-00000000000000000000000000000000-00f067aa0ba902b7-01"),
             Some("00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01"),
+            Some("00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01"),
             Some("junk"),
         ] {
             let ctx = TraceContext::continue_or_start(bad);

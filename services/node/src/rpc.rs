@@ -34,6 +34,8 @@ pub struct RpcScope {
     pub timeout: Duration,
     /// This request's trace.
     pub trace: TraceContext,
+    /// Whether this request's spans go to the collector (exporting, and sampled).
+    exported: bool,
     /// The attempts the caller says came before this one: above 0 when it is retrying.
     pub caller_previous_attempts: u32,
     /// The span every log line of this call belongs to; the handler records `key` in it
@@ -83,31 +85,40 @@ impl RpcScope {
         let mut trace = TraceContext::continue_or_start(text(TRACEPARENT));
         let caller_previous_attempts = wire::parse_previous_attempts(text(wire::PREVIOUS_ATTEMPTS));
         let attempt = caller_previous_attempts.saturating_add(1);
-        let span = tracing::info_span!(
-            "rpc",
-            otel.kind = "server",
-            otel.name = %format_args!("{} {method}", node.name),
-            otel.status_code = field::Empty,
-            service = %node.name,
-            method,
-            trace_id = field::Empty,
-            key = field::Empty,
-            attempt,
-            deadline_ms = incoming.timeout.as_millis() as u64,
-            code = field::Empty,
-            replayed = field::Empty,
+        // Decided once, here: an unsampled request builds no OpenTelemetry data.
+        let exported = crate::telemetry::sampled(
+            &trace.trace_id,
+            trace.parent_id.as_ref().map(|_| trace.sampled),
         );
-        // Exporting traces, the span continues the caller's trace, and its trace id is the
-        // one logs and the `trace-id` header show.
-        if let Some(trace_id) = crate::telemetry::continue_trace(&span, metadata) {
-            trace.trace_id = trace_id;
+        if crate::telemetry::exporting() {
+            trace.sampled = exported;
         }
-        span.record("trace_id", trace.trace_id.as_str());
+        let span = crate::telemetry::rpc_span(exported, || {
+            tracing::info_span!(
+                "rpc",
+                otel.kind = "server",
+                otel.name = %format_args!("{} {method}", node.name),
+                otel.status_code = field::Empty,
+                service = %node.name,
+                method,
+                trace_id = trace.trace_id.as_str(),
+                key = field::Empty,
+                attempt,
+                deadline_ms = incoming.timeout.as_millis() as u64,
+                code = field::Empty,
+                replayed = field::Empty,
+            )
+        });
+        // Exported, the span continues the caller's trace (or starts it, with this id).
+        if exported {
+            crate::telemetry::continue_trace(&span, &trace, metadata);
+        }
         Self {
             deadline: incoming.deadline,
             answer_by: incoming.answer_by,
             timeout: incoming.timeout,
             trace,
+            exported,
             caller_previous_attempts,
             span,
             echo_key: OnceLock::new(),
@@ -115,6 +126,11 @@ impl RpcScope {
             node: std::sync::Arc::clone(node),
             method,
         }
+    }
+
+    /// Whether this request's spans go to the collector (exporting, and sampled).
+    pub fn exported(&self) -> bool {
+        self.exported
     }
 
     /// Records the request's key in the span.
