@@ -245,7 +245,8 @@ impl Hop {
                 Some(value) => Some(value.clone()),
                 None => MetadataValue::try_from(key.as_str()).ok(),
             };
-            if let Some(value) = value {
+            if let Some(mut value) = value {
+                value.set_sensitive(true); // new on every call: not for the HPACK table
                 outgoing.metadata_mut().insert(IDEMPOTENCY_KEY, value);
             }
         }

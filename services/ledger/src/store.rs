@@ -797,7 +797,8 @@ where
     // caller's retry with the same key finds out which (replay, or a fresh charge).
     rt.bound(
         "COMMIT",
-        tx.commit().instrument(tracing::info_span!("commit")),
+        tx.commit()
+            .instrument(tracing::info_span!(target: resilience::TRACE_ONLY, "commit")),
     )
     .await?;
     Ok(ChargeOutcome::Executed(SavedReply {
@@ -841,7 +842,7 @@ async fn record_charge(
             .bind(charge_id)
             .bind(key.as_str())
             .fetch_one(&mut *tx)
-            .instrument(tracing::info_span!("record_charge")),
+            .instrument(tracing::info_span!(target: resilience::TRACE_ONLY, "record_charge")),
         )
         .await?;
     Ok((charge_id, balance_cents))
@@ -959,7 +960,7 @@ async fn claim(
             .bind(key.as_str())
             .bind(amount.get())
             .execute(&mut *tx)
-            .instrument(tracing::info_span!("claim_key")),
+            .instrument(tracing::info_span!(target: resilience::TRACE_ONLY, "claim_key")),
         )
         .await?;
     match inserted {
@@ -1052,7 +1053,7 @@ async fn replicated(
             .bind(account.as_str())
             .bind(key.as_str())
             .execute(conn)
-            .instrument(tracing::info_span!("count_replay")),
+            .instrument(tracing::info_span!(target: resilience::TRACE_ONLY, "count_replay")),
         )
         .await?;
     match counted {

@@ -140,7 +140,10 @@ impl TraceContext {
     pub fn traceparent_header(&self, exported: bool) -> Option<TraceParent> {
         http::HeaderValue::try_from(self.traceparent())
             .ok()
-            .map(|value| TraceParent { value, exported })
+            .map(|mut value| {
+                resilience::wire::never_indexed(&mut value);
+                TraceParent { value, exported }
+            })
     }
 }
 

@@ -197,11 +197,15 @@ impl RpcScope {
     }
 
     fn stamp(&self, metadata: &mut MetadataMap) {
-        if let Ok(value) = MetadataValue::try_from(self.trace.trace_id.as_str()) {
+        // Both are new on every call: sent as literals, kept out of the HPACK table.
+        if let Ok(mut value) = MetadataValue::try_from(self.trace.trace_id.as_str()) {
+            value.set_sensitive(true);
             metadata.insert(TRACE_ID, value);
         }
         if let Some(key) = self.echo_key.get() {
-            metadata.insert(IDEMPOTENCY_KEY, key.clone());
+            let mut key = key.clone();
+            key.set_sensitive(true);
+            metadata.insert(IDEMPOTENCY_KEY, key);
         }
     }
 }

@@ -257,8 +257,16 @@ pub fn init(format: LogFormat, service: &str) -> Telemetry {
             .with_tracer(provider.tracer("retrychain"))
             .with_filter(sampled_requests)
     });
+    // Spans that exist for traces only (resilience::TRACE_ONLY) never reach the log
+    // layer: without export nothing asks for them, and they are not created at all. A
+    // directive, so that the filter's answers stay cached per callsite (a filter function
+    // would make every disabled `trace!` of h2 and hyper ask again on every call).
+    let logged = match format!("{}=off", resilience::TRACE_ONLY).parse() {
+        Ok(directive) => filter.add_directive(directive),
+        Err(_) => filter,
+    };
     let installed = tracing_subscriber::registry()
-        .with(fmt.with_filter(filter))
+        .with(fmt.with_filter(logged))
         .with(otel)
         .try_init()
         .is_ok();

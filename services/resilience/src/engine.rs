@@ -258,6 +258,7 @@ impl Call<'_> {
 /// below inject it into the request when exporting).
 pub(crate) fn attempt_span(attempt: &Attempt, time_left: Option<Duration>) -> tracing::Span {
     tracing::info_span!(
+        target: crate::observe::TRACE_ONLY,
         "attempt",
         otel.kind = "client",
         otel.status_code = tracing::field::Empty,

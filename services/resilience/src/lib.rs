@@ -54,7 +54,7 @@ pub use classify::is_retryable;
 pub use client::{AttemptRequest, CallRequest, RetryCalls, RetryLayer};
 pub use deadline::{CallDeadline, Deadline, NoRoom};
 pub use engine::Attempt;
-pub use observe::{AttemptInfo, Refusal, RetryObserver};
+pub use observe::{AttemptInfo, Refusal, RetryObserver, TRACE_ONLY};
 pub use propagate::PropagateDeadlineLayer;
 pub use rules::StopReason;
 pub use server_deadline::{DeadlineLayer, IncomingDeadline};

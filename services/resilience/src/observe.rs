@@ -40,6 +40,12 @@ impl Refusal {
     }
 }
 
+/// The target of spans that exist for traces, not for log lines: a retry attempt, the
+/// ledger's database steps. The log layer leaves them out, so that with no trace export
+/// (or for an unsampled request) they are never created at all; the log line a request
+/// writes carries the fields of its `rpc` span, which is enough to find it.
+pub const TRACE_ONLY: &str = "retrychain::trace";
+
 /// Told what a retry loop does. `call` names what is called: a gRPC method's path for the
 /// layer, the executor's label for the executor.
 pub trait RetryObserver: Send + Sync {

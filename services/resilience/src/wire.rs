@@ -122,9 +122,19 @@ pub fn format_timeout(timeout: Duration) -> String {
 
 /// Writes `timeout` as the request's timeout.
 pub fn set_timeout(headers: &mut HeaderMap, timeout: Duration) {
-    if let Ok(value) = http::HeaderValue::from_str(&format_timeout(timeout)) {
+    if let Ok(mut value) = http::HeaderValue::from_str(&format_timeout(timeout)) {
+        never_indexed(&mut value);
         headers.insert(TIMEOUT, value);
     }
+}
+
+/// Marks a header value that is new on every call (a timeout counted down, a trace or span
+/// id, an idempotency key) so that HPACK sends it as a literal "never indexed": it would
+/// never be sent again, and inserting it into the connection's 4 KiB table would only
+/// evict the headers that repeat on every call (`content-type`, `te`, `user-agent`, …),
+/// which then stay indexed and cost a byte or two each.
+pub fn never_indexed(value: &mut http::HeaderValue) {
+    value.set_sensitive(true);
 }
 
 /// The attempts a request says came before it (0 for a first attempt or a malformed value).
