@@ -72,10 +72,25 @@ fn only_the_edge_is_published_beyond_loopback() {
             "{port} on loopback"
         );
     }
-    let without = run_config(&[("POSTGRES_PASSWORD", "")]);
+    // No password given: the file is still valid, and none is written in it — the
+    // `secrets` service draws one per deployment, which Postgres and the ledger read.
+    let without = config(&[("POSTGRES_PASSWORD", "")]);
     assert!(
-        !without.status.success(),
-        "no database password, no deployment"
+        section(&without, "secrets").contains("/dev/urandom"),
+        "{}",
+        section(&without, "secrets")
+    );
+    for service in ["postgres", "ledger"] {
+        let section = section(&without, service);
+        assert!(
+            section.contains("POSTGRES_PASSWORD:-$$(cat /secrets/pgpassword)"),
+            "{service} reads the drawn password:\n{section}"
+        );
+        assert!(section.contains("POSTGRES_PASSWORD: ''"), "{section}");
+    }
+    assert!(
+        !without.contains("test-password"),
+        "no password in the resolved file"
     );
 }
 
