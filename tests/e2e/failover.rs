@@ -218,6 +218,11 @@ async fn postgres_failover_and_switchover_lose_no_acknowledged_charge_and_charge
         met_old.is_empty(),
         "calls met the returning old primary: {met_old:?}"
     );
+    assert!(
+        rejoin.iter().all(|s| s.code == Code::Ok),
+        "every charge succeeds while the old primary rejoins: {:?}",
+        codes(&rejoin)
+    );
     sent.extend(rejoin);
     let old_primary_url = formation.with(move |f| Ok(f.node_url(old_primary))).await;
     assert_eq!(

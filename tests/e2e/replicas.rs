@@ -169,6 +169,10 @@ async fn a_killed_replica_is_ridden_through_and_takes_traffic_again_once_restart
         .filter(|s| s.started > killed && s.started < restarted)
         .count();
     let after_restart = received(&hop3[0].addr.admin_url).await;
+    assert!(
+        while_down > 0,
+        "charges were sent while the replica was down"
+    );
     println!(
         "one of three hop3 replicas killed for 1.5 s: {ok} of {} charges succeeded ({:?}), {while_down} sent while it was down; after its restart it received {after_restart}",
         sent.len(),
@@ -762,7 +766,8 @@ async fn adaptive_throttling_keeps_a_failing_ledgers_load_near_k_times_accepted(
     assert!(answers.iter().all(Result::is_err));
     let stats = chain.all_stats().await;
     let ledger = stats[4].requests_received;
-    let accepted = 0; // the processor fails every charge
+    // Accepted below: charges the ledger committed (none: its processor fails them all).
+    let accepted = stats[4].executions;
     println!(
         "{sent} charges, {shed} shed at the edge, the ledger received {ledger} (without the throttle: up to {})",
         sent * 3
@@ -794,5 +799,92 @@ async fn adaptive_throttling_keeps_a_failing_ledgers_load_near_k_times_accepted(
     println!(
         "open again {:?} after the processor came back",
         started.elapsed()
+    );
+}
+
+/// A replica whose calls below are slow (each takes 2 s), behind an edge with a 300 ms
+/// per-attempt timeout and a service config that retries only UNAVAILABLE: the replica
+/// is told the per-attempt timeout, gives up first and answers DEADLINE_EXCEEDED; the
+/// balancer tells that as its per-attempt timeout (UNAVAILABLE), so the edge retries it
+/// on the other replica whatever its policy thinks of DEADLINE_EXCEEDED. The slowness is
+/// below the replica (relayed), so it is not held against it; a replica slow itself
+/// (frozen) is `a_frozen_replica_costs_at_most_one_per_try_timeout_and_is_avoided`.
+#[tokio::test]
+async fn a_slow_replica_costs_one_per_try_timeout_whatever_the_policy_retries() {
+    let (_bottom, hop4, _db) = bottom().await;
+    let hop3 = InProcessService::start("hop3", hop_command("relay", "hop3", &hop4))
+        .await
+        .unwrap();
+    let mut hop2 = Vec::new();
+    for name in ["hop2-slow", "hop2-ok"] {
+        hop2.push(
+            InProcessService::start("hop2", hop_command("relay", name, &hop3.addr.url))
+                .await
+                .unwrap(),
+        );
+    }
+    retrychain_proto::v1::control_client::ControlClient::new(
+        connect(&hop2[0].addr.admin_url).await,
+    )
+    .set_faults(delayed(2000))
+    .await
+    .unwrap();
+    let config = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(
+        config.path(),
+        r#"{"methodConfig": [{"name": [{"service": "retrychain.v1.Payments"}],
+            "retryPolicy": {"maxAttempts": 2, "initialBackoff": "0.01s", "maxBackoff": "0.05s",
+                            "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}}]}"#,
+    )
+    .unwrap();
+    let list = format!("{},{}", hop2[0].addr.url, hop2[1].addr.url);
+    let mut edge_command = hop_command("edge", "edge", &list);
+    edge_command.service_mut().service_config = Some(config.path().to_owned());
+    edge_command.service_mut().no_budget = true;
+    let (ServiceCommand::Edge(args) | ServiceCommand::Relay(args)) = &mut edge_command else {
+        unreachable!()
+    };
+    args.per_try_timeout_ms = Some(300);
+    args.max_ejection_percent = 50;
+    let edge = InProcessService::start("edge", edge_command).await.unwrap();
+
+    let client = PaymentsClient::new(connect(&edge.addr.url).await);
+    let account = new_account();
+    let mut failed = Vec::new();
+    let mut longest = Duration::ZERO;
+    for _ in 0..40 {
+        let started = Instant::now();
+        if let Err(status) = charge_on(
+            &client,
+            &account,
+            100,
+            Some(&new_key()),
+            Duration::from_secs(5),
+        )
+        .await
+        {
+            failed.push(status);
+        }
+        longest = longest.max(started.elapsed());
+    }
+    let text = scrape_metrics(&edge.addr.admin_url).await;
+    let ejections = metric_sum(&text, "retrychain_endpoint_ejections_total");
+    let failures = metric_sum(&text, "retrychain_endpoint_failures_total");
+    println!(
+        "40 charges: {} failed, longest {longest:?}; the edge counted {failures} own failures below, {ejections} ejections",
+        failed.len()
+    );
+    assert!(
+        failed.is_empty(),
+        "each retried on the other replica: {failed:?}"
+    );
+    assert!(
+        longest < Duration::from_millis(1500),
+        "at most one per-attempt timeout each: {longest:?}"
+    );
+    assert_eq!(
+        (failures, ejections),
+        (0.0, 0.0),
+        "slowness relayed from below is not the replica's own:\n{text}"
     );
 }

@@ -63,6 +63,16 @@ fn sim_reproduces_the_design_notes() {
         );
     }
     assert!(t.adaptive.backend < 100, "adaptive: {}", t.adaptive.backend);
+    // Seeded, so exact: the figures the README's table shows.
+    assert_eq!(
+        (
+            t.adaptive.backend,
+            t.adaptive.rejected_locally,
+            t.adaptive.recovery_s,
+            t.adaptive.failed_after
+        ),
+        (13, 5987, 52.0, 4660)
+    );
     assert!(t.adaptive.rejected_locally > 5900);
     assert!(
         t.adaptive.recovery_s > 0.0 && t.adaptive.recovery_s < 120.0,

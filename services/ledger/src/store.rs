@@ -1000,8 +1000,9 @@ fn is_lock_timeout(error: &sqlx::Error) -> bool {
 }
 
 /// `--in-flight reject`, when this key is already running in this process: its saved
-/// reply if it has in fact finished (a plain read, no lock; the replay counted as in
-/// [`settled`], in a transaction of its own), else ABORTED.
+/// reply if it has in fact finished (read without waiting for the key's first request;
+/// the replay then counted, and waited for the synchronous standby, as in [`settled`],
+/// in a transaction of its own), else ABORTED.
 async fn replay_or_in_flight(
     conn: &mut PgConnection,
     rt: RoundTrip<'_>,

@@ -632,7 +632,9 @@ mod tests {
         let over = format!("{:016x}{:016x}", 0, 1u64 << 62);
         assert!(ratio.decide(&under, None));
         assert!(!ratio.decide(&over, None));
-        assert!(!ratio.decide(&under, Some(true)) || !ratio.parent_based);
+        // Not parent-based: the caller's flag does not count.
+        assert!(ratio.decide(&under, Some(false)));
+        assert!(!ratio.decide(&over, Some(true)));
         // Over many random ids, about the ratio.
         let sampled = (0..10_000u32)
             .filter(|_| {

@@ -85,7 +85,8 @@ pub struct BalanceSettings {
     pub base_ejection: Duration,
     /// The longest an ejection lasts (or the base, if longer).
     pub max_ejection: Duration,
-    /// The most replicas ejected at once, in percent of them (at least one may be).
+    /// The most replicas ejected at once, in percent of them (at least one may be, unless
+    /// it is 0: then none is).
     pub max_ejection_percent: u32,
     /// Failure-percentage detection: a replica whose own failures exceed this percentage
     /// of its attempts in an interval is ejected (above 100: never).
@@ -628,7 +629,8 @@ impl Shared {
     fn sweep(&self, now: Instant) {
         let settings = &self.settings;
         {
-            let Ok(mut swept) = self.swept.lock() else {
+            // Whoever holds it is judging this interval already.
+            let Ok(mut swept) = self.swept.try_lock() else {
                 return;
             };
             if now.saturating_duration_since(*swept) < settings.interval {
@@ -679,9 +681,13 @@ impl Shared {
             .iter()
             .filter(|r| r.health.lock().is_ok_and(|h| h.ejected_until.is_some()))
             .count();
-        let allowed = (replicas.len() * settings.max_ejection_percent as usize / 100).max(1);
-        if ejected >= allowed {
-            return;
+        // At least one may be ejected, unless the percentage is 0 (ejection off, as A50).
+        let allowed = match replicas.len() * settings.max_ejection_percent as usize / 100 {
+            0 if settings.max_ejection_percent > 0 => 1,
+            allowed => allowed,
+        };
+        if ejected >= allowed || !replicas.iter().any(|r| r.id == replica.id) {
+            return; // at the limit, or the replica has left the set
         }
         let Ok(mut health) = replica.health.lock() else {
             return;
@@ -805,11 +811,14 @@ impl Service<http::Request<Body>> for Balancer {
             .get::<PerTryTimeout>()
             .map(|p| p.0)
             .or(self.shared.settings.per_try_timeout);
+        // The per-attempt timeout, when it is shorter than the call's own time left.
+        let mut capped = None;
         if let Some(per_try) = per_try {
             // The replica is told too, so that it gives up when this attempt does.
             let left = wire::timeout_of(request.headers()).ok().flatten();
             if left.is_none_or(|left| per_try < left) {
                 wire::set_timeout(request.headers_mut(), per_try);
+                capped = Some(per_try);
             }
         }
         let shared = Arc::clone(&self.shared);
@@ -817,7 +826,7 @@ impl Service<http::Request<Body>> for Balancer {
         let in_flight = InFlight::start(Arc::clone(&replica));
         Box::pin(async move {
             let sent = channel.oneshot(request);
-            let answer = match per_try {
+            let mut answer = match per_try {
                 Some(per_try) => match tokio::time::timeout(per_try, sent).await {
                     Ok(answer) => answer.map_err(BoxError::from),
                     Err(_) => Err(Box::new(Status::unavailable(format!(
@@ -828,10 +837,37 @@ impl Service<http::Request<Body>> for Balancer {
                 },
                 None => sent.await.map_err(BoxError::from),
             };
-            in_flight.answered();
-            shared.record(&replica, outcome(&answer), Instant::now());
+            if let (Some(per_try), Ok(response)) = (capped, &mut answer) {
+                per_try_expired(response, &replica.url, per_try);
+            }
+            let outcome = outcome(&answer);
+            // Only an answer is a sample of its time: a refused connection, answered in
+            // microseconds, must not make a dead replica look cheap.
+            if outcome == Outcome::Answered {
+                in_flight.answered();
+            }
+            shared.record(&replica, outcome, Instant::now());
             answer
         })
+    }
+}
+
+/// A replica that was sent the per-attempt timeout as its `grpc-timeout` usually gives up
+/// a moment before the balancer's own timer, answering DEADLINE_EXCEEDED itself (or
+/// relaying it from below). Either way it is this attempt's timeout, not the call's: told
+/// as the balancer tells it, UNAVAILABLE, which the caller may retry elsewhere whatever
+/// its policy thinks of DEADLINE_EXCEEDED. (Held against the replica unless relayed.)
+fn per_try_expired(response: &mut http::Response<Body>, url: &str, per_try: Duration) {
+    let expired = Status::from_header_map(response.headers())
+        .is_some_and(|status| status.code() == Code::DeadlineExceeded);
+    if expired {
+        let status = Status::unavailable(format!(
+            "{url} did not answer within the per-attempt timeout ({} ms)",
+            per_try.as_millis()
+        ));
+        let headers = response.headers_mut();
+        headers.remove("grpc-status-details-bin");
+        let _ = status.add_header(headers);
     }
 }
 

@@ -674,6 +674,8 @@ mod tests {
         );
         let throttle = config.throttle().expect("a throttle");
         assert_eq!(throttle.reject_probability(), 0.0);
+        // Adaptive (no tokens until something is accepted), not A6 (which starts full).
+        assert_eq!(throttle.tokens(), 0.0);
         let defaults = ServiceConfig::parse(r#"{"adaptiveThrottling": {}}"#).expect("valid");
         assert_eq!(
             defaults.adaptive_throttling.map(|t| (t.k, t.window)),

@@ -240,7 +240,8 @@ pub struct HopArgs {
     /// The longest an ejection lasts, in ms.
     #[arg(long, env = "RETRYCHAIN_EJECTION_MAX_MS", default_value_t = 300_000)]
     pub ejection_max_ms: u64,
-    /// The most replicas below ejected at once, in percent (one may always be).
+    /// The most replicas below ejected at once, in percent (one may always be, unless 0:
+    /// then none is).
     #[arg(long, env = "RETRYCHAIN_MAX_EJECTION_PERCENT", default_value_t = 10, value_parser = clap::value_parser!(u32).range(0..=100))]
     pub max_ejection_percent: u32,
     /// A replica below whose own failures exceed this percentage of its attempts in an

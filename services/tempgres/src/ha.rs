@@ -29,7 +29,7 @@ use std::{
 
 use crate::{
     error::Error,
-    host::{find_bindir, free_port, read_to_string, unprivileged_user},
+    host::{find_bindir, find_in_path, free_port, read_to_string, unprivileged_user},
 };
 
 /// How a node of the formation stands, as the monitor sees it (one object of `pg_autoctl
@@ -100,7 +100,13 @@ impl HaFormation {
         // directory, not a directory of symlinks to some of them.
         let pg_ctl = fs::canonicalize(find_bindir()?.join("pg_ctl"))?;
         let bindir = pg_ctl.parent().unwrap_or(Path::new("/"));
-        which_pg_autoctl()?;
+        let path = format!(
+            "{}:{}",
+            bindir.display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        // Where the formation's commands run: Debian puts pg_autoctl beside pg_ctl.
+        find_in_path(std::ffi::OsStr::new(&path), "pg_autoctl").ok_or(Error::NoAutoFailover)?;
         let run_as = unprivileged_user()?;
         let dir = tempfile::Builder::new()
             .prefix("retrychain-ha-")
@@ -109,11 +115,6 @@ impl HaFormation {
         if let Some((uid, gid)) = run_as {
             std::os::unix::fs::chown(&dir, Some(uid), Some(gid))?;
         }
-        let path = format!(
-            "{}:{}",
-            bindir.display(),
-            std::env::var("PATH").unwrap_or_default()
-        );
         let (guardian, guardian_pipe) = guardian(&dir, run_as, &path)?;
         let mut formation = HaFormation {
             monitor_port: free_port()?,
@@ -617,18 +618,6 @@ fn guardian(
         .take()
         .ok_or_else(|| Error::Io(std::io::Error::other("the guardian has no stdin")))?;
     Ok((child, pipe))
-}
-
-/// `pg_autoctl`, from `postgresql-15-auto-failover`, on PATH.
-fn which_pg_autoctl() -> Result<(), Error> {
-    let found = std::env::var_os("PATH")
-        .map(|path| std::env::split_paths(&path).any(|dir| dir.join("pg_autoctl").exists()))
-        .unwrap_or(false);
-    if found {
-        Ok(())
-    } else {
-        Err(Error::NoAutoFailover)
-    }
 }
 
 /// The nodes of `pg_autoctl show state --json`; empty when the monitor did not answer

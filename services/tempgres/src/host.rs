@@ -62,7 +62,7 @@ pub fn find_bindir_in(
     versions.pop().map(|(_, dir)| dir).ok_or(Error::NotFound)
 }
 
-fn find_in_path(path: &std::ffi::OsStr, program: &str) -> Option<PathBuf> {
+pub(crate) fn find_in_path(path: &std::ffi::OsStr, program: &str) -> Option<PathBuf> {
     std::env::split_paths(path)
         .map(|dir| dir.join(program))
         .find(|candidate| is_executable(candidate))
