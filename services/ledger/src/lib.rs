@@ -4,6 +4,8 @@
 //!
 //! - [`store`]: [`KeyStore`] — the key, the effect and the saved reply in one Postgres
 //!   transaction; replays, parameter checks, in-flight behaviour, retention purges.
+//! - [`pool`]: the store's connections — nothing sent when one is taken or given back,
+//!   checked only while suspect, closed whenever their state is in doubt.
 //! - [`primary`]: which host of a replicated Postgres accepts writes, followed across a
 //!   failover (libpq's multi-host `DATABASE_URL`).
 //! - [`key_locks`]: same-key requests queue in memory, not on a database connection.
@@ -12,6 +14,7 @@
 //!   statuses.
 
 pub mod key_locks;
+pub mod pool;
 pub mod primary;
 pub mod processor;
 pub mod service;

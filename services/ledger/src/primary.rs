@@ -4,8 +4,8 @@
 //! sqlx connects to one host (launchbadge/sqlx#179, #2290), while an HA formation is
 //! several: pg_auto_failover prints `postgres://h1:p1,h2:p2/db?target_session_attrs=read-write`,
 //! the libpq form. [`Hosts::parse`] reads that form (a single host is the same URL sqlx
-//! reads); [`Primary`] keeps which host is the primary and points the pool at it with
-//! `Pool::set_connect_options`, so the pool, its timeouts and its hygiene stay sqlx's own:
+//! reads); [`Primary`] keeps which host is the primary, and the pool ([`crate::pool`])
+//! opens every new connection to the host it names at that moment:
 //!
 //! - **Which host**: the first, in the URL's order, that takes writes — not in recovery
 //!   and not read-only, libpq's `read-write` — each asked within the round-trip bound
@@ -13,15 +13,15 @@
 //!   asking is off the request path (a background watcher), so a loaded server that takes
 //!   a while to accept a connection is still found.
 //! - **Never a standby**: every new pooled connection is checked the same way
-//!   ([`Primary::check`], the pool's `after_connect`); one that landed on a standby (a
+//!   ([`Primary::check`], when the pool opens one); one that landed on a standby (a
 //!   failover the ledger has not seen yet) is refused, and the refusal is an UNAVAILABLE
 //!   for the charge that wanted it, never a write.
 //! - **When to look again**: a lost connection, one that could not be opened, a refused
 //!   one, or a write refused as read-only (SQLSTATE 25006, a demoted primary that still
 //!   takes connections) wakes the watcher ([`Primary::suspect`]) — and it wakes every 10 s
 //!   anyway. It asks the hosts again and, if the primary moved,
-//!   points the pool at the new one and retires every connection opened before the move
-//!   ([`Primary::opened_before_move`], the pool's `before_acquire`).
+//!   names the new one and retires every connection opened before the move
+//!   ([`Primary::opened_before_move`], asked when the pool hands out an idle one).
 //!
 //! Meanwhile charges fail fast with UNAVAILABLE (the pool's acquire timeout and the
 //! round-trip bound), and the edge's retry — or the client's, with the same key — finds
@@ -39,7 +39,7 @@ use std::{
 };
 
 use anyhow::Context;
-use sqlx::{Connection, PgConnection, PgPool, postgres::PgConnectOptions};
+use sqlx::{Connection, PgConnection, postgres::PgConnectOptions};
 use tokio::sync::Notify;
 
 /// The hosts of a database URL, each as the options sqlx connects with.
@@ -146,7 +146,7 @@ const CALM: Duration = Duration::from_millis(500);
 pub struct Primary {
     /// Every host of the formation.
     hosts: Hosts,
-    /// The host the pool connects to.
+    /// The host new connections go to.
     current: AtomicUsize,
     /// The clock's origin, for `moved_at_ns`.
     origin: std::time::Instant,
@@ -190,7 +190,7 @@ impl Primary {
         }
     }
 
-    /// The options of the host the pool should connect to now.
+    /// The options of the host new connections should go to now.
     pub fn options(&self) -> PgConnectOptions {
         self.hosts.get(self.current.load(Ordering::Relaxed)).clone()
     }
@@ -214,7 +214,7 @@ impl Primary {
         None
     }
 
-    /// Refuses a fresh connection to a standby (the pool's `after_connect`): a failover the
+    /// Refuses a fresh connection to a standby (asked by the pool as it opens one): a failover the
     /// ledger has not followed yet must cost a refused connection, never a write there.
     pub async fn check(&self, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
         if is_standby(conn).await? {
@@ -228,9 +228,9 @@ impl Primary {
     }
 
     /// Whether a pooled connection of `age` was opened before the primary last moved, or
-    /// at the same instant, and so perhaps to the old one (the pool's `before_acquire`
-    /// retires it). The move is stamped after the pool was pointed at the new host, so a
-    /// connection whose opening began with the old host's options counts as older.
+    /// at the same instant, and so perhaps to the old one (the pool retires it). The move
+    /// is stamped after the new host was named, so a connection whose opening began with
+    /// the old host's options counts as older.
     pub fn opened_before_move(&self, age: Duration) -> bool {
         let moved_at = self.moved_at_ns.load(Ordering::Acquire);
         moved_at > 0 && {
@@ -245,9 +245,9 @@ impl Primary {
         self.suspected.notify_one();
     }
 
-    /// Follows the primary for `pool` until the process ends: each time it is suspected to
-    /// have moved, asks the hosts again and, if it has, points the pool at the new one.
-    pub async fn watch(self: Arc<Self>, pool: PgPool) {
+    /// Follows the primary until the process ends: each time it is suspected to have
+    /// moved, asks the hosts again and, if it has, names the new one.
+    pub async fn watch(self: Arc<Self>) {
         if self.hosts.len() < 2 {
             return; // one host: nothing to follow (a standby is still refused by `check`)
         }
@@ -268,7 +268,6 @@ impl Primary {
                 continue;
             }
             self.current.store(i, Ordering::Relaxed);
-            pool.set_connect_options(self.options());
             let now = u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX);
             self.moved_at_ns.store(now.max(1), Ordering::Release);
             tracing::warn!(

@@ -29,11 +29,13 @@
 //!   bounded by `acquire_timeout`, well under any caller's deadline, and answers
 //!   UNAVAILABLE, which the edge retries under its budget. A pooled connection that a
 //!   restart broke fails its first statement (UNAVAILABLE); after such a failure every
-//!   idle connection is pinged before use for a while ([`SUSPICION`]), so a restart costs
-//!   about one failed attempt rather than one per pooled connection.
+//!   idle connection is pinged before use for a while ([`crate::pool::SUSPICION`]), so a
+//!   restart costs about one failed attempt rather than one per pooled connection.
 //! - **A statement cut short** (our deadline, a lost connection, a commit whose answer
-//!   never came): the connection's state is unknown — sqlx can return a connection to the
-//!   pool still inside a transaction if BEGIN was cancelled — so it is closed, never reused.
+//!   never came): the connection's state is unknown — a cancelled BEGIN can leave the
+//!   session inside a transaction that sqlx does not count — so it is closed, never reused.
+//!   Giving a connection back sends nothing ([`crate::pool`]), so no stalled server can
+//!   hold one there.
 //!   Whether a cut-off COMMIT took effect is unknown too; the caller's retry with the same
 //!   key finds out (replay, or a fresh charge).
 //! - **The database frozen or unreachable mid-charge** (SIGSTOP, a host that stopped
@@ -66,28 +68,27 @@ use std::{
 use prometheus_client::metrics::histogram::Histogram;
 use resilience::Deadline;
 use retrychain_node::{AccountId, AmountCents, IdempotencyKey};
-use sqlx::{
-    AssertSqlSafe, Connection, PgConnection, PgPool, Postgres, Row, pool::PoolConnection,
-    postgres::PgPoolOptions,
-};
+use sqlx::{AssertSqlSafe, Connection, PgConnection, Postgres, Row};
 use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::{
     key_locks::KeyLocks,
+    pool::{Checkout, Connections, Pool, Suspicion},
     primary::{Hosts, Primary},
 };
 
 /// Migrations, applied at start-up.
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
-/// How long after a lost connection idle connections are pinged before use.
-pub const SUSPICION: Duration = Duration::from_secs(10);
-
 /// Added to the request's remaining time for `idle_in_transaction_session_timeout`: the
 /// transaction is idle while the processor works, which ends before the deadline; past
 /// deadline plus this, only a frozen client is still "working".
 const IDLE_SLACK_MS: u128 = 500;
+
+/// The longest one statement of a retention purge may take (see
+/// [`KeyStore::purge_keys_older_than`]).
+const PURGE_STATEMENT_BOUND: Duration = Duration::from_secs(60);
 
 /// A committed charge's reply, as saved on its key.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -292,59 +293,27 @@ impl RoundTrip<'_> {
     }
 }
 
-/// After a connection was lost, idle connections are suspect (a restart broke them all)
-/// until this window closes; see the module docs.
-#[derive(Debug)]
-struct Suspicion {
-    /// The clock's origin.
-    since: std::time::Instant,
-    /// Until when (ms after `since`) idle connections are pinged before use.
-    until_ms: AtomicU64,
-}
-
-impl Suspicion {
-    fn new() -> Self {
-        Self {
-            since: std::time::Instant::now(),
-            until_ms: AtomicU64::new(0),
-        }
-    }
-
-    fn now_ms(&self) -> u64 {
-        self.since.elapsed().as_millis() as u64
-    }
-
-    fn raise(&self) {
-        let until = self.now_ms() + SUSPICION.as_millis() as u64;
-        self.until_ms.fetch_max(until, Ordering::Relaxed);
-    }
-
-    fn active(&self) -> bool {
-        self.now_ms() < self.until_ms.load(Ordering::Relaxed)
-    }
-}
-
 /// Postgres access for the ledger.
 #[derive(Debug, Clone)]
 pub struct KeyStore {
-    /// Connections. `test_before_acquire` is off: a ping before every charge would cost a
-    /// round trip; instead, idle connections are pinged only while `suspicion` is raised.
-    pool: PgPool,
+    /// Connections: nothing is sent when one is taken or given back; idle ones are pinged
+    /// before use only while `suspicion` is raised (see [`crate::pool`]).
+    pool: Pool,
     /// Raised by a lost connection; see [`Suspicion`].
     suspicion: Arc<Suspicion>,
     /// Same-key requests of this process queue here, holding no connection.
     keys: Arc<KeyLocks>,
     /// Gauges and counts for `/metrics`.
     gauges: Arc<StoreGauges>,
-    /// The pool's size limit, to tell a busy pool from a lost database.
-    max_connections: u32,
+    /// Longest wait for a connection, opening one included ([`StoreOptions::acquire_timeout`]).
+    acquire_timeout: Duration,
     /// The bound on each round trip ([`StoreOptions::round_trip_timeout`]).
     round_trip_timeout: Duration,
     /// Which host the pool writes to; told when a failure suggests it moved.
     primary: Arc<Primary>,
-    /// The task that follows the primary, stopped with the last clone of the store (it
-    /// holds the pool, which would otherwise never close).
-    _watcher: Arc<AbortOnDrop>,
+    /// The tasks that follow the primary and close idle connections, stopped with the
+    /// last clone of the store.
+    _tasks: Arc<[AbortOnDrop; 2]>,
 }
 
 /// Aborts a task when dropped.
@@ -397,11 +366,12 @@ impl Drop for Waiting<'_> {
 
 impl retrychain_node::metrics::DatabaseGauges for KeyStore {
     fn connections_in_use(&self) -> u64 {
-        u64::from(self.pool.size()).saturating_sub(self.pool.num_idle() as u64)
+        let status = self.pool.status();
+        status.size.saturating_sub(status.available) as u64
     }
 
     fn connections_idle(&self) -> u64 {
-        self.pool.num_idle() as u64
+        self.pool.status().available as u64
     }
 
     fn acquires_waiting(&self) -> u64 {
@@ -449,43 +419,46 @@ impl KeyStore {
         let primary = Primary::find(hosts, options.round_trip_timeout, Duration::from_secs(60))
             .await
             .context("finding the database's primary")?;
-        let suspicion = Arc::new(Suspicion::new());
-        let pool = PgPoolOptions::new()
-            .max_connections(options.pool_size)
-            .acquire_timeout(options.acquire_timeout)
-            .test_before_acquire(false)
-            .after_connect({
-                let primary = Arc::clone(&primary);
-                move |conn, _meta| {
-                    let primary = Arc::clone(&primary);
-                    Box::pin(async move { primary.check(conn).await })
+        let suspicion = Arc::new(Suspicion::default());
+        let pool = Pool::builder(Connections::new(
+            Arc::clone(&primary),
+            Arc::clone(&suspicion),
+        ))
+        .max_size(options.pool_size as usize)
+        // The most recently used first: under light load the same few sessions stay warm
+        // and the rest go idle long enough to be closed.
+        .queue_mode(deadpool::managed::QueueMode::Lifo)
+        .build()
+        .context("building the connection pool")?;
+        let watcher = AbortOnDrop(tokio::spawn(Arc::clone(&primary).watch()).abort_handle());
+        let reaper = AbortOnDrop(
+            tokio::spawn({
+                let pool = pool.clone();
+                let bound = options.round_trip_timeout;
+                async move {
+                    loop {
+                        tokio::time::sleep(Duration::from_secs(30)).await;
+                        crate::pool::reap_idle(&pool, bound);
+                    }
                 }
             })
-            .before_acquire({
-                let suspicion = Arc::clone(&suspicion);
-                let primary = Arc::clone(&primary);
-                move |conn, meta| {
-                    let suspect = suspicion.active();
-                    // Opened to a primary that has since moved: retired, not used.
-                    let stale = primary.opened_before_move(meta.age);
-                    Box::pin(async move {
-                        if stale {
-                            return Ok(false);
-                        }
-                        // A failed ping discards this connection and opens a fresh one.
-                        if suspect {
-                            conn.ping().await?;
-                        }
-                        Ok(true)
-                    })
-                }
-            })
-            .connect_lazy_with(primary.options());
-        let watcher =
-            AbortOnDrop(tokio::spawn(Arc::clone(&primary).watch(pool.clone())).abort_handle());
+            .abort_handle(),
+        );
         let started = std::time::Instant::now();
         loop {
-            let error = match MIGRATOR.run(&pool).await {
+            let migrated = match tokio::time::timeout(options.acquire_timeout, pool.get()).await {
+                Ok(Ok(conn)) => {
+                    let mut conn = Checkout::new(conn);
+                    let migrated = MIGRATOR.run(conn.get()).await;
+                    conn.settle(migrated.is_ok());
+                    migrated
+                }
+                Ok(Err(error)) => Err(sqlx::migrate::MigrateError::Execute(pool_error(error))),
+                Err(_) => Err(sqlx::migrate::MigrateError::Execute(
+                    sqlx::Error::PoolTimedOut,
+                )),
+            };
+            let error = match migrated {
                 Ok(()) => break,
                 // A migration's lock_timeout: other instances' charges hold the table; they
                 // end within their deadlines, so try again rather than queue every new
@@ -509,16 +482,11 @@ impl KeyStore {
             suspicion,
             keys: Arc::new(KeyLocks::default()),
             gauges: Arc::default(),
-            max_connections: options.pool_size,
+            acquire_timeout: options.acquire_timeout,
             round_trip_timeout: options.round_trip_timeout,
             primary,
-            _watcher: Arc::new(watcher),
+            _tasks: Arc::new([watcher, reaper]),
         })
-    }
-
-    /// The pool, for tests and tools that inspect the tables.
-    pub fn pool(&self) -> &PgPool {
-        &self.pool
     }
 
     /// Same-key requests running or waiting in this process.
@@ -621,30 +589,45 @@ impl KeyStore {
     }
 
     /// Deletes keys older than `retention`, `batch` rows per statement so no single
-    /// statement holds many locks; returns how many went.
+    /// statement holds many locks; returns how many went. Each statement is bounded by
+    /// [`PURGE_STATEMENT_BOUND`] (past it, UNAVAILABLE and the connection closed), so a
+    /// stalled database does not hold the purge, or its connection, for good.
     pub async fn purge_keys_older_than(
         &self,
         retention: Duration,
         batch: i64,
     ) -> Result<u64, StoreError> {
-        let mut purged = 0;
-        loop {
-            let deleted = sqlx::query(
-                "DELETE FROM idempotency_keys WHERE ctid IN ( \
-                     SELECT ctid FROM idempotency_keys \
-                     WHERE created_at < now() - make_interval(secs => $1) \
-                     ORDER BY created_at LIMIT $2)",
-            )
-            .bind(retention.as_secs_f64())
-            .bind(batch)
-            .execute(&self.pool)
-            .await?
-            .rows_affected();
-            purged += deleted;
-            if deleted < batch as u64 {
-                return Ok(purged);
+        let mut conn = self.acquire(Deadline::after(self.acquire_timeout)).await?;
+        let purge = async {
+            let mut purged = 0;
+            loop {
+                let deleted = tokio::time::timeout(
+                    PURGE_STATEMENT_BOUND,
+                    sqlx::query(
+                        "DELETE FROM idempotency_keys WHERE ctid IN ( \
+                             SELECT ctid FROM idempotency_keys \
+                             WHERE created_at < now() - make_interval(secs => $1) \
+                             ORDER BY created_at LIMIT $2)",
+                    )
+                    .bind(retention.as_secs_f64())
+                    .bind(batch)
+                    .execute(conn.get()),
+                )
+                .await
+                .map_err(|_| {
+                    StoreError::Unavailable(format!(
+                        "Postgres did not finish a purge batch within {PURGE_STATEMENT_BOUND:?}"
+                    ))
+                })??
+                .rows_affected();
+                purged += deleted;
+                if deleted < batch as u64 {
+                    return Ok(purged);
+                }
             }
-        }
+        };
+        let result = purge.await;
+        self.settle(conn, result)
     }
 
     /// The round-trip bound for a request ending at `deadline`.
@@ -656,35 +639,55 @@ impl KeyStore {
         }
     }
 
-    /// A pooled connection within the deadline and the pool's acquire timeout.
+    /// A pooled connection within the deadline and the acquire timeout. Opening one that
+    /// fails (the server down, restarting, or a standby now) is tried again, briefly
+    /// spaced, until then: a restart shorter than the acquire timeout costs a wait, not an
+    /// error.
     async fn acquire(&self, deadline: Deadline) -> Result<Checkout, StoreError> {
         let waiting = Waiting::enter(&self.gauges.acquiring);
-        let acquired = tokio::time::timeout_at(deadline.instant(), self.pool.acquire()).await;
-        drop(waiting);
-        match acquired {
-            Err(_) => Err(StoreError::DeadlineWhileWaiting(
-                "waiting for a database connection",
-            )),
-            Ok(Err(sqlx::Error::PoolTimedOut)) => {
-                // Every connection busy is load, not a lost database: no suspicion then.
-                let saturated =
-                    self.pool.size() >= self.max_connections && self.pool.num_idle() == 0;
-                if !saturated {
-                    self.lost_connection();
+        let by = deadline
+            .instant()
+            .min(tokio::time::Instant::now() + self.acquire_timeout);
+        let mut pause = Duration::from_millis(5);
+        let mut failed = None;
+        let acquired = loop {
+            match tokio::time::timeout_at(by, self.pool.get()).await {
+                Ok(Ok(conn)) => break Some(Checkout::new(conn)),
+                Ok(Err(error)) => {
+                    failed = Some(pool_error(error));
+                    if tokio::time::Instant::now() + pause >= by {
+                        break None;
+                    }
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(100));
                 }
-                Err(StoreError::Unavailable(if saturated {
-                    "every database connection is busy; none came free within the acquire timeout"
-                        .into()
-                } else {
-                    "no connection to Postgres could be had within the acquire timeout".into()
-                }))
+                Err(_) => break None,
             }
-            Ok(Err(error)) => Err(self.noted(error.into())),
-            Ok(Ok(conn)) => Ok(Checkout {
-                conn,
-                settled: false,
-            }),
+        };
+        drop(waiting);
+        if let Some(conn) = acquired {
+            return Ok(conn);
         }
+        if let Some(error) = failed {
+            return Err(self.noted(error.into()));
+        }
+        if deadline.is_spent() {
+            return Err(StoreError::DeadlineWhileWaiting(
+                "waiting for a database connection",
+            ));
+        }
+        // Every connection busy is load, not a lost database: no suspicion then.
+        let status = self.pool.status();
+        if status.size >= status.max_size && status.available == 0 {
+            return Err(StoreError::Unavailable(
+                "every database connection is busy; none came free within the acquire timeout"
+                    .into(),
+            ));
+        }
+        self.lost_connection();
+        Err(StoreError::Unavailable(
+            "no connection to Postgres could be had within the acquire timeout".into(),
+        ))
     }
 
     /// Ends the use of `conn` with `result`: a connection whose state is in doubt is closed
@@ -694,7 +697,7 @@ impl KeyStore {
         mut conn: Checkout,
         result: Result<T, StoreError>,
     ) -> Result<T, StoreError> {
-        conn.settled = !matches!(&result, Err(error) if error.leaves_connection_in_doubt());
+        conn.settle(!matches!(&result, Err(error) if error.leaves_connection_in_doubt()));
         result.map_err(|error| self.noted(error))
     }
 
@@ -716,27 +719,15 @@ impl KeyStore {
     }
 }
 
-/// A connection taken from the pool for one use. Unless the use ended in a known state
-/// ([`KeyStore::settle`]), dropping it closes the connection instead of returning it:
-/// that covers the cases no error reports — the caller's future dropped mid-statement (a
-/// cancelled BEGIN leaves the session inside a transaction that sqlx does not know about).
-struct Checkout {
-    /// The connection.
-    conn: PoolConnection<Postgres>,
-    /// Whether the connection's state is known to be clean.
-    settled: bool,
-}
-
-impl Checkout {
-    fn get(&mut self) -> &mut PgConnection {
-        &mut self.conn
-    }
-}
-
-impl Drop for Checkout {
-    fn drop(&mut self) {
-        if !self.settled {
-            self.conn.close_on_drop();
+/// The sqlx error a failed [`Pool::get`] stands for (only `Backend` occurs: the pool has
+/// no timeouts or hooks of its own and is never closed).
+fn pool_error(error: deadpool::managed::PoolError<sqlx::Error>) -> sqlx::Error {
+    use deadpool::managed::PoolError;
+    match error {
+        PoolError::Backend(error) => error,
+        PoolError::Closed => sqlx::Error::PoolClosed,
+        PoolError::Timeout(_) | PoolError::NoRuntimeSpecified | PoolError::PostCreateHook(_) => {
+            sqlx::Error::PoolTimedOut
         }
     }
 }
