@@ -16,11 +16,13 @@
 //! - [`server`]: [`serve`], the one server stack all five services run, on a public and
 //!   an admin port.
 //! - [`telemetry`]: log set-up.
+//! - [`log_writer`]: where log lines go: stdout, in batches, from a thread of their own.
 
 pub mod control;
 pub mod domain;
 pub mod faults;
 pub mod limits;
+pub mod log_writer;
 pub mod metadata;
 pub mod metrics;
 pub mod node;

@@ -191,8 +191,8 @@ impl IdGenerator for ChainIds {
 pub struct Telemetry {
     /// The exporter's provider, when exporting.
     provider: Option<SdkTracerProvider>,
-    /// The log writer's thread: dropped last, it writes out the lines still queued.
-    _logs: Option<tracing_appender::non_blocking::WorkerGuard>,
+    /// The log writer's thread: dropped last, it writes out the lines still pending.
+    _logs: Option<crate::log_writer::Flusher>,
 }
 
 impl Drop for Telemetry {
@@ -211,20 +211,11 @@ impl Drop for Telemetry {
 /// once: later calls change nothing.
 pub fn init(format: LogFormat, service: &str) -> Telemetry {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    // Lines go to stdout from a thread of their own: a request's task formats its line
-    // and queues it, and never waits for a write(2) to a pipe (or for a reader that is
-    // slow to drain it). That thread writes whatever has queued up in one go (a buffer
-    // flushed each time the queue is empty), not a write(2) per line. Not lossy: with
-    // 16k lines queued, logging waits rather than drops. The guard in [`Telemetry`]
-    // writes out what is queued at exit.
-    let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
-        .lossy(false)
-        .buffered_lines_limit(16 * 1024)
-        .thread_name("retrychain-log")
-        .finish(std::io::BufWriter::with_capacity(
-            64 * 1024,
-            std::io::stdout(),
-        ));
+    // Lines go to stdout in batches from a thread of their own (see [`crate::log_writer`]):
+    // a request's task formats its line and appends it to a buffer, never waiting for a
+    // write(2) to a pipe nor waking a thread per line. Not lossy. The guard in
+    // [`Telemetry`] writes out the last lines at exit.
+    let (writer, guard) = crate::log_writer::BatchedStdout::stdout();
     let fmt = tracing_subscriber::fmt::layer()
         .with_target(false)
         .with_writer(writer);
