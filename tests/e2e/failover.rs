@@ -279,30 +279,16 @@ async fn writable_host(uri: &str) -> String {
 
 #[tokio::test]
 async fn up_with_postgres_ha_rides_through_the_failover_it_tells_you_to_run() {
-    use std::io::{BufRead, BufReader};
-    use std::process::{Command, Stdio};
+    use std::process::Command;
 
     let _one = ONE_AT_A_TIME.lock().await;
     let base = free_base_port();
-    let up = Command::new(BIN)
-        .args(["up", "--postgres", "ha", "--base-port", &base.to_string()])
-        .env_remove("DATABASE_URL")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let mut up = KillOnDrop(up);
-    let (lines_tx, lines) = std::sync::mpsc::channel::<String>();
-    let stdout = up.0.stdout.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            println!("up: {line}");
-            if lines_tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
+    let (mut up, lines) = start_up(
+        &["--postgres", "ha", "--base-port", &base.to_string()],
+        |up| {
+            up.env_remove("DATABASE_URL");
+        },
+    );
     let (mut uri, mut fail_over) = (None, None);
     let start = Instant::now();
     loop {

@@ -10,8 +10,7 @@
 //! transaction.
 
 use std::{
-    io::{BufRead, BufReader},
-    process::{Command, Stdio},
+    process::Command,
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -164,25 +163,9 @@ async fn up_finds_postgres_off_path_and_restarts_a_killed_ledger() {
         std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
             .filter(|dir| !dir.join("initdb").exists())
             .collect();
-    let up = Command::new(BIN)
-        .args(["up", "--base-port", &base.to_string()])
-        .env("PATH", std::env::join_paths(path).unwrap())
-        .env_remove("DATABASE_URL")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let mut up = KillOnDrop(up);
-    let (lines_tx, lines) = std::sync::mpsc::channel::<String>();
-    let stdout = up.0.stdout.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            println!("up: {line}");
-            if lines_tx.send(line).is_err() {
-                break;
-            }
-        }
+    let (mut up, lines) = start_up(&["--base-port", &base.to_string()], |up| {
+        up.env("PATH", std::env::join_paths(path).unwrap())
+            .env_remove("DATABASE_URL");
     });
     let wait_for = |what: &mut dyn FnMut(&str) -> bool| -> String {
         let start = Instant::now();

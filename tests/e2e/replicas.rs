@@ -39,6 +39,22 @@ async fn bottom() -> (Vec<InProcessService>, String, String) {
     (vec![hop4, ledger], hop4_url, url)
 }
 
+/// Three hop3 replicas as processes (to be killed, stopped or restarted), forwarding to
+/// `hop4`, named `hop3-0` to `hop3-2`.
+async fn hop3_processes(hop4: &str) -> Vec<ChildService> {
+    let mut hop3 = Vec::new();
+    for i in 0..3 {
+        let launch = Launch {
+            program: Some(BIN.into()),
+            args: hop_command("relay", &format!("hop3-{i}"), hop4).to_args(),
+            env: Vec::new(),
+            logs: Logs::Capture,
+        };
+        hop3.push(ChildService::start("hop3", launch).await.unwrap());
+    }
+    hop3
+}
+
 async fn received(admin: &str) -> u64 {
     let channel = connect(admin).await;
     retrychain_proto::v1::control_client::ControlClient::new(channel)
@@ -130,16 +146,7 @@ async fn a_killed_replica_is_ridden_through_and_takes_traffic_again_once_restart
     let _one = ONE_AT_A_TIME.lock().await;
     let (_bottom, hop4, database_url) = bottom().await;
     // Three hop3 replicas as processes, to be killed and restarted.
-    let mut hop3 = Vec::new();
-    for i in 0..3 {
-        let launch = Launch {
-            program: Some(BIN.into()),
-            args: hop_command("relay", &format!("hop3-{i}"), &hop4).to_args(),
-            env: Vec::new(),
-            logs: Logs::Capture,
-        };
-        hop3.push(ChildService::start("hop3", launch).await.unwrap());
-    }
+    let mut hop3 = hop3_processes(&hop4).await;
     let list: Vec<String> = hop3.iter().map(|s| s.addr.url.clone()).collect();
     // Its refused connections eject the killed replica; for 1 s here (30 s by default).
     let mut hop2_command = hop_command("relay", "hop2", &list.join(","));
@@ -292,9 +299,6 @@ async fn the_replica_set_changed_every_100_ms_under_load_loses_no_call() {
 
 #[tokio::test]
 async fn up_with_replicas_balances_every_tier() {
-    use std::io::{BufRead, BufReader};
-    use std::process::{Command, Stdio};
-
     let _one = ONE_AT_A_TIME.lock().await;
     // Two replicas: every service's ports and the next ten up, admin ports 1000 above,
     // in a range the other tests' chains do not use.
@@ -308,27 +312,20 @@ async fn up_with_replicas_balances_every_tier() {
             held.len() == 30
         })
         .expect("free ports");
-    let up = Command::new(BIN)
-        .args(["up", "--replicas", "2", "--base-port", &base.to_string()])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let mut up = KillOnDrop(up);
-    // Read up's stdout to the end (a closed pipe would fail its next line).
-    let stdout = up.0.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel::<String>();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+    let (mut up, lines) = start_up(
+        &["--replicas", "2", "--base-port", &base.to_string()],
+        |_| {},
+    );
+    let layout = off_runtime(move || {
+        loop {
+            let line = lines.recv_timeout(Duration::from_secs(120))?;
             if line.starts_with("retrychain is up") {
-                let _ = tx.send(line.clone());
+                return Ok::<_, std::sync::mpsc::RecvTimeoutError>(line);
             }
         }
-    });
-    let layout = off_runtime(move || rx.recv_timeout(Duration::from_secs(120)))
-        .await
-        .expect("up says it is up");
+    })
+    .await
+    .expect("up says it is up");
     let port = |i: u16, r: u16| base + i + 10 * r;
     assert_eq!(
         layout,
@@ -380,7 +377,7 @@ async fn up_with_replicas_balances_every_tier() {
             NAMES[usize::from(i)]
         );
     }
-    let _ = Command::new("kill")
+    let _ = std::process::Command::new("kill")
         .args(["-TERM", &up.0.id().to_string()])
         .status();
     assert!(up.0.wait().unwrap().success());
@@ -456,16 +453,7 @@ async fn fifty_concurrent_charges_under_one_key_over_three_ledgers_execute_once(
 async fn a_frozen_replica_costs_at_most_one_per_try_timeout_and_is_avoided() {
     let _one = ONE_AT_A_TIME.lock().await;
     let (_bottom, hop4, database_url) = bottom().await;
-    let mut hop3 = Vec::new();
-    for i in 0..3 {
-        let launch = Launch {
-            program: Some(BIN.into()),
-            args: hop_command("relay", &format!("hop3-{i}"), &hop4).to_args(),
-            env: Vec::new(),
-            logs: Logs::Capture,
-        };
-        hop3.push(ChildService::start("hop3", launch).await.unwrap());
-    }
+    let hop3 = hop3_processes(&hop4).await;
     let list: Vec<String> = hop3.iter().map(|s| s.addr.url.clone()).collect();
     // hop2 gives each attempt 300 ms at a replica and ejects one for 2 s.
     let per_try = Duration::from_millis(300);

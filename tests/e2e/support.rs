@@ -533,6 +533,35 @@ impl Drop for KillOnDrop {
     }
 }
 
+/// `retrychain up` with `args`, once `configure` has set its environment: stdin closed,
+/// stderr inherited, and every line of its stdout echoed (`up: …`) and handed over on the
+/// returned channel. Its stdout is read to the end whether or not anyone still listens, so
+/// `up` never meets a closed pipe. Stopped when the guard is dropped.
+pub fn start_up(
+    args: &[&str],
+    configure: impl FnOnce(&mut std::process::Command),
+) -> (KillOnDrop, std::sync::mpsc::Receiver<String>) {
+    use std::io::{BufRead, BufReader};
+    let mut command = std::process::Command::new(BIN);
+    command
+        .arg("up")
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit());
+    configure(&mut command);
+    let mut up = KillOnDrop(command.spawn().unwrap());
+    let stdout = up.0.stdout.take().unwrap();
+    let (lines_tx, lines) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            println!("up: {line}");
+            let _ = lines_tx.send(line);
+        }
+    });
+    (up, lines)
+}
+
 /// Five consecutive free ports whose admin ports (+1000) are free too.
 pub fn free_base_port() -> u16 {
     'next: for base in (42000..60000u16).step_by(10) {
