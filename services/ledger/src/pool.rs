@@ -42,8 +42,8 @@ pub const SUSPICION: Duration = Duration::from_secs(10);
 /// over whatever a DNS name resolves to now.
 pub const MAX_LIFETIME: Duration = Duration::from_secs(30 * 60);
 
-/// A connection idle this long is closed (sqlx's default idle timeout): a burst's
-/// connections do not stay open on the server for good.
+/// A connection not taken from the pool for this long is closed (sqlx's default idle
+/// timeout): a burst's connections do not stay open on the server for good.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(10 * 60);
 
 /// The pool.
@@ -66,12 +66,19 @@ pub struct Connections {
     primary: Arc<Primary>,
     /// Whether idle connections are suspect right now.
     suspicion: Arc<Suspicion>,
+    /// The longest a suspect connection's ping may take (the store's round-trip bound).
+    ping_timeout: Duration,
 }
 
 impl Connections {
-    /// A manager opening connections to `primary`'s current host.
-    pub fn new(primary: Arc<Primary>, suspicion: Arc<Suspicion>) -> Self {
-        Self { primary, suspicion }
+    /// A manager opening connections to `primary`'s current host, pinging a suspect one
+    /// for at most `ping_timeout`.
+    pub fn new(primary: Arc<Primary>, suspicion: Arc<Suspicion>, ping_timeout: Duration) -> Self {
+        Self {
+            primary,
+            suspicion,
+            ping_timeout,
+        }
     }
 }
 
@@ -83,6 +90,14 @@ impl managed::Manager for Connections {
         let opening_began = Instant::now();
         let mut conn = PgConnection::connect_with(&self.primary.options()).await?;
         self.primary.check(&mut conn).await?;
+        // Begun with the old primary's options and finished after the move: perhaps to a
+        // primary that has not yet stepped down.
+        if self.primary.opened_before_move(opening_began.elapsed()) {
+            return Err(sqlx::Error::Io(std::io::Error::new(
+                std::io::ErrorKind::ConnectionRefused,
+                "opened while the primary moved, perhaps to the old one",
+            )));
+        }
         Ok(Pooled {
             conn,
             opening_began,
@@ -102,7 +117,9 @@ impl managed::Manager for Connections {
         // A failed ping retires this connection; the pool then tries the next idle one or
         // opens a fresh one.
         if self.suspicion.active() {
-            pooled.conn.ping().await?;
+            tokio::time::timeout(self.ping_timeout, pooled.conn.ping())
+                .await
+                .map_err(|_| RecycleError::message("the ping went unanswered"))??;
         }
         Ok(())
     }
@@ -155,8 +172,8 @@ impl Drop for Checkout {
     }
 }
 
-/// Closes, politely and within `bound` each, the connections idle longer than
-/// [`IDLE_TIMEOUT`]; called now and then by the store's maintenance task.
+/// Closes, politely and within `bound` each, the idle connections not taken from the pool
+/// for [`IDLE_TIMEOUT`]; called now and then by the store's maintenance task.
 pub fn reap_idle(pool: &Pool, bound: Duration) {
     let idle = pool.retain(|_, metrics| metrics.last_used() < IDLE_TIMEOUT);
     for pooled in idle.removed {

@@ -87,8 +87,11 @@ static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 const IDLE_SLACK_MS: u128 = 500;
 
 /// The longest one statement of a retention purge may take (see
-/// [`KeyStore::purge_keys_older_than`]).
+/// [`KeyStore::purge_keys_older_than`]); the server cancels it a little earlier.
 const PURGE_STATEMENT_BOUND: Duration = Duration::from_secs(60);
+
+/// The longest the migrations may take at start-up.
+const MIGRATION_BOUND: Duration = Duration::from_secs(60);
 
 /// A committed charge's reply, as saved on its key.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -423,6 +426,7 @@ impl KeyStore {
         let pool = Pool::builder(Connections::new(
             Arc::clone(&primary),
             Arc::clone(&suspicion),
+            options.round_trip_timeout,
         ))
         .max_size(options.pool_size as usize)
         // The most recently used first: under light load the same few sessions stay warm
@@ -449,7 +453,13 @@ impl KeyStore {
             let migrated = match tokio::time::timeout(options.acquire_timeout, pool.get()).await {
                 Ok(Ok(conn)) => {
                     let mut conn = Checkout::new(conn);
-                    let migrated = MIGRATOR.run(conn.get()).await;
+                    // Bounded, so a database that freezes mid-migration fails the start
+                    // (the unsettled connection is closed, and its locks with it).
+                    let migrated = tokio::time::timeout(MIGRATION_BOUND, MIGRATOR.run(conn.get()))
+                        .await
+                        .unwrap_or(Err(sqlx::migrate::MigrateError::Execute(
+                            sqlx::Error::PoolTimedOut,
+                        )));
                     conn.settle(migrated.is_ok());
                     migrated
                 }
@@ -601,9 +611,17 @@ impl KeyStore {
         let purge = async {
             let mut purged = 0;
             loop {
-                let deleted = tokio::time::timeout(
-                    PURGE_STATEMENT_BOUND,
-                    sqlx::query(
+                // In a transaction of its own with a server-side statement timeout a
+                // little under the client's bound, so a batch cut off here does not run on.
+                let batch_done = async {
+                    let server_ms = PURGE_STATEMENT_BOUND.as_millis() * 9 / 10;
+                    let mut tx = conn
+                        .get()
+                        .begin_with(AssertSqlSafe(format!(
+                            "BEGIN; SET LOCAL statement_timeout = {server_ms}"
+                        )))
+                        .await?;
+                    let deleted = sqlx::query(
                         "DELETE FROM idempotency_keys WHERE ctid IN ( \
                              SELECT ctid FROM idempotency_keys \
                              WHERE created_at < now() - make_interval(secs => $1) \
@@ -611,15 +629,19 @@ impl KeyStore {
                     )
                     .bind(retention.as_secs_f64())
                     .bind(batch)
-                    .execute(conn.get()),
-                )
-                .await
-                .map_err(|_| {
-                    StoreError::Unavailable(format!(
-                        "Postgres did not finish a purge batch within {PURGE_STATEMENT_BOUND:?}"
-                    ))
-                })??
-                .rows_affected();
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected();
+                    tx.commit().await?;
+                    Ok::<_, sqlx::Error>(deleted)
+                };
+                let deleted = tokio::time::timeout(PURGE_STATEMENT_BOUND, batch_done)
+                    .await
+                    .map_err(|_| {
+                        StoreError::Unavailable(format!(
+                            "Postgres did not finish a purge batch within {PURGE_STATEMENT_BOUND:?}"
+                        ))
+                    })??;
                 purged += deleted;
                 if deleted < batch as u64 {
                     return Ok(purged);
@@ -627,7 +649,10 @@ impl KeyStore {
             }
         };
         let result = purge.await;
-        self.settle(conn, result)
+        // Any failure here (a batch cut off, a statement refused) may leave the batch's
+        // transaction open on the server: the connection is closed, not given back.
+        conn.settle(result.is_ok());
+        result.map_err(|error| self.noted(error))
     }
 
     /// The round-trip bound for a request ending at `deadline`.
@@ -654,8 +679,10 @@ impl KeyStore {
             match tokio::time::timeout_at(by, self.pool.get()).await {
                 Ok(Ok(conn)) => break Some(Checkout::new(conn)),
                 Ok(Err(error)) => {
-                    failed = Some(pool_error(error));
-                    if tokio::time::Instant::now() + pause >= by {
+                    let error = pool_error(error);
+                    let transient = opening_may_succeed_later(&error);
+                    failed = Some(error);
+                    if !transient || tokio::time::Instant::now() + pause >= by {
                         break None;
                     }
                     tokio::time::sleep(pause).await;
@@ -668,13 +695,13 @@ impl KeyStore {
         if let Some(conn) = acquired {
             return Ok(conn);
         }
-        if let Some(error) = failed {
-            return Err(self.noted(error.into()));
-        }
         if deadline.is_spent() {
             return Err(StoreError::DeadlineWhileWaiting(
                 "waiting for a database connection",
             ));
+        }
+        if let Some(error) = failed {
+            return Err(self.noted(error.into()));
         }
         // Every connection busy is load, not a lost database: no suspicion then.
         let status = self.pool.status();
@@ -716,6 +743,20 @@ impl KeyStore {
     fn lost_connection(&self) {
         self.suspicion.raise();
         self.primary.suspect();
+    }
+}
+
+/// Whether opening a connection that failed with `error` may work if tried again shortly:
+/// the server unreachable, restarting, refusing connections for now or out of them, or a
+/// standby (the primary is moving). Bad credentials or a missing database are answered at
+/// once.
+fn opening_may_succeed_later(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) => true,
+        sqlx::Error::Database(db) => db.code().is_some_and(|code| {
+            code.starts_with("08") || code.starts_with("53") || code.starts_with("57P")
+        }),
+        _ => false,
     }
 }
 
@@ -840,7 +881,8 @@ async fn record_charge(
 }
 
 /// `error`, once `tx` is rolled back within the round-trip bound — not left for sqlx to
-/// roll back when the connection goes back to the pool, where nothing bounds it. A
+/// queue a ROLLBACK that would only go out with the connection's next use, the
+/// transaction's locks held meanwhile (giving a connection back sends nothing). A
 /// connection already in doubt is not asked: it will be closed. A ROLLBACK that does not
 /// answer in time is the error then (UNAVAILABLE: the connection is closed).
 async fn rolled_back(

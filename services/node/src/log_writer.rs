@@ -12,8 +12,10 @@
 //! logs writes the backlog out itself and so waits for the reader, as a blocking writer
 //! would. Lines reach stdout in the order they were logged: a batch is taken from the
 //! buffer and written under one lock. [`Flusher`], dropped at the end of `main`, writes
-//! out the last lines. A process killed outright loses at most the last [`FLUSH_EVERY`]
-//! of lines.
+//! out the last lines (waiting at most [`SHUTDOWN_WAIT`] for a stdout that is not being
+//! read); a line logged after that is written by the task that logs it. A process killed
+//! outright loses the lines not yet written: the last [`FLUSH_EVERY`] of them while stdout
+//! keeps up.
 
 use std::{
     io::Write,
@@ -32,6 +34,10 @@ pub const BATCH_BYTES: usize = 64 * 1024;
 
 /// Past this many bytes not yet written, a task that logs writes them out itself.
 pub const BACKLOG_BYTES: usize = 4 * 1024 * 1024;
+
+/// The longest the process waits at exit for its last lines to be written: a stdout that
+/// nobody reads must not keep a stopped service from ending.
+pub const SHUTDOWN_WAIT: Duration = Duration::from_secs(1);
 
 /// The log writer (a [`MakeWriter`] for the fmt layer); see the module docs.
 #[derive(Clone)]
@@ -67,6 +73,8 @@ pub struct Flusher {
     shared: Arc<Shared>,
     /// The writer thread.
     thread: Option<JoinHandle<()>>,
+    /// Says when the writer thread has written its last batch.
+    finished: std::sync::mpsc::Receiver<()>,
 }
 
 impl BatchedStdout {
@@ -82,18 +90,26 @@ impl BatchedStdout {
             wake: Condvar::new(),
             out: Mutex::new(out),
         });
+        let (finish, finished) = std::sync::mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("retrychain-log".into())
             .spawn({
                 let shared = Arc::clone(&shared);
-                move || shared.run()
+                move || {
+                    shared.run();
+                    let _ = finish.send(());
+                }
             })
             .ok();
         (
             Self {
                 shared: Arc::clone(&shared),
             },
-            Flusher { shared, thread },
+            Flusher {
+                shared,
+                thread,
+                finished,
+            },
         )
     }
 }
@@ -150,7 +166,10 @@ impl Drop for Flusher {
         self.shared.wake.notify_one();
         match self.thread.take() {
             Some(thread) => {
-                let _ = thread.join();
+                // Joined once it has written everything; left behind if stdout is stuck.
+                if self.finished.recv_timeout(SHUTDOWN_WAIT).is_ok() {
+                    let _ = thread.join();
+                }
             }
             // No thread could be started: write out here.
             None => self.shared.write_out(&mut Vec::new()),
@@ -176,14 +195,15 @@ impl<'a> MakeWriter<'a> for BatchedStdout {
 
 impl Write for LineWriter<'_> {
     fn write(&mut self, line: &[u8]) -> std::io::Result<usize> {
-        let backlog = {
+        let (backlog, stopped) = {
             let mut pending = self.shared.pending();
             pending.lines.extend_from_slice(line);
-            pending.lines.len()
+            (pending.lines.len(), pending.stop)
         };
-        if backlog >= BACKLOG_BYTES {
-            // The writer thread is not keeping up (stdout not drained): wait for the
-            // reader here rather than grow without bound or drop lines.
+        if stopped || backlog >= BACKLOG_BYTES {
+            // After the flusher stopped (a task still logging at exit), or when the writer
+            // thread is not keeping up (stdout not drained): write here, waiting for the
+            // reader rather than growing without bound or dropping lines.
             self.shared.write_out(&mut Vec::new());
         } else if backlog >= BATCH_BYTES && backlog - line.len() < BATCH_BYTES {
             self.shared.wake.notify_one();
@@ -248,6 +268,16 @@ mod tests {
             next[t] += 1;
         }
         assert_eq!(next, [40_000; 4]);
+    }
+
+    #[test]
+    fn a_line_logged_after_the_flusher_stopped_is_still_written() {
+        let kept = Kept::default();
+        let (writer, flusher) = BatchedStdout::to(Box::new(kept.clone()));
+        writer.make_writer().write_all(b"before\n").expect("write");
+        drop(flusher);
+        writer.make_writer().write_all(b"after\n").expect("write");
+        assert_eq!(kept.0.lock().expect("kept").as_slice(), b"before\nafter\n");
     }
 
     #[test]

@@ -148,10 +148,17 @@ impl Drop for Proc {
     }
 }
 
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+/// `N` distinct free ports: bound all at once (so no two are the same, as ports bound and
+/// released one after the other can be), then released for the processes to take.
+fn free_ports<const N: usize>() -> anyhow::Result<[u16; N]> {
+    let listeners = (0..N)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut ports = [0; N];
+    for (port, listener) in ports.iter_mut().zip(&listeners) {
+        *port = listener.local_addr()?.port();
+    }
+    Ok(ports)
 }
 
 async fn wait_listening(port: u16) -> anyhow::Result<()> {
@@ -173,7 +180,9 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
         Some(path) => path.clone(),
         None => me.with_file_name("retrychain"),
     };
-    let (sink_port, relay_port, bare_port) = (free_port()?, free_port()?, free_port()?);
+    // The relay takes a port of its own choosing and says which (a port picked here and
+    // released could be taken in between); the tool's own processes get distinct ones.
+    let [sink_port, bare_port, collector_port] = free_ports()?;
     let sink_url = format!("http://127.0.0.1:{sink_port}");
     let _sink =
         spawn(Command::new(&me).args(["sink", "--listen", &format!("127.0.0.1:{sink_port}")]))?;
@@ -181,7 +190,7 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
     // forwarder and the collector are this binary's own.
     let mut relay_env = vec![("RUST_LOG".to_owned(), cli.relay_log.clone())];
     let _collector = match cli.otlp_sample {
-        Some(ratio) => Some(otlp_collector(&me, ratio, &mut relay_env).await?),
+        Some(ratio) => Some(otlp_collector(&me, ratio, collector_port, &mut relay_env).await?),
         None => None,
     };
     let relay = ChildService::start(
@@ -191,7 +200,7 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
             args: [
                 "relay",
                 "--listen",
-                &format!("127.0.0.1:{relay_port}"),
+                "127.0.0.1:0",
                 "--admin-listen",
                 "127.0.0.1:0",
                 "--downstream",
@@ -248,14 +257,14 @@ fn spawn(command: &mut Command) -> anyhow::Result<Proc> {
     ))
 }
 
-/// Starts this binary's OTLP collector and points the relay's environment at it, sampling
-/// `ratio` of traces.
+/// Starts this binary's OTLP collector on `port` and points the relay's environment at
+/// it, sampling `ratio` of traces.
 async fn otlp_collector(
     me: &std::path::Path,
     ratio: f64,
+    port: u16,
     relay_env: &mut Vec<(String, String)>,
 ) -> anyhow::Result<Proc> {
-    let port = free_port()?;
     let collector =
         spawn(Command::new(me).args(["otlp-sink", "--listen", &format!("127.0.0.1:{port}")]))?;
     wait_listening(port).await?;
