@@ -39,6 +39,19 @@ async fn bottom() -> (Vec<InProcessService>, String, String) {
     (vec![hop4, ledger], hop4_url, url)
 }
 
+/// Replicas of tier `tier` in this runtime, one per name, each forwarding to `downstream`.
+async fn relays(tier: &str, names: &[&str], downstream: &str) -> Vec<InProcessService> {
+    let mut replicas = Vec::new();
+    for name in names {
+        replicas.push(
+            InProcessService::start(tier, hop_command("relay", name, downstream))
+                .await
+                .unwrap(),
+        );
+    }
+    replicas
+}
+
 /// Three hop3 replicas as processes (to be killed, stopped or restarted), forwarding to
 /// `hop4`, named `hop3-0` to `hop3-2`.
 async fn hop3_processes(hop4: &str) -> Vec<ChildService> {
@@ -72,14 +85,7 @@ async fn a_retry_goes_to_a_replica_the_call_has_not_tried() {
         .await
         .unwrap();
     // Two hop2 replicas; the first fails every call it forwards (UNAVAILABLE).
-    let mut hop2 = Vec::new();
-    for name in ["hop2-a", "hop2-b"] {
-        hop2.push(
-            InProcessService::start("hop2", hop_command("relay", name, &hop3.addr.url))
-                .await
-                .unwrap(),
-        );
-    }
+    let hop2 = relays("hop2", &["hop2-a", "hop2-b"], &hop3.addr.url).await;
     let control = retrychain_proto::v1::control_client::ControlClient::new(
         connect(&hop2[0].addr.admin_url).await,
     );
@@ -200,14 +206,7 @@ async fn a_killed_replica_is_ridden_through_and_takes_traffic_again_once_restart
 #[tokio::test]
 async fn the_replica_set_changed_every_100_ms_under_load_loses_no_call() {
     let (_bottom, hop4, _db) = bottom().await;
-    let mut hop3 = Vec::new();
-    for i in 0..3 {
-        hop3.push(
-            InProcessService::start("hop3", hop_command("relay", &format!("hop3-{i}"), &hop4))
-                .await
-                .unwrap(),
-        );
-    }
+    let hop3 = relays("hop3", &["hop3-0", "hop3-1", "hop3-2"], &hop4).await;
     let urls: Vec<String> = hop3.iter().map(|s| s.addr.url.clone()).collect();
     let balancer = Balancer::start(Downstream::Urls(urls.clone()), Default::default()).await;
     let client = PaymentsClient::new(balancer.clone());
@@ -803,14 +802,7 @@ async fn a_slow_replica_costs_one_per_try_timeout_whatever_the_policy_retries() 
     let hop3 = InProcessService::start("hop3", hop_command("relay", "hop3", &hop4))
         .await
         .unwrap();
-    let mut hop2 = Vec::new();
-    for name in ["hop2-slow", "hop2-ok"] {
-        hop2.push(
-            InProcessService::start("hop2", hop_command("relay", name, &hop3.addr.url))
-                .await
-                .unwrap(),
-        );
-    }
+    let hop2 = relays("hop2", &["hop2-slow", "hop2-ok"], &hop3.addr.url).await;
     retrychain_proto::v1::control_client::ControlClient::new(
         connect(&hop2[0].addr.admin_url).await,
     )
