@@ -42,7 +42,7 @@ use retrychain_proto::v1::{
 };
 use tonic::{
     Request, Response, Status,
-    metadata::{MetadataMap, MetadataValue},
+    metadata::{MetadataKey, MetadataMap, MetadataValue},
 };
 use tower::{Layer, ServiceBuilder, ServiceExt, util::Either};
 
@@ -105,8 +105,9 @@ where
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, request: http::Request<B>) -> Self::Future {
-        let service = match request.extensions().get::<Plan>() {
+    fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
+        // Taken out: nothing below reads it, and every attempt copies what is left.
+        let service = match request.extensions_mut().remove::<Plan>() {
             Some(Plan::EveryLayer) => &self.every_layer,
             Some(Plan::EdgeOnly) => &self.edge_only,
             Some(Plan::Single) | None => &self.single,
@@ -216,14 +217,13 @@ impl Hop {
     /// makes), the retry mode where honoured (edge-only for a caller that retries on its
     /// own), the request's [`Plan`], and this hop's trace context (written per attempt by
     /// the stack).
-    fn outgoing<T, U>(
+    fn outgoing<U>(
         &self,
-        request: &Request<T>,
+        incoming: &MetadataMap,
         scope: &RpcScope,
         key_required: bool,
         message: U,
     ) -> Result<Request<U>, Status> {
-        let incoming = request.metadata();
         let mut outgoing = Request::new(message);
         let key = match (metadata::idempotency_key(incoming)?, self.role) {
             (Some(key), _) => Some(key),
@@ -247,7 +247,9 @@ impl Hop {
             };
             if let Some(mut value) = value {
                 value.set_sensitive(true); // new on every call: not for the HPACK table
-                outgoing.metadata_mut().insert(IDEMPOTENCY_KEY, value);
+                outgoing
+                    .metadata_mut()
+                    .insert(MetadataKey::from_static(IDEMPOTENCY_KEY), value);
             }
         }
         let caller_retries = self.role == Role::Edge && scope.caller_previous_attempts > 0;
@@ -261,9 +263,10 @@ impl Hop {
             requested => requested,
         };
         if let Some(mode) = mode {
-            outgoing
-                .metadata_mut()
-                .insert(RETRY_MODE, MetadataValue::from_static(mode.as_str()));
+            outgoing.metadata_mut().insert(
+                MetadataKey::from_static(RETRY_MODE),
+                MetadataValue::from_static(mode.as_str()),
+            );
         }
         let plan = match mode.unwrap_or(self.mode) {
             _ if caller_retries => Plan::Single,
@@ -285,18 +288,19 @@ fn relay<T>(answer: Result<Response<T>, Status>) -> Result<Response<T>, Status> 
     match answer {
         Ok(response) => {
             let (downstream_metadata, reply, _) = response.into_parts();
-            let mut response = Response::new(reply);
-            copy_relayed(&downstream_metadata, response.metadata_mut());
-            Ok(response)
+            Ok(Response::from_parts(
+                relayed(downstream_metadata),
+                reply,
+                Default::default(),
+            ))
         }
         Err(status) => {
-            let mut metadata = MetadataMap::new();
-            copy_relayed(status.metadata(), &mut metadata);
+            let mut metadata = relayed(status.metadata().clone());
             // Whatever failed, it was the call below, not this service: the balancer
             // above must not eject this replica for it.
             wire::mark_relayed(&mut metadata);
             if let Some(value) = status.metadata().get(wire::PUSHBACK) {
-                metadata.insert(wire::PUSHBACK, value.clone());
+                metadata.insert(MetadataKey::from_static(wire::PUSHBACK), value.clone());
             }
             Err(Status::with_metadata(
                 status.code(),
@@ -307,14 +311,21 @@ fn relay<T>(answer: Result<Response<T>, Status>) -> Result<Response<T>, Status> 
     }
 }
 
-/// Copies the response metadata that travels back up the chain unchanged; everything else
-/// (transport headers, the downstream's own bookkeeping) stays behind.
-fn copy_relayed(from: &MetadataMap, to: &mut MetadataMap) {
-    for key in [IDEMPOTENT_REPLAYED, IDEMPOTENCY_KEY, TRACE_ID] {
-        if let Some(value) = from.get(key) {
-            to.insert(key, value.clone());
+/// Of the downstream's response metadata, what travels back up the chain unchanged;
+/// everything else (transport headers, the downstream's own bookkeeping) stays behind.
+/// The map is emptied and refilled, keeping its allocation.
+fn relayed(downstream: MetadataMap) -> MetadataMap {
+    const RELAYED: [&str; 3] = [IDEMPOTENT_REPLAYED, IDEMPOTENCY_KEY, TRACE_ID];
+    let kept = RELAYED.map(|key| downstream.get(key).cloned());
+    let mut headers = downstream.into_headers();
+    headers.clear();
+    let mut metadata = MetadataMap::from_headers(headers);
+    for (key, value) in RELAYED.into_iter().zip(kept) {
+        if let Some(value) = value {
+            metadata.insert(MetadataKey::from_static(key), value);
         }
     }
+    metadata
 }
 
 #[tonic::async_trait]
@@ -324,9 +335,10 @@ impl Payments for Hop {
         request: Request<ChargeRequest>,
     ) -> Result<Response<ChargeReply>, Status> {
         let scope = RpcScope::begin(&self.node, "Charge", &request);
+        let (incoming, _, message) = request.into_parts();
         scope
             .run(async {
-                let outgoing = self.outgoing(&request, &scope, true, request.get_ref().clone())?;
+                let outgoing = self.outgoing(&incoming, &scope, true, message)?;
                 // Bad input fails here, not five hops down (and is never retried).
                 AccountId::parse(&outgoing.get_ref().account_id)?;
                 AmountCents::parse(outgoing.get_ref().amount_cents)?;
@@ -340,12 +352,45 @@ impl Payments for Hop {
         request: Request<GetAccountRequest>,
     ) -> Result<Response<Account>, Status> {
         let scope = RpcScope::begin(&self.node, "GetAccount", &request);
+        let (incoming, _, message) = request.into_parts();
         scope
             .run(async {
-                let outgoing = self.outgoing(&request, &scope, false, request.get_ref().clone())?;
+                let outgoing = self.outgoing(&incoming, &scope, false, message)?;
                 AccountId::parse(&outgoing.get_ref().account_id)?;
                 relay(self.downstream.clone().get_account(outgoing).await)
             })
             .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_what_travels_up_is_relayed() {
+        let mut below = MetadataMap::new();
+        for (key, value) in [
+            (IDEMPOTENT_REPLAYED, "true"),
+            (IDEMPOTENCY_KEY, "k-1"),
+            (TRACE_ID, "4bf92f3577b34da6a3ce929d0e0e4736"),
+            ("content-type", "application/grpc"),
+            ("x-internal", "secret"),
+        ] {
+            below.insert(key, value.parse().expect("ascii"));
+        }
+        let up = relayed(below);
+        assert_eq!(up.len(), 3);
+        assert_eq!(
+            up.get(IDEMPOTENT_REPLAYED).map(|v| v.to_str().ok()),
+            Some(Some("true"))
+        );
+        assert_eq!(
+            up.get(IDEMPOTENCY_KEY).map(|v| v.to_str().ok()),
+            Some(Some("k-1"))
+        );
+        assert!(up.get(TRACE_ID).is_some());
+        assert!(up.get("x-internal").is_none());
+        assert!(relayed(MetadataMap::new()).is_empty());
     }
 }

@@ -13,7 +13,10 @@ use retrychain_node::{
 use retrychain_proto::v1::{
     Account, ChargeReply, ChargeRequest, GetAccountRequest, payments_server::Payments,
 };
-use tonic::{Request, Response, Status, metadata::MetadataValue};
+use tonic::{
+    Request, Response, Status,
+    metadata::{MetadataKey, MetadataValue},
+};
 use tower::{ServiceExt, util::BoxCloneSyncService};
 use tracing::Instrument;
 
@@ -223,7 +226,10 @@ impl Payments for Ledger {
                 if replayed {
                     response
                         .metadata_mut()
-                        .insert(IDEMPOTENT_REPLAYED, MetadataValue::from_static("true"));
+                        .insert(
+                            MetadataKey::from_static(IDEMPOTENT_REPLAYED),
+                            MetadataValue::from_static("true"),
+                        );
                 }
                 Ok(response)
             })

@@ -93,16 +93,78 @@ pub struct TraceParent {
     pub exported: bool,
 }
 
+/// A trace or span id: `N` lowercase hex digits, held inline (ids are made and read on
+/// every request; none of them needs the heap).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct HexId<const N: usize>([u8; N]);
+
+impl<const N: usize> HexId<N> {
+    /// `text`, if it is exactly `N` lowercase hex digits.
+    pub fn parse(text: &str) -> Option<Self> {
+        let bytes: [u8; N] = text.as_bytes().try_into().ok()?;
+        bytes
+            .iter()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(b))
+            .then_some(Self(bytes))
+    }
+
+    /// A random id (never all zeros, which W3C trace context reserves for "invalid").
+    fn random() -> Self {
+        const DIGITS: &[u8; 16] = b"0123456789abcdef";
+        let mut rng = rand::rng();
+        loop {
+            let mut value: u128 = rng.random();
+            let mut digits = [0; N];
+            for digit in &mut digits {
+                *digit = DIGITS[(value & 0xf) as usize];
+                value >>= 4;
+            }
+            if digits.iter().any(|&d| d != b'0') {
+                return Self(digits);
+            }
+        }
+    }
+
+    /// The digits.
+    pub fn as_str(&self) -> &str {
+        // Only ASCII hex digits are ever stored.
+        std::str::from_utf8(&self.0).unwrap_or_default()
+    }
+}
+
+impl<const N: usize> fmt::Debug for HexId<N> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self.as_str(), f)
+    }
+}
+
+impl<const N: usize> fmt::Display for HexId<N> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl<const N: usize> PartialEq<&str> for HexId<N> {
+    fn eq(&self, other: &&str) -> bool {
+        self.as_str() == *other
+    }
+}
+
+/// A W3C trace id: 32 hex digits.
+pub type TraceIdHex = HexId<32>;
+/// A W3C span id: 16 hex digits.
+pub type SpanIdHex = HexId<16>;
+
 /// The part of W3C trace context every hop keeps: the trace id, this hop's span id (the
 /// parent of the next hop's), the caller's, and the sampled flag.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TraceContext {
-    /// 32 lowercase hex digits, shared by every hop of one request.
-    pub trace_id: String,
-    /// 16 lowercase hex digits, new at each hop.
-    pub span_id: String,
+    /// Shared by every hop of one request.
+    pub trace_id: TraceIdHex,
+    /// New at each hop.
+    pub span_id: SpanIdHex,
     /// The caller's span id, when a valid `traceparent` came.
-    pub parent_id: Option<String>,
+    pub parent_id: Option<SpanIdHex>,
     /// The W3C `sampled` flag this hop passes on: the caller's (set for a new trace),
     /// replaced by this hop's sampling decision when it exports spans.
     pub sampled: bool,
@@ -112,16 +174,16 @@ impl TraceContext {
     /// Continues the trace of an incoming `traceparent`, or starts a new one when it is
     /// absent or malformed (a bad trace header is not worth failing a payment for).
     pub fn continue_or_start(traceparent: Option<&str>) -> Self {
-        let span_id = random_hex(8);
+        let span_id = SpanIdHex::random();
         match traceparent.and_then(parse_traceparent) {
             Some((trace_id, parent_id, sampled)) => Self {
-                trace_id: trace_id.to_owned(),
+                trace_id,
                 span_id,
-                parent_id: Some(parent_id.to_owned()),
+                parent_id: Some(parent_id),
                 sampled,
             },
             None => Self {
-                trace_id: random_hex(16),
+                trace_id: TraceIdHex::random(),
                 span_id,
                 parent_id: None,
                 sampled: true,
@@ -129,16 +191,26 @@ impl TraceContext {
         }
     }
 
+    /// The `traceparent` to send downstream, `00-<trace id>-<span id>-<flags>`: this
+    /// trace, with this hop as parent.
+    fn traceparent_bytes(&self) -> [u8; 55] {
+        let mut out = [b'-'; 55];
+        out[..2].copy_from_slice(b"00");
+        out[3..35].copy_from_slice(&self.trace_id.0);
+        out[36..52].copy_from_slice(&self.span_id.0);
+        out[53..].copy_from_slice(if self.sampled { b"01" } else { b"00" });
+        out
+    }
+
     /// The `traceparent` to send downstream: this trace, with this hop as parent.
     pub fn traceparent(&self) -> String {
-        let flags = if self.sampled { "01" } else { "00" };
-        format!("00-{}-{}-{flags}", self.trace_id, self.span_id)
+        String::from_utf8_lossy(&self.traceparent_bytes()).into_owned()
     }
 
     /// [`TraceContext::traceparent`] as the header value the calls of this hop carry;
     /// `exported`: whether this request's spans go to the collector.
     pub fn traceparent_header(&self, exported: bool) -> Option<TraceParent> {
-        http::HeaderValue::try_from(self.traceparent())
+        http::HeaderValue::from_bytes(&self.traceparent_bytes())
             .ok()
             .map(|mut value| {
                 resilience::wire::never_indexed(&mut value);
@@ -149,31 +221,19 @@ impl TraceContext {
 
 /// The trace id, parent span id and sampled flag of a version-00 `traceparent`, if well
 /// formed and neither id is all zeros.
-fn parse_traceparent(value: &str) -> Option<(&str, &str, bool)> {
+fn parse_traceparent(value: &str) -> Option<(TraceIdHex, SpanIdHex, bool)> {
     let mut parts = value.trim().split('-');
     let (version, trace, parent, flags) =
         (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
-    let hex = |s: &str, len: usize| {
-        s.len() == len
-            && s.bytes()
-                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-    };
-    let valid = hex(version, 2)
-        && version != "ff"
-        && hex(trace, 32)
-        && trace.bytes().any(|b| b != b'0')
-        && hex(parent, 16)
-        && parent.bytes().any(|b| b != b'0')
-        && hex(flags, 2);
-    let sampled = u8::from_str_radix(flags, 16).ok()? & 1 == 1;
+    let version = HexId::<2>::parse(version)?;
+    let trace = TraceIdHex::parse(trace)?;
+    let parent = SpanIdHex::parse(parent)?;
+    let flags = HexId::<2>::parse(flags)?;
+    let valid = version != "ff"
+        && trace.0.iter().any(|&b| b != b'0')
+        && parent.0.iter().any(|&b| b != b'0');
+    let sampled = u8::from_str_radix(flags.as_str(), 16).ok()? & 1 == 1;
     valid.then_some((trace, parent, sampled))
-}
-
-fn random_hex(bytes: usize) -> String {
-    let value: u128 = rand::rng().random();
-    let mut hex = format!("{value:032x}");
-    hex.truncate(bytes * 2);
-    hex
 }
 
 #[cfg(test)]
@@ -186,7 +246,10 @@ mod tests {
         let ctx = TraceContext::continue_or_start(Some(incoming));
         assert_eq!(ctx.trace_id, "4bf92f3577b34da6a3ce929d0e0e4736");
         assert_ne!(ctx.span_id, "00f067aa0ba902b7");
-        assert_eq!(ctx.parent_id.as_deref(), Some("00f067aa0ba902b7"));
+        assert_eq!(
+            ctx.parent_id.map(|p| p.to_string()).as_deref(),
+            Some("00f067aa0ba902b7")
+        );
         assert!(ctx.sampled);
         let next = TraceContext::continue_or_start(Some(&ctx.traceparent()));
         assert_eq!(next.trace_id, ctx.trace_id);
@@ -212,8 +275,49 @@ mod tests {
             Some("junk"),
         ] {
             let ctx = TraceContext::continue_or_start(bad);
-            assert_eq!(ctx.trace_id.len(), 32);
+            assert_eq!(ctx.trace_id.as_str().len(), 32);
             assert_ne!(ctx.trace_id, "4bf92f3577b34da6a3ce929d0e0e4736");
+        }
+    }
+
+    #[test]
+    fn ids_are_lowercase_hex_and_never_all_zeros() {
+        for _ in 0..1000 {
+            let ctx = TraceContext::continue_or_start(None);
+            for id in [ctx.trace_id.as_str(), ctx.span_id.as_str()] {
+                assert!(
+                    id.bytes()
+                        .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+                );
+                assert!(id.bytes().any(|b| b != b'0'), "{id}");
+            }
+            assert_eq!(ctx.trace_id.as_str().len(), 32);
+            assert_eq!(ctx.span_id.as_str().len(), 16);
+        }
+        assert!(
+            TraceIdHex::parse("4bf92f3577b34da6a3ce929d0e0e473").is_none(),
+            "31 digits"
+        );
+        assert!(SpanIdHex::parse("00f067aa0ba902b7a").is_none(), "17 digits");
+        assert!(SpanIdHex::parse("00f067aa0ba902bg").is_none(), "not hex");
+        assert!(SpanIdHex::parse("00F067AA0BA902B7").is_none(), "upper case");
+    }
+
+    #[test]
+    fn the_traceparent_header_is_the_traceparent() {
+        for flags in ["00", "01"] {
+            let incoming = format!("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-{flags}");
+            let ctx = TraceContext::continue_or_start(Some(&incoming));
+            let header = ctx.traceparent_header(false).expect("valid header");
+            assert_eq!(header.value.to_str().ok(), Some(ctx.traceparent().as_str()));
+            assert_eq!(
+                ctx.traceparent(),
+                format!(
+                    "00-4bf92f3577b34da6a3ce929d0e0e4736-{}-{flags}",
+                    ctx.span_id
+                )
+            );
+            assert!(header.value.is_sensitive());
         }
     }
 

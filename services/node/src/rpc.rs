@@ -12,7 +12,7 @@ use resilience::{Deadline, IncomingDeadline, wire};
 use tokio::time::Instant;
 use tonic::{
     Request, Response, Status,
-    metadata::{Ascii, MetadataMap, MetadataValue},
+    metadata::{Ascii, MetadataKey, MetadataMap, MetadataValue},
 };
 use tracing::{Instrument, Span, field};
 
@@ -87,7 +87,7 @@ impl RpcScope {
         let attempt = caller_previous_attempts.saturating_add(1);
         // Decided once, here: an unsampled request builds no OpenTelemetry data.
         let exported = crate::telemetry::sampled(
-            &trace.trace_id,
+            trace.trace_id.as_str(),
             trace.parent_id.as_ref().map(|_| trace.sampled),
         );
         if crate::telemetry::exporting() {
@@ -197,15 +197,16 @@ impl RpcScope {
     }
 
     fn stamp(&self, metadata: &mut MetadataMap) {
-        // Both are new on every call: sent as literals, kept out of the HPACK table.
+        // Both are new on every call: sent as literals, kept out of the HPACK table. The
+        // names are static (a `&str` name is copied for every new entry).
         if let Ok(mut value) = MetadataValue::try_from(self.trace.trace_id.as_str()) {
             value.set_sensitive(true);
-            metadata.insert(TRACE_ID, value);
+            metadata.insert(MetadataKey::from_static(TRACE_ID), value);
         }
         if let Some(key) = self.echo_key.get() {
             let mut key = key.clone();
             key.set_sensitive(true);
-            metadata.insert(IDEMPOTENCY_KEY, key);
+            metadata.insert(MetadataKey::from_static(IDEMPOTENCY_KEY), key);
         }
     }
 }

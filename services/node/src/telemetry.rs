@@ -375,16 +375,16 @@ struct WithoutOtelFields;
 impl<'w> tracing_subscriber::fmt::FormatFields<'w> for WithoutOtelFields {
     fn format_fields<R: tracing_subscriber::field::RecordFields>(
         &self,
-        writer: tracing_subscriber::fmt::format::Writer<'w>,
+        mut writer: tracing_subscriber::fmt::format::Writer<'w>,
         fields: R,
     ) -> std::fmt::Result {
-        let mut visitor = FieldWriter {
-            writer,
-            first: true,
-            result: Ok(()),
-        };
-        fields.record(&mut visitor);
-        visitor.result
+        // A span's fields go into a String the subscriber keeps with the span: formatted
+        // in one piece elsewhere first, it is allocated once rather than grown field by field.
+        let formatted = with_scratch(|scratch| {
+            write_fields(scratch, &fields)?;
+            writer.write_str(scratch)
+        });
+        formatted.unwrap_or_else(|| write_fields(&mut writer, &fields))
     }
 
     fn add_fields(
@@ -392,24 +392,67 @@ impl<'w> tracing_subscriber::fmt::FormatFields<'w> for WithoutOtelFields {
         current: &'w mut tracing_subscriber::fmt::FormattedFields<Self>,
         fields: &tracing::span::Record<'_>,
     ) -> std::fmt::Result {
-        let mut added = String::new();
-        self.format_fields(
-            tracing_subscriber::fmt::format::Writer::new(&mut added),
-            fields,
-        )?;
-        if added.is_empty() {
-            return Ok(());
-        }
-        if !current.fields.is_empty() {
-            current.fields.push(' ');
-        }
-        current.fields.push_str(&added);
-        Ok(())
+        let mut append = |added: &str| {
+            if added.is_empty() {
+                return;
+            }
+            let current = &mut current.fields;
+            current.reserve(added.len() + 1);
+            if !current.is_empty() {
+                current.push(' ');
+            }
+            current.push_str(added);
+        };
+        let added = with_scratch(|scratch| {
+            write_fields(scratch, fields)?;
+            append(scratch);
+            Ok(())
+        });
+        added.unwrap_or_else(|| {
+            let mut added = String::new();
+            write_fields(&mut added, fields)?;
+            append(&added);
+            Ok(())
+        })
     }
 }
 
+/// Runs `f` with this thread's scratch String, emptied; `None` when it is taken (a
+/// field's `Debug` that logs). The per-request log line's fields are formatted there, so
+/// what a span keeps is allocated once, at its full length, not grown field by field.
+fn with_scratch<R>(f: impl FnOnce(&mut String) -> R) -> Option<R> {
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
+    }
+    /// A field list longer than this is rare; the scratch is let go after one.
+    const KEEP: usize = 4096;
+    SCRATCH.with(|scratch| {
+        let mut scratch = scratch.try_borrow_mut().ok()?;
+        scratch.clear();
+        let result = f(&mut scratch);
+        if scratch.capacity() > KEEP {
+            *scratch = String::new();
+        }
+        Some(result)
+    })
+}
+
+/// Writes `fields` as `name=value` pairs (the message bare), leaving out `otel.*`.
+fn write_fields(
+    out: &mut dyn std::fmt::Write,
+    fields: impl tracing_subscriber::field::RecordFields,
+) -> std::fmt::Result {
+    let mut visitor = FieldWriter {
+        writer: out,
+        first: true,
+        result: Ok(()),
+    };
+    fields.record(&mut visitor);
+    visitor.result
+}
+
 struct FieldWriter<'w> {
-    writer: tracing_subscriber::fmt::format::Writer<'w>,
+    writer: &'w mut dyn std::fmt::Write,
     first: bool,
     result: std::fmt::Result,
 }
@@ -481,13 +524,12 @@ fn tracer_provider(service: &str) -> Option<SdkTracerProvider> {
 /// caller's span when a `traceparent` came (`trace.parent_id`), else the root of the trace
 /// `trace.trace_id`. `tracestate`, if the caller sent one, is kept.
 pub fn continue_trace(span: &Span, trace: &crate::metadata::TraceContext, metadata: &MetadataMap) {
-    let Ok(trace_id) = TraceId::from_hex(&trace.trace_id) else {
+    let Ok(trace_id) = TraceId::from_hex(trace.trace_id.as_str()) else {
         return;
     };
     if let Some(parent) = trace
         .parent_id
-        .as_deref()
-        .and_then(|p| SpanId::from_hex(p).ok())
+        .and_then(|p| SpanId::from_hex(p.as_str()).ok())
     {
         let state = metadata
             .get("tracestate")
@@ -561,9 +603,10 @@ where
             }
             _ => {
                 if let Some(ours) = ours {
-                    request
-                        .headers_mut()
-                        .insert(resilience::wire::TRACEPARENT, ours.value);
+                    request.headers_mut().insert(
+                        http::HeaderName::from_static(resilience::wire::TRACEPARENT),
+                        ours.value,
+                    );
                 }
             }
         }
@@ -587,6 +630,49 @@ impl Injector for HeaderInjector<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn span_fields_are_written_once_and_added_after_a_space() {
+        use tracing_subscriber::fmt::{FormatFields, FormattedFields};
+        let fields = tracing::field::FieldSet::new(
+            &["service", "otel.kind", "key"],
+            tracing::callsite::Identifier(&CALLSITE),
+        );
+        let mut iter = fields.iter();
+        let (service, otel, key) = (
+            iter.next().expect("field"),
+            iter.next().expect("field"),
+            iter.next().expect("field"),
+        );
+        let values: [(&tracing::field::Field, Option<&dyn tracing::Value>); 3] = [
+            (&service, Some(&"hop2")),
+            (&otel, Some(&"server")),
+            (&key, None),
+        ];
+        let values = fields.value_set(&values);
+        let mut written = FormattedFields::<WithoutOtelFields>::new(String::new());
+        WithoutOtelFields
+            .format_fields(written.as_writer(), tracing::span::Record::new(&values))
+            .expect("formatted");
+        assert_eq!(written.fields, "service=\"hop2\"");
+        let key_value: [(&tracing::field::Field, Option<&dyn tracing::Value>); 1] =
+            [(&key, Some(&"k-1"))];
+        let key_values = fields.value_set(&key_value);
+        let record = tracing::span::Record::new(&key_values);
+        WithoutOtelFields
+            .add_fields(&mut written, &record)
+            .expect("added");
+        assert_eq!(written.fields, "service=\"hop2\" key=\"k-1\"");
+    }
+
+    struct TestCallsite;
+    static CALLSITE: TestCallsite = TestCallsite;
+    impl tracing::callsite::Callsite for TestCallsite {
+        fn set_interest(&self, _: tracing::subscriber::Interest) {}
+        fn metadata(&self) -> &tracing::Metadata<'_> {
+            unimplemented!("not registered")
+        }
+    }
 
     #[test]
     fn samplers_read_as_the_specification_says() {

@@ -260,22 +260,17 @@ impl ServiceConfig {
     /// The settings for `service`/`method`: an exact match first, then the service's,
     /// then the default (a config whose name is `{}`), as grpc-go resolves them.
     pub fn for_method(&self, service: &str, method: &str) -> Option<&MethodConfig> {
-        let find = |wanted: &MethodName| {
-            self.method_configs
-                .iter()
-                .find(|config| config.names.contains(wanted))
-        };
-        find(&MethodName {
-            service: Some(service.to_owned()),
-            method: Some(method.to_owned()),
-        })
-        .or_else(|| {
-            find(&MethodName {
-                service: Some(service.to_owned()),
-                method: None,
+        // Compared borrowed: this runs on every call.
+        let find = |service: Option<&str>, method: Option<&str>| {
+            self.method_configs.iter().find(|config| {
+                config.names.iter().any(|name| {
+                    name.service.as_deref() == service && name.method.as_deref() == method
+                })
             })
-        })
-        .or_else(|| find(&MethodName::default()))
+        };
+        find(Some(service), Some(method))
+            .or_else(|| find(Some(service), None))
+            .or_else(|| find(None, None))
     }
 }
 

@@ -101,6 +101,12 @@ pub fn timeout_of(headers: &HeaderMap) -> Result<Option<Duration>, TimeoutParseE
 /// The value is rounded down, never up: a hop promises its downstream no more time than it
 /// has. Durations past 99,999,999 hours are clamped to that.
 pub fn format_timeout(timeout: Duration) -> String {
+    let (value, unit) = timeout_in_units(timeout);
+    format!("{value}{unit}")
+}
+
+/// The value and unit [`format_timeout`] writes.
+fn timeout_in_units(timeout: Duration) -> (u64, char) {
     let nanos = timeout.as_nanos();
     // (unit, nanoseconds per unit), finest first.
     const UNITS: [(char, u128); 6] = [
@@ -114,17 +120,27 @@ pub fn format_timeout(timeout: Duration) -> String {
     for (unit, per) in UNITS {
         let value = nanos / per;
         if value <= u128::from(MAX_TIMEOUT_VALUE) {
-            return format!("{value}{unit}");
+            return (value as u64, unit);
         }
     }
-    format!("{MAX_TIMEOUT_VALUE}H")
+    (MAX_TIMEOUT_VALUE, 'H')
 }
 
-/// Writes `timeout` as the request's timeout.
+/// Writes `timeout` as the request's timeout (formatted on the stack: this runs for every
+/// attempt).
 pub fn set_timeout(headers: &mut HeaderMap, timeout: Duration) {
-    if let Ok(mut value) = http::HeaderValue::from_str(&format_timeout(timeout)) {
+    use std::io::Write as _;
+    let (value, unit) = timeout_in_units(timeout);
+    // At most eight digits and a unit.
+    let mut text = [0u8; 16];
+    let mut cursor = std::io::Cursor::new(&mut text[..]);
+    if write!(cursor, "{value}{unit}").is_err() {
+        return;
+    }
+    let len = cursor.position() as usize;
+    if let Ok(mut value) = http::HeaderValue::from_bytes(&text[..len]) {
         never_indexed(&mut value);
-        headers.insert(TIMEOUT, value);
+        headers.insert(http::HeaderName::from_static(TIMEOUT), value);
     }
 }
 
@@ -150,7 +166,10 @@ pub fn parse_previous_attempts(value: Option<&str>) -> u32 {
 /// Marks a request as attempt number `previous + 1` (no mark on a first attempt).
 pub fn set_previous_attempts(headers: &mut HeaderMap, previous: u32) {
     if previous > 0 {
-        headers.insert(PREVIOUS_ATTEMPTS, http::HeaderValue::from(previous));
+        headers.insert(
+            http::HeaderName::from_static(PREVIOUS_ATTEMPTS),
+            http::HeaderValue::from(previous),
+        );
     } else {
         headers.remove(PREVIOUS_ATTEMPTS);
     }
@@ -246,7 +265,10 @@ pub fn code_by_name(name: &str) -> Option<Code> {
 
 /// Marks a failure's metadata as relayed from below ([`RELAYED`]).
 pub fn mark_relayed(metadata: &mut tonic::metadata::MetadataMap) {
-    metadata.insert(RELAYED, tonic::metadata::MetadataValue::from_static("1"));
+    metadata.insert(
+        tonic::metadata::MetadataKey::from_static(RELAYED),
+        tonic::metadata::MetadataValue::from_static("1"),
+    );
 }
 
 /// Whether a response's headers mark its failure as relayed from below ([`RELAYED`]).
@@ -304,6 +326,28 @@ mod tests {
             let formatted = format_timeout(Duration::from_nanos(value));
             let digits = formatted.len() - 1;
             assert!(digits <= 8, "{formatted} has {digits} digits");
+        }
+    }
+
+    #[test]
+    fn the_header_written_is_the_formatted_timeout_and_never_indexed() {
+        let mut headers = HeaderMap::new();
+        for timeout in [
+            Duration::ZERO,
+            Duration::from_nanos(99_999_999),
+            Duration::from_millis(1234),
+            Duration::from_secs(3600 * 100_000_000),
+            Duration::MAX,
+        ] {
+            set_timeout(&mut headers, timeout);
+            let value = headers.get(TIMEOUT).expect("written");
+            assert_eq!(value.to_str().ok(), Some(format_timeout(timeout).as_str()));
+            assert!(value.is_sensitive());
+            assert_eq!(
+                headers.get_all(TIMEOUT).iter().count(),
+                1,
+                "replaced, not added"
+            );
         }
     }
 
