@@ -15,12 +15,15 @@
 //! - [`rpc`]: [`RpcScope`], the first and last thing every Payments handler does.
 //! - [`server`]: [`serve`], the one server stack all five services run, on a public and
 //!   an admin port.
+//! - [`h2`]: the public port's HTTP/2 server: hyper with tonic's services inside, without
+//!   tonic's per-request timeout layer (the deadline is kept once, by the node's own).
 //! - [`telemetry`]: log set-up.
 //! - [`log_writer`]: where log lines go: stdout, in batches, from a thread of their own.
 
 pub mod control;
 pub mod domain;
 pub mod faults;
+pub mod h2;
 pub mod limits;
 pub mod log_writer;
 pub mod metadata;

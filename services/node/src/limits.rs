@@ -12,7 +12,6 @@
 
 use std::{
     io,
-    net::SocketAddr,
     pin::Pin,
     sync::{
         Arc,
@@ -29,10 +28,7 @@ use tokio::{
     sync::{OwnedSemaphorePermit, Semaphore},
     time::Sleep,
 };
-use tonic::{
-    Status,
-    transport::server::{Connected, TcpConnectInfo},
-};
+use tonic::Status;
 
 /// Limits on the connections of one listener.
 #[derive(Debug, Clone, Copy)]
@@ -133,7 +129,6 @@ pub fn incoming(
                         let _ = stream.set_nodelay(true);
                         break Ok(GuardedStream {
                             stream,
-                            peer,
                             _slot: slot,
                             _peer_slot: peer_slot,
                             received: 0,
@@ -157,8 +152,6 @@ pub fn incoming(
 pub struct GuardedStream {
     /// The socket.
     stream: TcpStream,
-    /// The peer, for tonic's connect info.
-    peer: SocketAddr,
     /// The connection's place under the listener's limit.
     _slot: OwnedSemaphorePermit,
     /// The connection's place under its peer's limit.
@@ -167,16 +160,6 @@ pub struct GuardedStream {
     received: usize,
     /// Until the preface is in: when the connection is given up.
     silence: Option<Pin<Box<Sleep>>>,
-}
-
-impl Connected for GuardedStream {
-    type ConnectInfo = TcpConnectInfo;
-
-    fn connect_info(&self) -> Self::ConnectInfo {
-        let mut info = self.stream.connect_info();
-        info.remote_addr = info.remote_addr.or(Some(self.peer));
-        info
-    }
 }
 
 impl AsyncRead for GuardedStream {

@@ -61,22 +61,17 @@ impl RpcScope {
         Counters::bump(&node.counters.requests_received);
         // This scope answers at `answer_by` itself (`run`): the server's deadline layer
         // need not keep a timer of its own for this request.
-        IncomingDeadline::guarded();
-        let incoming = request
-            .extensions()
-            .get::<IncomingDeadline>()
-            .copied()
-            .unwrap_or_else(|| {
-                // Only reachable without the server stack (the DeadlineLayer is in it).
-                let timeout = node.default_deadline;
-                let deadline = Deadline::after(timeout);
-                IncomingDeadline {
-                    deadline,
-                    received: None,
-                    timeout,
-                    answer_by: deadline,
-                }
-            });
+        let incoming = IncomingDeadline::guard().unwrap_or_else(|| {
+            // Only reachable without the server stack (the DeadlineLayer is in it).
+            let timeout = node.default_deadline;
+            let deadline = Deadline::after(timeout);
+            IncomingDeadline {
+                deadline,
+                received: None,
+                timeout,
+                answer_by: deadline,
+            }
+        });
         node.counters
             .last_incoming_timeout_ms
             .store(incoming.timeout.as_millis() as u64, Ordering::Relaxed);

@@ -17,13 +17,22 @@ use retrychain_proto::{
 };
 use tokio::{net::TcpListener, sync::watch};
 use tokio_stream::wrappers::TcpListenerStream;
-use tonic::transport::Server;
+use tonic::{
+    service::{RecoverErrorLayer, Routes},
+    transport::Server,
+};
 use tonic_health::{
     ServingStatus,
     pb::health_server::{Health, HealthServer},
 };
+use tower::ServiceBuilder;
 
-use crate::{Node, control::ControlService, limits};
+use crate::{
+    Node,
+    control::ControlService,
+    h2::{Dispatch, Http2Settings},
+    limits,
+};
 
 const PAYMENTS: &str = <PaymentsServer<()> as tonic::server::NamedService>::NAME;
 const CONTROL: &str = <ControlServer<ControlService> as tonic::server::NamedService>::NAME;
@@ -222,8 +231,8 @@ where
         stopped(stop_rx),
     )?;
     let both = async {
-        let (public, admin, ()) = tokio::join!(public, admin, draining);
-        public.and(admin)
+        let ((), admin, ()) = tokio::join!(public, admin, draining);
+        admin
     };
     tokio::select! {
         served = both => served?,
@@ -234,7 +243,8 @@ where
 }
 
 /// The public server: Payments beside health and reflection, under the limits of a port
-/// that faces untrusted clients and the deadline layer (see [`serve`]).
+/// that faces untrusted clients and the deadline layer (see [`serve`]), served on hyper
+/// directly ([`crate::h2`]).
 fn public_server<P, H, F>(
     listener: TcpListener,
     node: &Arc<Node>,
@@ -242,21 +252,20 @@ fn public_server<P, H, F>(
     payments: P,
     reserve: Duration,
     shutdown: F,
-) -> Result<impl Future<Output = Result<(), tonic::transport::Error>>, ServeError>
+) -> Result<impl Future<Output = ()>, ServeError>
 where
     P: Payments,
     H: Health,
     F: Future<Output = ()> + Send,
 {
-    Ok(Server::builder()
-        // HTTP/2 limits for a port that faces untrusted clients (the README's table).
-        .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
-        .http2_max_header_list_size(limits::MAX_HEADER_LIST_BYTES)
-        .initial_stream_window_size(STREAM_WINDOW)
-        .initial_connection_window_size(CONNECTION_WINDOW)
-        .http2_max_local_error_reset_streams(Some(1024))
-        .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
-        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+    let others = Routes::new(health)
+        .add_service(reflection_v1(&[PAYMENTS])?)
+        .add_service(reflection_v1alpha(&[PAYMENTS])?)
+        .prepare();
+    let payments = PaymentsServer::new(payments).max_decoding_message_size(MAX_REQUEST_BYTES);
+    let service = ServiceBuilder::new()
+        // A layer's refusal (a tonic Status as its error) becomes the gRPC answer.
+        .layer(RecoverErrorLayer::new())
         // Refuses, at once, a request over the in-flight limit or with too much metadata.
         .layer(limits::InFlightLimitLayer::new(
             node.connection_limits.max_in_flight,
@@ -270,11 +279,22 @@ where
                 .with_max(node.max_deadline)
                 .with_method_timeouts(Arc::clone(&node.policy)),
         )
-        .add_service(health)
-        .add_service(reflection_v1(&[PAYMENTS])?)
-        .add_service(reflection_v1alpha(&[PAYMENTS])?)
-        .add_service(PaymentsServer::new(payments).max_decoding_message_size(MAX_REQUEST_BYTES))
-        .serve_with_incoming_shutdown(limits::incoming(listener, node.connection_limits), shutdown))
+        .service(Dispatch::new(payments, others));
+    Ok(crate::h2::serve_h2(
+        limits::incoming(listener, node.connection_limits),
+        service,
+        Http2Settings {
+            // HTTP/2 limits for a port that faces untrusted clients (the README's table).
+            max_concurrent_streams: MAX_STREAMS_PER_CONNECTION,
+            max_header_list_size: limits::MAX_HEADER_LIST_BYTES,
+            stream_window: STREAM_WINDOW,
+            connection_window: CONNECTION_WINDOW,
+            max_local_error_reset_streams: 1024,
+            keepalive_interval: KEEPALIVE_INTERVAL,
+            keepalive_timeout: KEEPALIVE_TIMEOUT,
+        },
+        shutdown,
+    ))
 }
 
 /// The admin server: Control beside the same health service and reflection.

@@ -290,8 +290,10 @@ where
         let shared = Arc::clone(&self.shared);
         Box::pin(async move {
             let mut request = request;
-            let path = request.uri().path().to_owned();
-            let method = shared.method(&path);
+            // A clone of the URI shares its buffers: the path without an allocation.
+            let uri = request.uri().clone();
+            let path = uri.path();
+            let method = shared.method(path);
             if let Some(per_try) = method.and_then(|m| m.per_try_timeout) {
                 request.extensions_mut().insert(PerTryTimeout(per_try));
             }
@@ -307,7 +309,7 @@ where
             };
             let call = Call {
                 settings: &shared.settings,
-                path: &path,
+                path,
                 deadline,
             };
             match policy {

@@ -3,7 +3,7 @@
 //! [`DeadlineLayer`] reads the incoming request's timeout once, as it arrives (or applies
 //! the default: the method config's `timeout`, else the layer's), refuses a malformed one
 //! with INVALID_ARGUMENT before any handler runs, and hands the handler an
-//! [`IncomingDeadline`] through the request extensions: when the caller stops waiting, and
+//! [`IncomingDeadline`] through its task ([`IncomingDeadline::guard`]): when the caller stops waiting, and
 //! `answer_by`, a little earlier, when the handler must answer DEADLINE_EXCEEDED itself.
 //! That matters because tonic enforces an incoming timeout by dropping the handler and answering
 //! CANCELLED, which a caller must not retry and cannot tell from a user's cancel; a handler
@@ -17,7 +17,7 @@
 //! half a reserve after `answer_by` (still before the caller's deadline), so a running
 //! handler, whose guard (`RpcScope::run` in retrychain-node) fires at `answer_by`, answers
 //! first, with its own metadata. A handler that has a guard says so
-//! ([`IncomingDeadline::guarded`]), and the layer then arms no timer of its own: a request
+//! ([`IncomingDeadline::guard`]), and the layer then arms no timer of its own: a request
 //! costs one timer, and only one whose body is late costs two.
 //!
 //! The handler's task also carries the deadline ([`IncomingDeadline::current`]), so a
@@ -43,7 +43,7 @@ use tower::{Layer, Service};
 
 use crate::{deadline::Deadline, service_config::ServiceConfig, wire};
 
-/// The deadline a request arrived with, put in its extensions by [`DeadlineLayer`].
+/// The deadline a request arrived with, kept with its handler's task by [`DeadlineLayer`].
 #[derive(Debug, Clone, Copy)]
 pub struct IncomingDeadline {
     /// When the caller stops waiting.
@@ -59,7 +59,7 @@ pub struct IncomingDeadline {
 }
 
 /// What the handler's task knows of the request it serves: its deadline, and a flag the
-/// handler raises when it takes over answering at `answer_by` (see [`IncomingDeadline::guarded`]).
+/// handler raises when it takes over answering at `answer_by` (see [`IncomingDeadline::guard`]).
 #[derive(Debug, Clone)]
 struct Served {
     /// The request's deadline.
@@ -80,13 +80,19 @@ impl IncomingDeadline {
         CURRENT.try_with(|served| served.incoming).ok()
     }
 
-    /// Tells the layer that the handler of the request being served on this task answers
-    /// DEADLINE_EXCEEDED itself at `answer_by` (with its own metadata), so that the layer
-    /// need not keep a timer of its own: one timer per request, not two, on the path every
-    /// request takes. The layer's timer is then armed only for a request whose handler has
-    /// not started — a body that has not arrived.
-    pub fn guarded() {
-        let _ = CURRENT.try_with(|served| served.guarded.store(true, Ordering::Relaxed));
+    /// The deadline of the request being served on this task, telling the layer that its
+    /// handler answers DEADLINE_EXCEEDED itself at `answer_by` (with its own metadata), so
+    /// that the layer need not keep a timer of its own: one timer per request, not two, on
+    /// the path every request takes. The layer's timer is then armed only for a request
+    /// whose handler has not started — a body that has not arrived. `None` outside a
+    /// [`DeadlineLayer`].
+    pub fn guard() -> Option<IncomingDeadline> {
+        CURRENT
+            .try_with(|served| {
+                served.guarded.store(true, Ordering::Relaxed);
+                served.incoming
+            })
+            .ok()
     }
 }
 
@@ -235,7 +241,7 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, mut request: http::Request<ReqBody>) -> Self::Future {
+    fn call(&mut self, request: http::Request<ReqBody>) -> Self::Future {
         let received = match wire::timeout_of(request.headers()) {
             Ok(received) => received,
             Err(error) => {
@@ -255,7 +261,6 @@ where
             timeout,
             answer_by: deadline.earlier_by(self.config.reserve),
         };
-        request.extensions_mut().insert(incoming);
         let guarded = Arc::new(AtomicBool::new(false));
         let served = Served {
             incoming,
