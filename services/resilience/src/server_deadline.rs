@@ -18,7 +18,9 @@
 //! handler, whose guard (`RpcScope::run` in retrychain-node) fires at `answer_by`, answers
 //! first, with its own metadata. A handler that has a guard says so
 //! ([`IncomingDeadline::guard`]), and the layer then arms no timer of its own: a request
-//! costs one timer, and only one whose body is late costs two.
+//! costs one timer, and only one whose body is late costs two. (Under tonic's own server,
+//! its timeout layer parses the header and arms a timer too; retrychain's services are
+//! served on hyper directly, `retrychain_node::h2`, so this layer is the only one.)
 //!
 //! The handler's task also carries the deadline ([`IncomingDeadline::current`]), so a
 //! client layer below the handler ([`PropagateDeadlineLayer`]) hands every downstream call
