@@ -486,6 +486,175 @@ async fn after_a_restart_only_the_first_charge_meets_a_broken_connection() {
     drop(cluster);
 }
 
+/// Giving a connection back to the pool sends Postgres nothing, and an idle pool says
+/// nothing: read off the wire by a proxy, every message the key store sends over 20
+/// charges is one of the charges' own — BEGIN and COMMIT as simple queries, and two
+/// statements (Bind, Execute, Close, Sync each). sqlx's pool pinged every connection given back
+/// (a lone Sync): one more message, and Postgres wake-up, per charge.
+#[tokio::test]
+async fn giving_a_connection_back_sends_postgres_nothing() {
+    use retrychain_ledger::InFlight;
+    use retrychain_node::{AccountId, AmountCents, IdempotencyKey};
+
+    let _one = ONE_AT_A_TIME.lock().await;
+    let cluster = own_cluster().await;
+    let tap = Tap::start(cluster.port()).await;
+    let store = key_store(
+        &format!("postgres://postgres@127.0.0.1:{}/postgres", tap.port),
+        4,
+    )
+    .await;
+    let account = AccountId::parse(&new_account()).unwrap();
+    let charge = || async {
+        let key = IdempotencyKey::parse(&new_key()).unwrap();
+        store
+            .charge(
+                &account,
+                &key,
+                AmountCents::parse(100).unwrap(),
+                resilience::Deadline::after(Duration::from_secs(5)),
+                InFlight::Wait,
+                || async { Ok(()) },
+            )
+            .await
+    };
+    // The connection opened and checked, the statements prepared.
+    charge().await.expect("warm-up charge");
+    let before = tap.sent().len();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(tap.sent().len(), before, "an idle pool sent something");
+
+    for _ in 0..20 {
+        charge().await.expect("charge");
+    }
+    let sent = tap.sent().split_off(before);
+    let count = |kind: u8| sent.iter().filter(|(k, _)| *k == kind).count();
+    let simple: Vec<String> = sent
+        .iter()
+        .filter(|(kind, _)| *kind == b'Q')
+        .map(|(_, body)| {
+            String::from_utf8_lossy(body)
+                .trim_end_matches('\0')
+                .to_owned()
+        })
+        .collect();
+    assert_eq!(simple.len(), 40, "{simple:#?}");
+    assert!(
+        simple
+            .iter()
+            .all(|query| query.starts_with("BEGIN;") || query == "COMMIT"),
+        "{simple:#?}"
+    );
+    assert_eq!(count(b'E'), 40, "two statements per charge");
+    // Each statement: Bind, Execute, Close (its portal), Sync.
+    assert_eq!(count(b'B'), 40);
+    assert_eq!(count(b'C'), 40);
+    assert_eq!(
+        count(b'S'),
+        count(b'E'),
+        "a Sync of its own (a ping) was sent beside the statements"
+    );
+    let kinds: std::collections::BTreeSet<char> =
+        sent.iter().map(|(kind, _)| char::from(*kind)).collect();
+    assert!(
+        kinds.iter().all(|kind| "QBECS".contains(*kind)),
+        "unexpected messages: {kinds:?}"
+    );
+    drop(cluster);
+}
+
+/// A proxy in front of Postgres that reads the messages clients send (the frontend
+/// protocol: after the untyped startup messages, a type byte and a length each) and
+/// passes everything on unchanged.
+struct Tap {
+    /// Where clients connect.
+    port: u16,
+    /// Every typed message sent so far, over all connections.
+    sent: SentLog,
+}
+
+/// Typed frontend messages, in the order they were sent: type byte and body.
+type SentLog = std::sync::Arc<std::sync::Mutex<Vec<(u8, Vec<u8>)>>>;
+
+impl Tap {
+    async fn start(target: u16) -> Tap {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let sent = std::sync::Arc::default();
+        let log = std::sync::Arc::clone(&sent);
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await else {
+                    continue;
+                };
+                let (client_read, client_write) = client.into_split();
+                let (mut server_read, server_write) = server.into_split();
+                tokio::spawn(Self::read_frontend(
+                    client_read,
+                    server_write,
+                    std::sync::Arc::clone(&log),
+                ));
+                tokio::spawn(async move {
+                    let mut client_write = client_write;
+                    let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
+                });
+            }
+        });
+        Tap { port, sent }
+    }
+
+    /// The messages sent so far.
+    fn sent(&self) -> Vec<(u8, Vec<u8>)> {
+        self.sent.lock().unwrap().clone()
+    }
+
+    /// Forwards a client's bytes to the server, logging each whole typed message.
+    async fn read_frontend(
+        mut from: tokio::net::tcp::OwnedReadHalf,
+        mut to: tokio::net::tcp::OwnedWriteHalf,
+        log: SentLog,
+    ) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        /// SSLRequest and GSSENCRequest: more untyped messages follow.
+        const ENCRYPTION_REQUESTS: [u32; 2] = [80_877_103, 80_877_104];
+        let mut pending = Vec::new();
+        let mut started = false;
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            let n = match from.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            if to.write_all(&buf[..n]).await.is_err() {
+                break;
+            }
+            pending.extend_from_slice(&buf[..n]);
+            loop {
+                let header = if started { 5 } else { 8 };
+                if pending.len() < header {
+                    break;
+                }
+                let at = usize::from(started);
+                let len = u32::from_be_bytes(pending[at..at + 4].try_into().unwrap()) as usize;
+                let whole = at + len;
+                if pending.len() < whole {
+                    break;
+                }
+                if started {
+                    log.lock()
+                        .unwrap()
+                        .push((pending[0], pending[5..whole].to_vec()));
+                } else {
+                    let code = u32::from_be_bytes(pending[4..8].try_into().unwrap());
+                    started = !ENCRYPTION_REQUESTS.contains(&code);
+                }
+                pending.drain(..whole);
+            }
+        }
+        let _ = to.shutdown().await;
+    }
+}
+
 /// The ledger's key store in this process, on `url`, with `pool_size` connections.
 async fn key_store(url: &str, pool_size: u32) -> retrychain_ledger::KeyStore {
     retrychain_ledger::KeyStore::connect(
