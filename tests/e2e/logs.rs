@@ -70,6 +70,7 @@ async fn up_with_json_logs_writes_one_json_object_per_line_and_nothing_else() {
 
     let mut services = std::collections::BTreeSet::new();
     let mut request_lines = 0;
+    let mut ledger_outcomes = 0;
     for line in &lines {
         let value: serde_json::Value = serde_json::from_str(line)
             .unwrap_or_else(|e| panic!("not one JSON object ({e}): {line}"));
@@ -93,6 +94,20 @@ async fn up_with_json_logs_writes_one_json_object_per_line_and_nothing_else() {
             if let Some(elapsed) = object.get("elapsed_ms") {
                 assert!(elapsed.is_f64(), "a number: {line}");
             }
+            // The ledger's line for the charge says what it did: the charge and the
+            // balance after it.
+            if service == "ledger"
+                && object.get("message").and_then(|m| m.as_str()) == Some("rpc done")
+            {
+                ledger_outcomes += 1;
+                assert!(
+                    object["charge_id"]
+                        .as_str()
+                        .is_some_and(|id| id.len() == 36),
+                    "the charge id on the ledger's line: {line}"
+                );
+                assert!(object["balance_cents"].is_i64(), "the balance: {line}");
+            }
         }
     }
     assert_eq!(
@@ -104,4 +119,5 @@ async fn up_with_json_logs_writes_one_json_object_per_line_and_nothing_else() {
         request_lines >= 5,
         "every service logged the charge under its key: {request_lines} lines"
     );
+    assert_eq!(ledger_outcomes, 1, "one line for the charge at the ledger");
 }

@@ -122,19 +122,23 @@ impl Ledger {
                 processor.clone().oneshot(call)
             })
             .await?;
-        Ok(match outcome {
+        // The outcome goes on the request's one log line (its span's fields), not a line
+        // of its own: `charge_id` and `balance_cents` there, `replayed=true` on a replay.
+        let span = tracing::Span::current();
+        let (saved, replayed) = match outcome {
             ChargeOutcome::Executed(saved) => {
                 Counters::bump(&self.node.counters.executions);
-                tracing::info!(charge_id = %saved.charge_id, balance_cents = saved.balance_cents, "charge committed");
                 (saved, false)
             }
             ChargeOutcome::Replayed(saved) => {
                 Counters::bump(&self.node.counters.replays);
-                tracing::Span::current().record("replayed", true);
-                tracing::info!(charge_id = %saved.charge_id, "replayed the saved reply");
+                span.record("replayed", true);
                 (saved, true)
             }
-        })
+        };
+        span.record("charge_id", tracing::field::display(&saved.charge_id));
+        span.record("balance_cents", saved.balance_cents);
+        Ok((saved, replayed))
     }
 
     fn mode_of<T>(&self, request: &Request<T>) -> Result<RetryMode, Status> {

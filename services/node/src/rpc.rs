@@ -102,6 +102,8 @@ impl RpcScope {
                 deadline_ms = incoming.timeout.as_millis() as u64,
                 code = field::Empty,
                 replayed = field::Empty,
+                charge_id = field::Empty,
+                balance_cents = field::Empty,
             )
         });
         // Exported, the span continues the caller's trace (or starts it, with this id).
