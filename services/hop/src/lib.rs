@@ -294,13 +294,14 @@ fn relay<T>(answer: Result<Response<T>, Status>) -> Result<Response<T>, Status> 
                 Default::default(),
             ))
         }
-        Err(status) => {
-            let mut metadata = relayed(status.metadata().clone());
+        Err(mut status) => {
+            let pushback = status.metadata().get(wire::PUSHBACK).cloned();
+            let mut metadata = relayed(std::mem::take(status.metadata_mut()));
             // Whatever failed, it was the call below, not this service: the balancer
             // above must not eject this replica for it.
             wire::mark_relayed(&mut metadata);
-            if let Some(value) = status.metadata().get(wire::PUSHBACK) {
-                metadata.insert(MetadataKey::from_static(wire::PUSHBACK), value.clone());
+            if let Some(value) = pushback {
+                metadata.insert(MetadataKey::from_static(wire::PUSHBACK), value);
             }
             Err(Status::with_metadata(
                 status.code(),

@@ -144,9 +144,13 @@ where
     type Error = Infallible;
     type Future = Either<P::Future, <Routes as Service<http::Request<Body>>>::Future>;
 
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        // Both are always ready (tonic's generated servers and router are).
-        Poll::Ready(Ok(()))
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // Both are always ready today (tonic's generated servers and router are); asked
+        // anyway, so that either may one day push back.
+        match self.direct.poll_ready(cx) {
+            Poll::Ready(Ok(())) => Service::<http::Request<Body>>::poll_ready(&mut self.others, cx),
+            not_ready => not_ready,
+        }
     }
 
     fn call(&mut self, request: http::Request<Body>) -> Self::Future {

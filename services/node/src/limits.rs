@@ -6,7 +6,7 @@
 //!
 //! hyper and tonic bound none of the first two: HTTP/2's handshake waits for the client's
 //! preface forever, and there is no connection limit, so a client can hold any number of
-//! idle sockets (and their buffers) for free. tonic's HTTP/2 header limit answers a bare
+//! idle sockets (and their buffers) for free. hyper's HTTP/2 header limit answers a bare
 //! HTTP 431 that gRPC clients report as UNKNOWN; [`MetadataLimit`] answers the
 //! gRPC status instead, below the transport's own (larger) limit.
 

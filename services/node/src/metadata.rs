@@ -226,6 +226,10 @@ fn parse_traceparent(value: &str) -> Option<(TraceIdHex, SpanIdHex, bool)> {
     let (version, trace, parent, flags) =
         (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
     let version = HexId::<2>::parse(version)?;
+    // Version 00 is exactly four fields; a later version may add more.
+    if version == "00" && parts.next().is_some() {
+        return None;
+    }
     let trace = TraceIdHex::parse(trace)?;
     let parent = SpanIdHex::parse(parent)?;
     let flags = HexId::<2>::parse(flags)?;
@@ -272,6 +276,8 @@ mod tests {
             Some("00-00000000000000000000000000000000-00f067aa0ba902b7-01"),
             Some("00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01"),
             Some("00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01"),
+            Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra"),
+            Some("ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
             Some("junk"),
         ] {
             let ctx = TraceContext::continue_or_start(bad);

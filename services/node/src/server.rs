@@ -153,7 +153,7 @@ pub enum ServeError {
     /// The reflection service could not load our descriptor set.
     #[error("building the reflection service: {0}")]
     Reflection(#[from] tonic_reflection::server::Error),
-    /// The transport failed.
+    /// The admin port's transport (tonic's server) failed.
     #[error("serving gRPC: {0}")]
     Transport(#[from] tonic::transport::Error),
 }
@@ -161,15 +161,20 @@ pub enum ServeError {
 /// Serves `payments` on the public listener and the node's Control service on the admin
 /// listener until `shutdown` completes, then drains in-flight calls on both.
 ///
-/// The public stack, outermost first:
-/// 1. `DeadlineLayer`: every request gets its deadline (or `node.default_deadline`), capped
-///    at `node.max_deadline`; a malformed timeout is INVALID_ARGUMENT; the handler
-///    answers DEADLINE_EXCEEDED `reserve` before the deadline, before tonic itself would
-///    answer CANCELLED. The deadline stays with the handler's task, for the client
-///    layers of its downstream calls (`resilience::propagate`).
-/// 2. `CarryHeadersLayer`: the headers those calls carry on ([`Node::carried_headers`]).
-/// 3. The services: health (for `retrychain health` and container checks), reflection v1
-///    and v1alpha (grpcurl 1.8.6 speaks only v1alpha), Payments.
+/// The public stack (served on hyper directly, [`crate::h2`]), outermost first:
+/// 1. tonic's `RecoverError`: a layer's refusal (a `Status` as its error) becomes the
+///    gRPC answer.
+/// 2. `InFlightLimit` and `MetadataLimit` ([`limits`]): RESOURCE_EXHAUSTED at once for a
+///    request over the in-flight limit or with too much metadata.
+/// 3. `DeadlineLayer`: every request gets its deadline (or `node.default_deadline`, or
+///    its method's `timeout`), capped at `node.max_deadline`; a malformed timeout is
+///    INVALID_ARGUMENT; the handler answers DEADLINE_EXCEEDED `reserve` before the
+///    deadline, and a request whose body never arrives is answered so by the layer. The
+///    deadline stays with the handler's task, for the client layers of its downstream
+///    calls (`resilience::propagate`).
+/// 4. [`Dispatch`]: Payments straight to its generated server; health (for `retrychain
+///    health` and container checks), reflection v1 and v1alpha (grpcurl 1.8.6 speaks only
+///    v1alpha) and UNIMPLEMENTED for anything else through tonic's router.
 ///
 /// The admin stack: `GET /metrics` (Prometheus, HTTP/1.1), health, reflection, Control.
 pub async fn serve<P, F>(

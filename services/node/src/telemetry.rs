@@ -426,15 +426,19 @@ fn with_scratch<R>(f: impl FnOnce(&mut String) -> R) -> Option<R> {
     }
     /// A field list longer than this is rare; the scratch is let go after one.
     const KEEP: usize = 4096;
-    SCRATCH.with(|scratch| {
-        let mut scratch = scratch.try_borrow_mut().ok()?;
-        scratch.clear();
-        let result = f(&mut scratch);
-        if scratch.capacity() > KEEP {
-            *scratch = String::new();
-        }
-        Some(result)
-    })
+    // `try_with`: a thread whose locals are being torn down formats without it.
+    SCRATCH
+        .try_with(|scratch| {
+            let mut scratch = scratch.try_borrow_mut().ok()?;
+            scratch.clear();
+            let result = f(&mut scratch);
+            if scratch.capacity() > KEEP {
+                *scratch = String::new();
+            }
+            Some(result)
+        })
+        .ok()
+        .flatten()
 }
 
 /// Writes `fields` as `name=value` pairs (the message bare), leaving out `otel.*`.

@@ -290,7 +290,8 @@ where
         let shared = Arc::clone(&self.shared);
         Box::pin(async move {
             let mut request = request;
-            // A clone of the URI shares its buffers: the path without an allocation.
+            // A clone of the URI shares its buffers (for an http or https URI): the path
+            // without copying it.
             let uri = request.uri().clone();
             let path = uri.path();
             let method = shared.method(path);

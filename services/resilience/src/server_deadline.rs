@@ -13,7 +13,8 @@
 //! The layer also enforces the deadline itself, from the moment the request's headers
 //! arrived: tonic calls a unary handler only once the whole request body has arrived, so a
 //! client that never finishes its body (or sends it slowly) would otherwise hold a stream
-//! open with no deadline at all, and tonic's own timer would answer CANCELLED. It fires
+//! open past its deadline (under tonic's own server, until its timer answered CANCELLED;
+//! served on hyper directly, for as long as the client likes). It fires
 //! half a reserve after `answer_by` (still before the caller's deadline), so a running
 //! handler, whose guard (`RpcScope::run` in retrychain-node) fires at `answer_by`, answers
 //! first, with its own metadata. A handler that has a guard says so
