@@ -10,6 +10,8 @@ WORKDIR /src
 #    rebuilt only when a manifest, Cargo.lock or the wire contract changes — not when the
 #    project's code does.
 COPY Cargo.toml Cargo.lock ./
+# The allocator's build-time settings (jemalloc's decay; see the file).
+COPY .cargo .cargo
 COPY services/proto/Cargo.toml services/proto/build.rs services/proto/
 COPY proto proto
 COPY services/resilience/Cargo.toml services/resilience/
@@ -22,7 +24,9 @@ COPY services/serve/Cargo.toml services/serve/
 COPY services/harness/Cargo.toml services/harness/
 COPY services/experiments/Cargo.toml services/experiments/
 COPY services/top/Cargo.toml services/top/
-RUN for crate in proto resilience tempgres node hop ledger bench serve harness experiments top cli; do \
+COPY services/chaos/Cargo.toml services/chaos/
+COPY services/tls/Cargo.toml services/tls/
+RUN for crate in proto resilience tempgres node hop ledger bench serve harness experiments top chaos tls cli; do \
       mkdir -p services/$crate/src && touch services/$crate/src/lib.rs; \
     done \
  && mkdir -p services/bench/src/bin \

@@ -1,4 +1,4 @@
-//! docker-compose.yml: valid, and wired as the README says, checked with
+//! docker-compose.yml: valid, and wired as docs/docker-compose.md says, checked with
 //! `docker-compose config` (no engine needed). `scripts/compose-test` runs the core profile
 //! for real; the observability profile's images cannot be had here, so it is checked only.
 

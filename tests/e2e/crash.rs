@@ -1,5 +1,6 @@
-//! Crashes: a ledger killed (SIGKILL) in the middle of a charge's transaction leaves no
-//! trace in Postgres, and the retry after its restart charges exactly once.
+//! Crashes: a ledger killed (SIGKILL) while the processor works leaves its key started
+//! (claimed, nothing charged), and the retry after its restart resumes it and charges
+//! exactly once.
 
 use std::time::Duration;
 
@@ -12,7 +13,7 @@ async fn a_ledger_killed_mid_charge_loses_nothing_and_charges_once_on_retry() {
     let database_url = chain.database_url.clone().unwrap();
     let account = new_account();
     let key = new_key();
-    // The processor call sits inside the transaction, after the key is claimed.
+    // The processor call comes after the key is claimed (phase 1, committed).
     chain.set_faults(LEDGER, delayed(3000)).await;
 
     let edge = chain.edge().await;
@@ -22,7 +23,7 @@ async fn a_ledger_killed_mid_charge_loses_nothing_and_charges_once_on_retry() {
             charge_on(&edge, &account, 500, Some(&key), Duration::from_secs(20)).await
         })
     };
-    // Wait until the processor is running: the key is claimed and the transaction open.
+    // Wait until the processor is running: the key is claimed.
     let start = std::time::Instant::now();
     while chain.stats(LEDGER).await.downstream_attempts < 1 {
         assert!(
@@ -33,8 +34,8 @@ async fn a_ledger_killed_mid_charge_loses_nothing_and_charges_once_on_retry() {
     }
     assert_eq!(
         row_counts(&database_url).await,
-        (0, 0, 0),
-        "nothing is visible mid-transaction"
+        (0, 0, 1),
+        "the key is claimed, nothing charged"
     );
     chain.services[LEDGER].crash().await;
 
@@ -47,19 +48,19 @@ async fn a_ledger_killed_mid_charge_loses_nothing_and_charges_once_on_retry() {
     );
     assert_eq!(
         row_counts(&database_url).await,
-        (0, 0, 0),
-        "the transaction rolled back"
+        (0, 0, 1),
+        "the key stays claimed (started), nothing charged"
     );
 
     chain.services[LEDGER].restart().await.unwrap();
     let retry = chain
         .charge(&account, 500, Some(&key), Duration::from_secs(20), &[])
         .await
-        .expect("the retry charges");
+        .expect("the retry resumes the charge once the dead owner's lease passed");
     assert_eq!(
         header(&retry, IDEMPOTENT_REPLAYED),
         None,
-        "the first attempt never committed"
+        "the first attempt never finished"
     );
     let again = chain
         .charge(&account, 500, Some(&key), Duration::from_secs(20), &[])

@@ -307,6 +307,10 @@ async fn up_with_postgres_ha_rides_through_the_failover_it_tells_you_to_run() {
     }
     let uri = uri.expect("up prints the formation's URI");
     let fail_over = fail_over.expect("up prints how to fail over");
+    // Nothing `up` started listens beyond the loopback: not the services, not the
+    // formation's nodes, not its monitor (pg_autoctl's own default is every address).
+    let open = listeners_beyond_loopback(up.0.id());
+    assert!(open.is_empty(), "listening beyond the loopback: {open:#?}");
     let formation_dir = std::path::PathBuf::from(
         fail_over
             .rsplit_once("--pgdata ")
@@ -382,14 +386,21 @@ async fn ledger_sessions(url: &str) -> i64 {
 
 /// Whether the charge under `key` is on the server at `url`.
 async fn has_charge(url: &str, key: &str) -> bool {
+    has_row(url, "charges", "idempotency_key", key).await
+}
+
+/// Whether `table` at `url` has a row whose `column` is `value`.
+async fn has_row(url: &str, table: &str, column: &str, value: &str) -> bool {
     let mut conn = <sqlx::PgConnection as sqlx::Connection>::connect(url)
         .await
         .unwrap();
-    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM charges WHERE idempotency_key = $1")
-        .bind(key)
-        .fetch_one(&mut conn)
-        .await
-        .unwrap();
+    let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM {table} WHERE {column} = $1"
+    )))
+    .bind(value)
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
     n > 0
 }
 
@@ -447,21 +458,59 @@ async fn a_success_is_answered_only_once_the_standby_has_the_charge() {
         .await
         .unwrap();
 
-    // The standby stops confirming WAL; a charge commits on the primary and waits for it;
-    // its session is ended there, which leaves the charge committed on the primary alone.
-    signal_wal_receiver(&standby_url, "STOP").await;
+    // A charge claims its key and calls the processor; then, before its phase 2 (the
+    // ledger holds 1.5 s there), the standby stops confirming WAL. Phase 2 commits on the
+    // primary and waits for the standby; its session is ended there, which leaves the
+    // charge committed on the primary alone.
+    chain
+        .set_faults(
+            LEDGER,
+            retrychain_proto::v1::Faults {
+                finish_delay_ms: 1500,
+                ..Default::default()
+            },
+        )
+        .await;
     let key = new_key();
     let first = {
         let client = chain.client.clone();
         let request = charge(&account, 250, Some(&key), Duration::from_secs(3), &[]);
         tokio::spawn(async move { client.charge(request).await })
     };
-    let ended = end_sessions_waiting_for_the_standby(&primary_url).await;
-    assert!(ended > 0, "the charge waited for the standby");
+    // The processor's record on the standby: its commit was confirmed, the processor has
+    // answered, and the ledger holds before phase 2.
+    let processor_key = format!("{}:{account}:{key}", account.len());
+    let start = Instant::now();
+    while !has_row(
+        &standby_url,
+        "processor_charges",
+        "processor_key",
+        &processor_key,
+    )
+    .await
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "the processor was called"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    signal_wal_receiver(&standby_url, "STOP").await;
+    // Every session that waits for the standby is ended (its lease renewal's among them)
+    // until phase 2's commit, ended too, is there on the primary.
+    let start = Instant::now();
+    while !has_charge(&primary_url, &key).await {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "phase 2 never waited for the standby"
+        );
+        end_sessions_waiting_for_the_standby(&primary_url).await;
+    }
     // The edge's own retries of that charge, and a client's retry after it, find the key
     // committed on the primary. A success now would be about a charge the standby lacks,
     // lost if the primary died next.
     let first = first.await.unwrap();
+    chain.set_faults(LEDGER, Default::default()).await;
     let again = chain
         .charge(&account, 250, Some(&key), Duration::from_secs(3), &[])
         .await;

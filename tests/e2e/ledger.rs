@@ -329,8 +329,20 @@ async fn a_failing_processor_commits_nothing_and_retries_only_in_every_layer_mod
     assert_eq!(l.bottom_calls().await, 4, "edge-only: one processor call");
     assert_eq!(
         row_counts(&l.url).await,
-        (0, 0, 0),
-        "nothing committed, not even the keys"
+        (0, 0, 2),
+        "nothing charged; the two keys claimed, left started for a retry to resume"
+    );
+    let pool = sqlx::PgPool::connect(&l.url).await.unwrap();
+    let released: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM idempotency_keys \
+         WHERE state = 'started' AND lease_expires_at <= now() AND lease_owner IS NULL",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        released, 2,
+        "each released at once: a retry resumes it without waiting"
     );
 }
 

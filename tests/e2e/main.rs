@@ -12,6 +12,7 @@
 mod support;
 
 mod chain;
+mod chaos;
 mod compose;
 mod crash;
 mod demo;
@@ -23,8 +24,12 @@ mod ledger;
 mod load;
 mod logs;
 mod metrics;
+mod newcomer;
 mod otel;
+mod overload;
+mod phases;
 mod replicas;
 mod service_config;
 mod sim;
 mod storm;
+mod tls;

@@ -448,6 +448,49 @@ async fn fifty_concurrent_charges_under_one_key_over_three_ledgers_execute_once(
     assert_eq!(row_counts(&database_url).await.1, 1, "one charge row");
 }
 
+/// The defaults ride out one frozen replica: hop2 over three hop3 processes with nothing
+/// set (a list of replicas gets a 1 s per-attempt timeout by default), one hop3 frozen
+/// (SIGSTOP) for 8 s under load. Before the default, calls that met it waited their whole
+/// 5 s deadline and failed DEADLINE_EXCEEDED; now none fails, and none takes much more
+/// than one per-attempt timeout.
+#[tokio::test]
+async fn the_defaults_ride_out_a_replica_frozen_for_8_s() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (_bottom, hop4, database_url) = bottom().await;
+    let hop3 = hop3_processes(&hop4).await;
+    let list: Vec<String> = hop3.iter().map(|s| s.addr.url.clone()).collect();
+    let hop2 = InProcessService::start("hop2", hop_command("relay", "hop2", &list.join(",")))
+        .await
+        .unwrap();
+    let edge = InProcessService::start("edge", hop_command("edge", "edge", &hop2.addr.url))
+        .await
+        .unwrap();
+    let load = Load::start(&edge.addr.url, 4);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    hop3[0].signal("STOP").await.unwrap();
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    hop3[0].signal("CONT").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let sent = load.finish().await;
+    let failed: Vec<&Sent> = sent.iter().filter(|s| s.code != Code::Ok).collect();
+    let longest = sent.iter().map(|s| s.took).max().unwrap_or_default();
+    let paid = sent
+        .iter()
+        .filter(|s| s.took >= Duration::from_millis(900))
+        .count();
+    println!(
+        "one of three replicas frozen for 8 s under the defaults: {} charges, {} failed, {paid} paid a per-attempt timeout, the longest took {longest:?}",
+        sent.len(),
+        failed.len()
+    );
+    assert!(failed.is_empty(), "failed calls: {:?}", codes(&sent));
+    assert!(
+        longest < Duration::from_millis(2500),
+        "no call much slower than one per-attempt timeout (1 s): {longest:?}"
+    );
+    resend_and_check(&edge.addr.url, &database_url, &sent).await;
+}
+
 #[tokio::test]
 async fn a_frozen_replica_costs_at_most_one_per_try_timeout_and_is_avoided() {
     let _one = ONE_AT_A_TIME.lock().await;
@@ -675,6 +718,43 @@ async fn a_ledger_outage_over_replicas_keeps_3_and_243_and_ejects_no_relay() {
     let every_layer = bottom().await - edge_only;
     println!("every-layer: {every_layer} bottom calls for one charge over two replicas a tier");
     assert_eq!(every_layer, 243);
+
+    // Slower calls into the ledgers (each hop4 call 50 ms late): one edge attempt (27 of
+    // them) now outlasts the per-attempt timeout a replicated hop takes by default (1 s),
+    // which is sized for one call through the chain and must not cut an every-layer
+    // attempt — all its retries below — short.
+    let mut hop4s = Vec::new();
+    for (name, admin) in relays.iter().filter(|(name, _)| name.starts_with("hop4")) {
+        let control =
+            retrychain_proto::v1::control_client::ControlClient::new(connect(admin).await);
+        control.clone().set_faults(delayed(50)).await.unwrap();
+        hop4s.push((name, control));
+    }
+    assert_eq!(hop4s.len(), 2);
+    let before = bottom().await;
+    let started = Instant::now();
+    let status = client
+        .charge(charge(
+            &new_account(),
+            100,
+            None,
+            Duration::from_secs(30),
+            &[("x-retry-mode", "every-layer")],
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    let slow = bottom().await - before;
+    let took = started.elapsed();
+    println!("every-layer, hop4 calls 50 ms late: {slow} bottom calls in {took:?}");
+    assert!(
+        took > Duration::from_secs(3),
+        "an edge attempt outlasted 1 s"
+    );
+    assert_eq!(slow, 243, "no attempt was cut by a per-attempt timeout");
+    for (_, control) in &hop4s {
+        control.clone().set_faults(faults()).await.unwrap();
+    }
 
     // Both ledgers stopped: the hop4s lose their downstream; nobody above ejects a relay.
     let stopped: Vec<InProcessService> = {

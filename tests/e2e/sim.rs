@@ -63,7 +63,7 @@ fn sim_reproduces_the_design_notes() {
         );
     }
     assert!(t.adaptive.backend < 100, "adaptive: {}", t.adaptive.backend);
-    // Seeded, so exact: the figures the README's table shows.
+    // Seeded, so exact: the figures docs/replicas.md's table shows.
     assert_eq!(
         (
             t.adaptive.backend,

@@ -370,6 +370,22 @@ pub async fn off_runtime<T: Send + 'static>(work: impl FnOnce() -> T + Send + 's
     tokio::task::spawn_blocking(work).await.unwrap()
 }
 
+/// A throwaway Postgres cluster of this test's own: the faults apply to the whole server.
+pub async fn own_cluster() -> tempgres::TempCluster {
+    off_runtime(tempgres::TempCluster::start)
+        .await
+        .expect("a throwaway Postgres")
+}
+
+/// `pg_ctl restart -m fast`: every connection to the server is broken.
+pub async fn restart_postgres(cluster: tempgres::TempCluster) -> tempgres::TempCluster {
+    off_runtime(move || {
+        cluster.restart_server().expect("pg_ctl restart -m fast");
+        cluster
+    })
+    .await
+}
+
 pub fn header(response: &Response<ChargeReply>, key: &str) -> Option<String> {
     response
         .metadata()
@@ -420,6 +436,18 @@ pub async fn start_ledger(configure: impl FnOnce(&mut LedgerArgs)) -> (InProcess
     (
         InProcessService::start("ledger", command).await.unwrap(),
         url,
+    )
+}
+
+/// The tests' lone ledger in this runtime, on the database at `url`.
+pub async fn start_ledger_on(
+    url: &str,
+    configure: impl FnOnce(&mut LedgerArgs),
+) -> (InProcessService, String) {
+    let command = lone_ledger(url, configure);
+    (
+        InProcessService::start("ledger", command).await.unwrap(),
+        url.to_owned(),
     )
 }
 
@@ -537,6 +565,54 @@ impl Drop for KillOnDrop {
 /// stderr inherited, and every line of its stdout echoed (`up: …`) and handed over on the
 /// returned channel. Its stdout is read to the end whether or not anyone still listens, so
 /// `up` never meets a closed pipe. Stopped when the guard is dropped.
+/// The TCP listeners of process `root` and its descendants that listen beyond the loopback,
+/// as `ss -ltnpH` shows them.
+pub fn listeners_beyond_loopback(root: u32) -> Vec<String> {
+    let parents: Vec<(u32, u32)> = std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|entry| {
+            let pid: u32 = entry.ok()?.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            let ppid = stat
+                .rsplit_once(')')?
+                .1
+                .split_whitespace()
+                .nth(1)?
+                .parse()
+                .ok()?;
+            Some((pid, ppid))
+        })
+        .collect();
+    let mut family = vec![root];
+    loop {
+        let more: Vec<u32> = parents
+            .iter()
+            .filter(|(pid, ppid)| family.contains(ppid) && !family.contains(pid))
+            .map(|(pid, _)| *pid)
+            .collect();
+        if more.is_empty() {
+            break;
+        }
+        family.extend(more);
+    }
+    let ss = std::process::Command::new("ss")
+        .args(["-ltnpH"])
+        .output()
+        .expect("ss (iproute2)");
+    String::from_utf8_lossy(&ss.stdout)
+        .lines()
+        .filter(|line| {
+            let local = line.split_whitespace().nth(3).unwrap_or_default();
+            let loopback = local.starts_with("127.") || local.starts_with("[::1]");
+            let ours = family
+                .iter()
+                .any(|pid| line.contains(&format!("pid={pid},")));
+            ours && !loopback
+        })
+        .map(str::to_owned)
+        .collect()
+}
+
 pub fn start_up(
     args: &[&str],
     configure: impl FnOnce(&mut std::process::Command),
@@ -562,9 +638,11 @@ pub fn start_up(
     (up, lines)
 }
 
-/// Five consecutive free ports whose admin ports (+1000) are free too.
+/// Five consecutive free ports whose admin ports (+1000) are free too, all below the
+/// kernel's range for outgoing connections (32768–60999), where any connection could take
+/// one between this check and the chain's bind.
 pub fn free_base_port() -> u16 {
-    'next: for base in (42000..60000u16).step_by(10) {
+    'next: for base in (20000..31000u16).step_by(10) {
         let mut held = Vec::new();
         for port in (base..base + 5).chain(base + 1000..base + 1005) {
             match std::net::TcpListener::bind(("127.0.0.1", port)) {

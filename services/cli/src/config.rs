@@ -36,6 +36,9 @@ pub enum Command {
     Health(HealthArgs),
     /// A live terminal view of the five services' admin ports: rates, retries, amplification.
     Top(retrychain_top::TopArgs),
+    /// Random faults under load against a chain, then a check that every charge happened
+    /// exactly once and every other guarantee held (exit 0 only then).
+    Chaos(retrychain_chaos::ChaosArgs),
 }
 
 /// Flags of `up`.
@@ -46,7 +49,8 @@ pub struct UpArgs {
     pub database_url: Option<String>,
     /// The Postgres started when `DATABASE_URL` is unset: one throwaway cluster, or a
     /// pg_auto_failover formation (a monitor, a primary, a synchronous standby) to fail
-    /// over while the chain runs.
+    /// over while the chain runs. `ha` with `DATABASE_URL` set is refused (which one was
+    /// meant?).
     #[arg(long, env = "RETRYCHAIN_POSTGRES", value_enum, default_value_t = Postgres::Single)]
     pub postgres: Postgres,
     /// The retry mode of all five services.
@@ -63,6 +67,11 @@ pub struct UpArgs {
     /// Log format of the services.
     #[arg(long, env = "RETRYCHAIN_LOG_FORMAT", value_enum, default_value_t = LogFormatArg::Text)]
     pub log_format: LogFormatArg,
+    /// TLS: a throwaway CA and a certificate for every tier and for you (the operator),
+    /// TLS 1.3 to the edge and mutual TLS between tiers, each tier accepting only the one
+    /// above it; the grpcurl lines printed name the files. Removed when `up` stops.
+    #[arg(long, env = "RETRYCHAIN_UP_TLS", value_parser = clap::builder::BoolishValueParser::new())]
+    pub tls: bool,
 }
 
 /// Flags of `health`.
@@ -78,4 +87,9 @@ pub struct HealthArgs {
     /// Give up after this many ms.
     #[arg(long, default_value_t = 2000, env = "RETRYCHAIN_HEALTH_TIMEOUT_MS")]
     pub timeout_ms: u64,
+    /// Ask over TLS as the service whose tls.crt, tls.key and ca.crt are here (the same
+    /// variable the service reads, so a container's check needs no flag of its own); the
+    /// address is then https://.
+    #[arg(long, env = "RETRYCHAIN_TLS_DIR")]
+    pub tls_dir: Option<std::path::PathBuf>,
 }

@@ -11,7 +11,8 @@
 //!
 //! `demo`, `storm` and `sim` run the experiments of `retrychain-experiments`, which return
 //! typed reports; this crate prints them, or their JSON. `top`, the live view of a chain's
-//! admin ports, is `retrychain-top`'s.
+//! admin ports, is `retrychain-top`'s; `chaos`, faults under load and the checker, is
+//! `retrychain-chaos`'s.
 
 use std::process::ExitCode;
 
@@ -53,6 +54,14 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
         }
         Command::Top(args) => retrychain_top::run(&args).await?,
+        Command::Chaos(args) => {
+            if let Some(report) = retrychain_chaos::run(&args).await? {
+                retrychain_chaos::print_report(&report);
+                if !report.verdict.valid {
+                    return Ok(ExitCode::FAILURE);
+                }
+            }
+        }
         Command::Health(args) => {
             return Ok(match health::check(&args).await {
                 Ok(true) => ExitCode::SUCCESS,

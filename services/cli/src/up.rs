@@ -10,7 +10,8 @@
 //! exits (a crash, a kill) is started again on the same ports while the others go on
 //! serving. Ctrl-C (or SIGTERM) stops them all and removes the throwaway cluster.
 
-use retrychain_harness::{ChainSpec, LocalChain, Logs, Postgres};
+use anyhow::Context;
+use retrychain_harness::{ChainSpec, ChainTls, LocalChain, Logs, Postgres};
 use retrychain_serve::args::LogFormatArg;
 
 use crate::config::UpArgs;
@@ -26,6 +27,22 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             println!("{line}");
         }
     };
+    // Options that contradict each other are said, not swallowed: a database named and a
+    // formation asked for cannot both be what the ledger uses.
+    if let (Some(_), Postgres::Ha) = (&args.database_url, args.postgres) {
+        anyhow::bail!(
+            "--postgres ha starts a pg_auto_failover formation of its own, but a database is already named \
+             (DATABASE_URL or --database-url, perhaps left in this shell from elsewhere): unset DATABASE_URL \
+             to get the formation, or drop --postgres ha (RETRYCHAIN_POSTGRES) to use that database"
+        );
+    }
+    // Every port of the layout before anything starts (Postgres included).
+    ChainSpec {
+        base_port: args.base_port,
+        replicas: usize::from(args.replicas),
+        ..ChainSpec::default()
+    }
+    .check_ports()?;
     if args.database_url.is_none() {
         say(match args.postgres {
             Postgres::Single => "starting a throwaway Postgres (set DATABASE_URL to use your own)…",
@@ -38,7 +55,25 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     // must still stop what was started.
     let interrupted = retrychain_node::shutdown_signal();
     tokio::pin!(interrupted);
+    // The certificates live as long as `up` does, in a directory of their own.
+    let certificates = match args.tls {
+        true => {
+            let dir = tempfile::Builder::new()
+                .prefix("retrychain-tls-")
+                .tempdir()
+                .context("a directory for the certificates")?;
+            let tls = ChainTls::create(dir.path())?;
+            say(&format!(
+                "TLS: a throwaway CA and a certificate for each tier and for you, in {}",
+                tls.dir.display()
+            ));
+            Some((dir, tls))
+        }
+        false => None,
+    };
+    let tls = certificates.as_ref().map(|(_, tls)| tls.clone());
     let spec = ChainSpec {
+        tls: tls.clone(),
         database_url: args.database_url.clone(),
         postgres: args.postgres,
         base_port: args.base_port,
@@ -61,7 +96,11 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     if let Some(database) = chain.own_database() {
         say(&format!("postgres | {}", database.describe()));
     }
-    say(&hints(args.base_port, usize::from(args.replicas)));
+    say(&hints(
+        args.base_port,
+        usize::from(args.replicas),
+        tls.as_ref(),
+    ));
     tokio::select! {
         _ = &mut interrupted => {}
         _ = chain.supervise() => {}
@@ -71,9 +110,29 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// What to try once the chain is up: the layout (every replica's port), then calls.
-fn hints(base: u16, replicas: usize) -> String {
+/// What to try once the chain is up: the layout (every replica's port), then calls —
+/// over TLS as the operator when the chain runs with `--tls`.
+fn hints(base: u16, replicas: usize, tls: Option<&ChainTls>) -> String {
     let edge = format!("localhost:{base}");
+    let credentials = match tls {
+        None => "-plaintext".to_owned(),
+        Some(tls) => {
+            let files = tls.files_of(retrychain_tls::OPERATOR);
+            format!(
+                "-cacert {} -cert {} -key {}",
+                files.ca.display(),
+                files.cert.display(),
+                files.key.display()
+            )
+        }
+    };
+    let secured = match tls {
+        None => String::new(),
+        Some(_) => format!(
+            "\nTLS 1.3 everywhere, Control for the operator alone; mutual TLS between tiers, each accepting only the tier above (a call to hop3 as the operator: PERMISSION_DENIED):\n  grpcurl {credentials} -d '{{\"account_id\":\"alice\",\"amount_cents\":1}}' localhost:{} retrychain.v1.Payments/Charge",
+            base + 2
+        ),
+    };
     let ledger = format!("localhost:{}", base + 1004);
     let tier = |i: u16| {
         let count = if i == 0 { 1 } else { replicas };
@@ -94,12 +153,12 @@ fn hints(base: u16, replicas: usize) -> String {
 retrychain is up: edge {} -> hop2 {} -> hop3 {} -> hop4 {} -> ledger {}{balanced}
 Control (admin ports, this machine only): edge :{} … ledger :{}
 Try:
-  grpcurl -plaintext {edge} list
-  grpcurl -plaintext -max-time 5 -H 'idempotency-key: order-1' -d '{{"account_id":"alice","amount_cents":500}}' {edge} retrychain.v1.Payments/Charge
-  grpcurl -plaintext -d '{{"account_id":"alice"}}' {edge} retrychain.v1.Payments/GetAccount
-  grpcurl -plaintext -d '{{"fail_rate":1}}' {ledger} retrychain.v1.Control/SetFaults
-  grpcurl -plaintext -max-time 30 -H 'x-retry-mode: every-layer' -d '{{"account_id":"alice","amount_cents":100}}' {edge} retrychain.v1.Payments/Charge
-  grpcurl -plaintext {ledger} retrychain.v1.Control/GetStats
+  grpcurl {credentials} {edge} list
+  grpcurl {credentials} -max-time 5 -H 'idempotency-key: order-1' -d '{{"account_id":"alice","amount_cents":500}}' {edge} retrychain.v1.Payments/Charge
+  grpcurl {credentials} -d '{{"account_id":"alice"}}' {edge} retrychain.v1.Payments/GetAccount
+  grpcurl {credentials} -d '{{"fail_rate":1}}' {ledger} retrychain.v1.Control/SetFaults
+  grpcurl {credentials} -max-time 30 -H 'x-retry-mode: every-layer' -d '{{"account_id":"alice","amount_cents":100}}' {edge} retrychain.v1.Payments/Charge
+  grpcurl {credentials} {ledger} retrychain.v1.Control/GetStats{secured}
 Ctrl-C stops everything.
 "#,
         tier(0),

@@ -6,7 +6,9 @@
 //! in particular ways (a retry-mode override, no budget, a single attempt), so the demo
 //! starts its own edges locally, pointed at the chain's hop2, and names the mode of every
 //! request with `x-retry-mode`: the figures do not depend on how the chain was configured.
-//! The chain must allow fault injection on its ledger.
+//! The chain must allow fault injection on its ledger. Scenario g ([`crate::metastable`])
+//! loads the chain's own edge at 0.8× its measured capacity and slows the processor for
+//! two seconds, once per retry mode.
 
 use std::time::{Duration, Instant};
 
@@ -35,7 +37,7 @@ use retrychain_harness::{
 #[derive(Debug, Clone, Args)]
 pub struct DemoArgs {
     /// Print one JSON object instead of the report.
-    #[arg(long, env = "RETRYCHAIN_DEMO_JSON")]
+    #[arg(long, env = "RETRYCHAIN_DEMO_JSON", value_parser = clap::builder::BoolishValueParser::new())]
     pub json: bool,
     /// An existing chain's edge; with --hop2 … --ledger. Unset: start a chain here.
     #[arg(long, env = "RETRYCHAIN_EDGE", requires_all = ["hop2", "hop3", "hop4", "ledger"])]
@@ -82,6 +84,9 @@ pub struct DemoArgs {
     /// The storm's tick: how long the processor takes per charge, in ms.
     #[arg(long, default_value_t = 10, env = "RETRYCHAIN_DEMO_TICK_MS")]
     pub tick_ms: u64,
+    /// Draw scenario g's two goodput timelines (edge-only, every-layer) into this SVG.
+    #[arg(long, env = "RETRYCHAIN_DEMO_METASTABILITY_SVG")]
+    pub metastability_svg: Option<std::path::PathBuf>,
 }
 
 /// Everything the demo measured.
@@ -99,6 +104,8 @@ pub struct DemoReport {
     pub outage: Outage,
     /// f. The contention storm per backoff policy.
     pub storm: Storm,
+    /// g. Load at 0.8× capacity, the processor slowed for 2 s, per retry mode.
+    pub metastability: crate::metastable::Metastability,
 }
 
 /// a.
@@ -305,13 +312,31 @@ async fn scenarios(target: &Target, args: &DemoArgs) -> anyhow::Result<DemoRepor
         .storm(&single, args.storm_clients, args.tick_ms)
         .await;
     single.stop().await;
+    let storm = storm?;
+
+    // g., through the chain's own edge, as it is configured: no knob turned for it.
+    let mut edge = Vec::new();
+    for _ in 0..4 {
+        edge.push(retrychain_harness::connect(&target.addrs.edge.url).await?);
+    }
+    let metastability = crate::metastable::run(
+        &target.chain.control(LEDGER),
+        &edge,
+        crate::metastable::Shape::default(),
+        &target.run,
+    )
+    .await?;
+    if let Some(path) = &args.metastability_svg {
+        crate::metastable::draw(path, &metastability)?;
+    }
     Ok(DemoReport {
         lost_reply,
         key_reuse,
         concurrent,
         layered,
         outage,
-        storm: storm?,
+        storm,
+        metastability,
     })
 }
 
@@ -726,6 +751,28 @@ pub fn print_report(r: &DemoReport) {
         println!(
             "   {:<13} {:>12} {:>10.0} {:>10}   {}",
             name, run.bottom_calls, run.elapsed_ms, run.succeeded, notes
+        );
+    }
+    let g = &r.metastability;
+    println!(
+        "g. Load at {:.0} charges/s (0.8x the {:.0}/s measured), {} for {:.0} s",
+        g.offered_rps,
+        g.capacity_rps,
+        g.trigger,
+        g.trigger_s.1 - g.trigger_s.0
+    );
+    for (t, notes) in [
+        (&g.edge_only, "back within 2 s"),
+        (&g.every_layer, "stays down, or recovers far later"),
+    ] {
+        let recovered = t
+            .recovered_after_s
+            .map_or("not within the run".to_owned(), |s| {
+                format!("{s:.2} s after the trigger")
+            });
+        println!(
+            "   {:<12} goodput {:.0}/s before, {:.0}/s at the end; back to 95%: {recovered}; {} bottom calls   (design notes: {notes})",
+            t.mode, t.goodput_before_rps, t.goodput_end_rps, t.bottom_calls
         );
     }
 }

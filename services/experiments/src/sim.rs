@@ -29,7 +29,7 @@ pub const DEFAULT_SEEDS: u64 = 20;
 #[derive(Debug, Clone, Args)]
 pub struct SimArgs {
     /// Print one JSON object instead of tables.
-    #[arg(long, env = "RETRYCHAIN_SIM_JSON")]
+    #[arg(long, env = "RETRYCHAIN_SIM_JSON", value_parser = clap::builder::BoolishValueParser::new())]
     pub json: bool,
     /// Seeds to average the jitter storm over.
     #[arg(long, default_value_t = DEFAULT_SEEDS, env = "RETRYCHAIN_SIM_SEEDS")]

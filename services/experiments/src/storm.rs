@@ -1,10 +1,13 @@
 //! `retrychain storm`: load against a chain, with per-mode amplification and tail latency.
 //!
 //! Sends Charges with fresh keys (a closed loop of `--concurrency` workers, or an open loop
-//! at `--rate` requests a second) for `--duration` or `--requests`, optionally with faults
-//! set on the ledger first, and reports success, status codes, first attempts and bottom
-//! calls (from the edge's and the ledger's own counters), amplification, throughput and
-//! latency percentiles. `--csv` writes per-second samples; `--svg` draws them.
+//! at `--rate` requests a second) over `--connections` HTTP/2 connections, for
+//! `--duration` or `--requests`, optionally with faults set on the ledgers first, and
+//! reports success, status codes, first attempts and bottom calls (from the edge's
+//! counters and those of every ledger replica it is given), amplification, throughput,
+//! goodput (OK within the deadline), the calls refused as overloaded, and latency
+//! percentiles of all calls, of successes and of failures. `--csv` writes per-second
+//! samples; `--svg` draws them.
 
 use futures::future::BoxFuture;
 use std::{
@@ -37,15 +40,23 @@ pub struct StormArgs {
     /// An existing chain's edge (with --ledger). Unset: start a chain here.
     #[arg(long, env = "RETRYCHAIN_EDGE", requires = "ledger")]
     pub edge: Option<String>,
-    /// The existing chain's ledger, for its counters and faults.
+    /// The existing chain's ledger, for its counters and faults: one address, several
+    /// comma-separated (every replica: bottom calls are counted on each), or
+    /// dns:///host:port (every address the name resolves to).
     #[arg(long, env = "RETRYCHAIN_LEDGER")]
     pub ledger: Option<String>,
     /// The existing edge's admin address (Control) [default: --edge's port + 1000].
     #[arg(long, env = "RETRYCHAIN_EDGE_ADMIN")]
     pub edge_admin: Option<String>,
-    /// The ledger's admin address [default: --ledger's port + 1000].
+    /// The ledgers' admin addresses, comma-separated in --ledger's order [default: each
+    /// ledger's port + 1000].
     #[arg(long, env = "RETRYCHAIN_LEDGER_ADMIN")]
     pub ledger_admin: Option<String>,
+    /// HTTP/2 connections to the edge, calls spread over them in turn [default: one per
+    /// 100 calls in flight]. One connection carries at most the edge's stream limit (512)
+    /// at once; more calls would wait in this client, not at the edge.
+    #[arg(long, env = "RETRYCHAIN_STORM_CONNECTIONS", value_parser = clap::value_parser!(u32).range(1..))]
+    pub connections: Option<u32>,
     /// Requests in flight at once (closed loop); with --rate, the most in flight.
     #[arg(long, default_value_t = 32, env = "RETRYCHAIN_STORM_CONCURRENCY")]
     pub concurrency: usize,
@@ -58,6 +69,11 @@ pub struct StormArgs {
     /// Stop after this many requests instead of after --duration.
     #[arg(long, env = "RETRYCHAIN_STORM_REQUESTS")]
     pub requests: Option<u64>,
+    /// A call refused with a grpc-retry-pushback-ms holds its worker (closed loop) or its
+    /// place in flight (open loop) for that long before the next call: a client that
+    /// listens. Unset, the next call goes at once, as a hostile client's would.
+    #[arg(long, env = "RETRYCHAIN_STORM_HONOUR_PUSHBACK", value_parser = clap::builder::BoolishValueParser::new())]
+    pub honour_pushback: bool,
     /// Send `x-retry-mode` (honoured by services started with --allow-retry-mode-override).
     #[arg(long, value_enum, env = "RETRYCHAIN_STORM_RETRY_MODE")]
     pub retry_mode: Option<retrychain_node::RetryMode>,
@@ -89,7 +105,7 @@ pub struct StormArgs {
     #[arg(long, default_value_t = 50071, env = "RETRYCHAIN_STORM_BASE_PORT")]
     pub base_port: u16,
     /// Print one JSON object instead of the report.
-    #[arg(long, env = "RETRYCHAIN_STORM_JSON")]
+    #[arg(long, env = "RETRYCHAIN_STORM_JSON", value_parser = clap::builder::BoolishValueParser::new())]
     pub json: bool,
     /// Write per-second samples to this CSV file.
     #[arg(long, env = "RETRYCHAIN_STORM_CSV")]
@@ -112,16 +128,28 @@ pub struct StormReport {
     pub codes: BTreeMap<String, u64>,
     /// Requests the edge received during the run (its `requests_received`).
     pub first_attempts: u64,
-    /// Processor calls the ledger made during the run (its `downstream_attempts`).
+    /// Processor calls the ledgers made during the run (their `downstream_attempts`, summed).
     pub bottom_calls: u64,
+    /// How many ledgers' counters were read for `bottom_calls`.
+    pub ledgers_read: usize,
     /// bottom_calls / first_attempts.
     pub amplification: f64,
     /// Completed requests per second.
     pub throughput_rps: f64,
+    /// Requests answered OK within their deadline, per second.
+    pub goodput_rps: f64,
+    /// Requests refused as overloaded (UNAVAILABLE marked by the refusing service).
+    pub shed: u64,
     /// Wall time of the run, in seconds.
     pub duration_s: f64,
     /// Latency percentiles, in ms.
     pub latency_ms: Latency,
+    /// Latency percentiles of the requests answered OK, in ms.
+    pub ok_latency_ms: Latency,
+    /// Latency percentiles of the failed requests, in ms.
+    pub failed_latency_ms: Latency,
+    /// Latency percentiles of the requests refused as overloaded, in ms.
+    pub shed_latency_ms: Latency,
     /// Per-second samples.
     pub samples: Vec<Sample>,
 }
@@ -150,10 +178,14 @@ struct Tally {
     ok: AtomicU64,
     /// Requests failed.
     errors: AtomicU64,
+    /// Requests answered OK within their deadline.
+    good: AtomicU64,
+    /// Requests refused as overloaded.
+    shed: AtomicU64,
     /// Final codes.
     codes: Mutex<BTreeMap<String, u64>>,
-    /// Latencies in µs.
-    latency: Mutex<Option<Histogram<u64>>>,
+    /// Latencies in µs: all, OK, failed, shed.
+    latency: Mutex<Option<[Histogram<u64>; 4]>>,
 }
 
 /// Runs a storm per `args` and returns its report.
@@ -175,7 +207,11 @@ pub async fn run(args: &StormArgs) -> anyhow::Result<StormReport> {
     }
     .each(|service| service.backoff = args.backoff);
     let report = with_chain(external, spec, |addrs| async move {
-        storm(args, &addrs.edge, &addrs.ledger).await
+        let ledgers = match &args.ledger {
+            Some(ledger) => ledger_addrs(ledger, args.ledger_admin.as_deref()).await?,
+            None => vec![addrs.ledger.clone()],
+        };
+        storm(args, &addrs.edge, &ledgers).await
     })
     .await?;
     if let Some(path) = &args.csv {
@@ -192,47 +228,138 @@ async fn stats(control: &mut ControlClient<Channel>) -> anyhow::Result<Stats> {
     Ok(control.get_stats(GetStatsRequest {}).await?.into_inner())
 }
 
+/// The ledgers named by `--ledger` (a list or a `dns:///` name) and `--ledger-admin`.
+async fn ledger_addrs(ledger: &str, admin: Option<&str>) -> anyhow::Result<Vec<ServiceAddr>> {
+    let urls: Vec<String> = match ledger.trim().strip_prefix("dns:///") {
+        Some(target) => {
+            let (host, port) = target
+                .rsplit_once(':')
+                .with_context(|| format!("{ledger}: dns:///host:port"))?;
+            let port: u16 = port
+                .parse()
+                .with_context(|| format!("{ledger}: the port"))?;
+            let mut urls: Vec<String> = tokio::net::lookup_host((host, port))
+                .await
+                .with_context(|| format!("resolving {host}"))?
+                .map(|addr| format!("http://{addr}"))
+                .collect();
+            urls.sort();
+            urls.dedup();
+            urls
+        }
+        None => ledger
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+            .collect(),
+    };
+    anyhow::ensure!(!urls.is_empty(), "--ledger {ledger} names no ledger");
+    let admins: Vec<&str> = admin
+        .map(|a| {
+            a.split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .collect()
+        })
+        .unwrap_or_default();
+    anyhow::ensure!(
+        admins.is_empty() || admins.len() == urls.len(),
+        "--ledger-admin names {} addresses for {} ledgers",
+        admins.len(),
+        urls.len()
+    );
+    Ok(urls
+        .iter()
+        .enumerate()
+        .map(|(i, url)| ServiceAddr::external(url, admins.get(i).copied()))
+        .collect())
+}
+
 async fn storm(
     args: &StormArgs,
     edge: &ServiceAddr,
-    ledger: &ServiceAddr,
+    ledgers: &[ServiceAddr],
 ) -> anyhow::Result<StormReport> {
     let edge_control = ControlClient::new(connect(&edge.admin_url).await?);
-    let edge = connect(&edge.url).await?;
-    let mut ledger_control = ControlClient::new(connect(&ledger.admin_url).await?);
-    let faulty = args.fail_rate > 0.0 || args.delay_ms > 0 || args.drop_reply_rate > 0.0;
-    if faulty {
-        ledger_control
-            .set_faults(Faults {
-                fail_rate: args.fail_rate,
-                fail_code: args.fail_code.clone(),
-                delay_ms: args.delay_ms,
-                drop_reply_rate: args.drop_reply_rate,
-                ..Faults::default()
-            })
-            .await
-            .context("setting the ledger's faults (it needs --fault-injection)")?;
+    let connections = args
+        .connections
+        .map_or_else(|| args.concurrency.div_ceil(100).max(1), |n| n as usize);
+    let mut channels = Vec::with_capacity(connections);
+    for _ in 0..connections {
+        channels.push(connect(&edge.url).await?);
     }
-    let result = measure(args, edge, edge_control, ledger_control.clone()).await;
+    let mut controls = Vec::with_capacity(ledgers.len());
+    for ledger in ledgers {
+        controls.push(ControlClient::new(connect(&ledger.admin_url).await?));
+    }
+    let faulty = args.fail_rate > 0.0 || args.delay_ms > 0 || args.drop_reply_rate > 0.0;
+    let faults = Faults {
+        fail_rate: args.fail_rate,
+        fail_code: args.fail_code.clone(),
+        delay_ms: args.delay_ms,
+        drop_reply_rate: args.drop_reply_rate,
+        ..Faults::default()
+    };
+    let mut result = Ok(());
+    if faulty {
+        for control in &mut controls {
+            if let Err(error) = control.set_faults(faults.clone()).await {
+                result = Err(anyhow::Error::from(error)
+                    .context("setting a ledger's faults (it needs --fault-injection)"));
+                break;
+            }
+        }
+    }
+    let result = match result {
+        Ok(()) => measure(args, &channels, edge_control, Ledgers(controls.clone())).await,
+        Err(error) => Err(error),
+    };
     if faulty {
         // On every path: a storm must not leave a deployment failing.
-        let _ = ledger_control.set_faults(Faults::default()).await;
+        for control in &mut controls {
+            let _ = control.set_faults(Faults::default()).await;
+        }
     }
     result
+}
+
+/// The ledgers' Control clients: bottom calls are counted over all of them.
+#[derive(Debug, Clone)]
+struct Ledgers(Vec<ControlClient<Channel>>);
+
+impl Ledgers {
+    /// Processor calls made by every ledger, summed (`None` when one cannot be read).
+    async fn bottom_calls(&mut self) -> Option<u64> {
+        let mut total = 0;
+        for control in &mut self.0 {
+            total += bottom(control).await?;
+        }
+        Some(total)
+    }
 }
 
 /// Sends the load and measures it; see the module docs.
 async fn measure(
     args: &StormArgs,
-    edge: Channel,
+    edge: &[Channel],
     mut edge_control: ControlClient<Channel>,
-    mut ledger_control: ControlClient<Channel>,
+    mut ledger_control: Ledgers,
 ) -> anyhow::Result<StormReport> {
     let edge_before = stats(&mut edge_control).await?;
-    let ledger_before = stats(&mut ledger_control).await?;
+    let ledger_before = ledger_control
+        .bottom_calls()
+        .await
+        .context("reading the ledgers' counters")?;
 
+    let histogram = || Histogram::new_with_bounds(1, 600_000_000, 3);
     let tally = Arc::new(Tally {
-        latency: Mutex::new(Some(Histogram::new_with_bounds(1, 600_000_000, 3)?)),
+        latency: Mutex::new(Some([
+            histogram()?,
+            histogram()?,
+            histogram()?,
+            histogram()?,
+        ])),
         ..Tally::default()
     });
     let start = Instant::now();
@@ -250,7 +377,7 @@ async fn measure(
     ));
     let run = format!("{:08x}", rand::random::<u32>());
 
-    drive(args, &tally, end, sender(args, &edge, &tally, run)).await?;
+    drive(args, &tally, end, sender(args, edge, &tally, run)).await?;
     let elapsed = start.elapsed();
     sampler.abort();
     mark(&tally, &mut ledger_control, start, &marks).await;
@@ -258,21 +385,22 @@ async fn measure(
     bar.finish_and_clear();
 
     let edge_after = stats(&mut edge_control).await?;
-    let ledger_after = stats(&mut ledger_control).await?;
+    let ledger_after = ledger_control
+        .bottom_calls()
+        .await
+        .context("reading the ledgers' counters")?;
     let ok = tally.ok.load(Ordering::Relaxed);
     let requests = ok + tally.errors.load(Ordering::Relaxed);
     let first_attempts = edge_after
         .requests_received
         .saturating_sub(edge_before.requests_received);
-    let bottom_calls = ledger_after
-        .downstream_attempts
-        .saturating_sub(ledger_before.downstream_attempts);
-    let histogram = tally
+    let bottom_calls = ledger_after.saturating_sub(ledger_before);
+    let histograms = tally
         .latency
         .lock()
         .map_err(|_| anyhow::anyhow!("latency lock"))?
         .take();
-    let latency = Latency::of(histogram.as_ref());
+    let latency = |i: usize| Latency::of(histograms.as_ref().map(|h| &h[i]));
     let codes = tally
         .codes
         .lock()
@@ -285,10 +413,16 @@ async fn measure(
         codes,
         first_attempts,
         bottom_calls,
+        ledgers_read: ledger_control.0.len(),
         amplification: bottom_calls as f64 / first_attempts.max(1) as f64,
         throughput_rps: requests as f64 / elapsed.as_secs_f64(),
+        goodput_rps: tally.good.load(Ordering::Relaxed) as f64 / elapsed.as_secs_f64(),
+        shed: tally.shed.load(Ordering::Relaxed),
         duration_s: elapsed.as_secs_f64(),
-        latency_ms: latency,
+        latency_ms: latency(0),
+        ok_latency_ms: latency(1),
+        failed_latency_ms: latency(2),
+        shed_latency_ms: latency(3),
         samples,
     })
 }
@@ -297,17 +431,19 @@ async fn measure(
 /// records its outcome in `tally`.
 fn sender(
     args: &StormArgs,
-    edge: &Channel,
+    edge: &[Channel],
     tally: &Arc<Tally>,
     run: String,
 ) -> impl Fn(u64) -> BoxFuture<'static, ()> + Clone + use<> {
     let tally = Arc::clone(tally);
-    let client = PaymentsClient::new(edge.clone());
+    let clients: Arc<[PaymentsClient<Channel>]> =
+        edge.iter().cloned().map(PaymentsClient::new).collect();
     let deadline = Duration::from_millis(args.deadline_ms);
     let accounts = args.accounts.max(1);
     let mode = args.retry_mode;
+    let honour_pushback = args.honour_pushback;
     move |n: u64| {
-        let mut client = client.clone();
+        let mut client = clients[n as usize % clients.len()].clone();
         let tally = Arc::clone(&tally);
         let request = charge_request(
             &format!("storm-{}", n % accounts),
@@ -319,7 +455,23 @@ fn sender(
         Box::pin(async move {
             let sent = Instant::now();
             let result = client.charge(request).await;
-            tally.record(result.map(|_| ()).map_err(|s| s.code()), sent.elapsed());
+            let mut wait = None;
+            let outcome = result.map(|_| ()).map_err(|status| {
+                let overloaded = status
+                    .metadata()
+                    .get(resilience::wire::OVERLOADED)
+                    .is_some();
+                if let resilience::wire::Pushback::RetryAfter(after) =
+                    resilience::wire::pushback(&status)
+                {
+                    wait = Some(after);
+                }
+                (status.code(), overloaded)
+            });
+            tally.record(outcome, sent.elapsed(), deadline);
+            if let (true, Some(wait)) = (honour_pushback, wait) {
+                tokio::time::sleep(wait).await;
+            }
         })
     }
 }
@@ -394,24 +546,39 @@ impl Latency {
 }
 
 impl Tally {
-    fn record(&self, result: Result<(), Code>, latency: Duration) {
-        let code = match result {
+    /// One completed request: OK, or its code and whether it was refused as overloaded.
+    fn record(&self, result: Result<(), (Code, bool)>, latency: Duration, deadline: Duration) {
+        let (code, which) = match result {
             Ok(()) => {
                 self.ok.fetch_add(1, Ordering::Relaxed);
-                "OK"
+                if latency <= deadline {
+                    self.good.fetch_add(1, Ordering::Relaxed);
+                }
+                ("OK", 1)
             }
-            Err(code) => {
+            Err((code, overloaded)) => {
                 self.errors.fetch_add(1, Ordering::Relaxed);
-                resilience::wire::code_name(code)
+                if overloaded {
+                    self.shed.fetch_add(1, Ordering::Relaxed);
+                }
+                (
+                    resilience::wire::code_name(code),
+                    if overloaded { 3 } else { 2 },
+                )
             }
         };
         if let Ok(mut codes) = self.codes.lock() {
             *codes.entry(code.to_owned()).or_default() += 1;
         }
-        if let Ok(mut histogram) = self.latency.lock()
-            && let Some(histogram) = histogram.as_mut()
+        if let Ok(mut histograms) = self.latency.lock()
+            && let Some(histograms) = histograms.as_mut()
         {
-            let _ = histogram.record(latency.as_micros().max(1) as u64);
+            let us = latency.as_micros().max(1) as u64;
+            let _ = histograms[0].record(us);
+            let _ = histograms[which].record(us);
+            if which == 3 {
+                let _ = histograms[2].record(us);
+            }
         }
     }
 }
@@ -423,7 +590,7 @@ type Marks = Arc<Mutex<Vec<(f64, u64, u64, u64)>>>;
 /// The bar counts requests (`by_requests`) or seconds.
 async fn sample(
     tally: Arc<Tally>,
-    mut ledger: ControlClient<Channel>,
+    mut ledger: Ledgers,
     start: Instant,
     marks: Marks,
     bar: ProgressBar,
@@ -448,10 +615,10 @@ async fn sample(
     }
 }
 
-async fn mark(tally: &Tally, ledger: &mut ControlClient<Channel>, start: Instant, marks: &Marks) {
+async fn mark(tally: &Tally, ledger: &mut Ledgers, start: Instant, marks: &Marks) {
     // A failed read carries the last value forward, so no interval gets a burst it did
     // not have.
-    let calls = match bottom(ledger).await {
+    let calls = match ledger.bottom_calls().await {
         Some(calls) => calls,
         None => marks
             .lock()
@@ -526,7 +693,12 @@ pub fn print_report(r: &StormReport) {
     let codes: Vec<String> = r.codes.iter().map(|(c, n)| format!("{c} {n}")).collect();
     println!("status codes    {}", codes.join(", "));
     println!("first attempts  {}", r.first_attempts);
-    println!("bottom calls    {}", r.bottom_calls);
+    println!(
+        "bottom calls    {} (the processor calls of {} ledger{})",
+        r.bottom_calls,
+        r.ledgers_read,
+        if r.ledgers_read == 1 { "" } else { "s" }
+    );
     println!(
         "amplification   {:.3} bottom calls per first attempt",
         r.amplification
@@ -535,9 +707,19 @@ pub fn print_report(r: &StormReport) {
         "throughput      {:.0} requests/s over {:.1} s",
         r.throughput_rps, r.duration_s
     );
-    let l = r.latency_ms;
     println!(
-        "latency ms      p50 {:.2}  p90 {:.2}  p99 {:.2}  p99.9 {:.2}  max {:.2}",
-        l.p50, l.p90, l.p99, l.p999, l.max
+        "goodput         {:.0} requests/s OK within the deadline; {} refused as overloaded",
+        r.goodput_rps, r.shed
     );
+    for (what, l) in [
+        ("latency ms     ", r.latency_ms),
+        ("  of OK        ", r.ok_latency_ms),
+        ("  of failures  ", r.failed_latency_ms),
+        ("  of refusals  ", r.shed_latency_ms),
+    ] {
+        println!(
+            "{what} p50 {:.2}  p90 {:.2}  p99 {:.2}  p99.9 {:.2}  max {:.2}",
+            l.p50, l.p90, l.p99, l.p999, l.max
+        );
+    }
 }

@@ -128,6 +128,28 @@ pub async fn serving(addr: &str, timeout: Duration) -> anyhow::Result<bool> {
         .connect()
         .await
         .with_context(|| format!("connecting to {addr}"))?;
+    serving_on(channel).await
+}
+
+/// [`serving`] over TLS: `tls` presented, the server required to be `expected`.
+pub async fn serving_tls(
+    addr: &str,
+    timeout: Duration,
+    tls: retrychain_tls::Tls,
+    expected: retrychain_tls::Identity,
+) -> anyhow::Result<bool> {
+    let channel = tonic::transport::Endpoint::from_shared(addr.to_owned())
+        .with_context(|| format!("address {addr:?}"))?
+        .connect_timeout(timeout)
+        .timeout(timeout)
+        .connect_with_connector(retrychain_tls::Connector::new(tls, expected))
+        .await
+        .with_context(|| format!("connecting to {addr} over TLS"))?;
+    serving_on(channel).await
+}
+
+/// Whether the server behind `channel` reports SERVING for the whole server ("").
+async fn serving_on(channel: tonic::transport::Channel) -> anyhow::Result<bool> {
     let response = HealthClient::new(channel)
         .check(HealthCheckRequest {
             service: String::new(),
@@ -138,9 +160,23 @@ pub async fn serving(addr: &str, timeout: Duration) -> anyhow::Result<bool> {
 }
 
 /// Waits until the service at `addr` reports SERVING: up to 120 checks, 250 ms apart.
-pub(crate) async fn wait_serving(name: &str, addr: &str) -> anyhow::Result<()> {
+/// Over TLS (`tls`), as the operator, the server must be `name`'s tier.
+pub(crate) async fn wait_serving(
+    name: &str,
+    addr: &str,
+    tls: Option<&crate::ChainTls>,
+) -> anyhow::Result<()> {
     for _ in 0..120 {
-        if let Ok(true) = serving(addr, Duration::from_millis(500)).await {
+        let answer = match tls {
+            None => serving(addr, Duration::from_millis(500)).await,
+            Some(tls) => {
+                let check = async { serving_on(tls.connect(addr, name).await?).await };
+                tokio::time::timeout(Duration::from_millis(500), check)
+                    .await
+                    .unwrap_or_else(|_| Ok(false))
+            }
+        };
+        if let Ok(true) = answer {
             return Ok(());
         }
         tokio::time::sleep(Duration::from_millis(250)).await;

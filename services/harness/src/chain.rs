@@ -44,6 +44,9 @@ pub struct ChainSpec {
     pub logs: Logs,
     /// The `retrychain` binary of child processes; `None`: this process's executable.
     pub program: Option<PathBuf>,
+    /// TLS between every tier and at the edge, from these certificates (each service
+    /// gets `--tls-dir <dir>/<tier>`); `None`: plaintext.
+    pub tls: Option<crate::ChainTls>,
 }
 
 impl Default for ChainSpec {
@@ -66,6 +69,7 @@ impl Default for ChainSpec {
             env: Vec::new(),
             logs: Logs::Discard,
             program: None,
+            tls: None,
         }
         .each(|service| {
             service.fault_injection = true;
@@ -129,6 +133,9 @@ impl ChainSpec {
         let service = command.service_mut();
         service.listen = Some(listen);
         service.name = Some(NAMES[i].to_owned());
+        if let Some(tls) = &self.tls {
+            service.tls_dir = Some(tls.dir.join(NAMES[i]));
+        }
         match &mut command {
             ServiceCommand::Edge(args) | ServiceCommand::Relay(args) => {
                 args.downstream = Some(downstream.to_owned());
@@ -138,10 +145,76 @@ impl ChainSpec {
         command
     }
 
+    /// Every port of the layout with what it is for (`hop3.2 admin`): each replica's public
+    /// port and its admin port (+1000); none when the chain listens on port 0.
+    pub fn ports(&self) -> Vec<(u16, String)> {
+        let mut ports = Vec::new();
+        if self.base_port == 0 {
+            return ports;
+        }
+        for i in 0..NAMES.len() {
+            for r in 0..self.replicas_of(i) {
+                let port = self.base_port + i as u16 + 10 * r as u16;
+                ports.push((port, replica_name(i, r)));
+                ports.push((port + 1000, format!("{} admin", replica_name(i, r))));
+            }
+        }
+        ports
+    }
+
+    /// Binds every port of the layout on 127.0.0.1 and lets it go: an error naming the
+    /// first taken (and, where `ss` can tell, who holds it), before anything is started.
+    /// A port in the kernel's ephemeral range (32768–60999 here) can be taken for a moment
+    /// by any outgoing connection: the message says how to move the whole layout.
+    pub fn check_ports(&self) -> anyhow::Result<()> {
+        let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .ok()
+            .and_then(|range| {
+                let mut bounds = range.split_whitespace().map(|n| n.parse::<u16>().ok());
+                Some((bounds.next()??, bounds.next()??))
+            })
+            .unwrap_or((32768, 60999));
+        for (port, what) in self.ports() {
+            if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                continue;
+            }
+            let holder = port_holder(port)
+                .map(|h| format!(", held by {h}"))
+                .unwrap_or_default();
+            let hint = if (ephemeral.0..=ephemeral.1).contains(&self.base_port) {
+                format!(
+                    " The layout lies in the kernel's range for outgoing connections ({}–{}), where any connection can hold a port for a moment: move it below, e.g. --base-port 20051.",
+                    ephemeral.0, ephemeral.1
+                )
+            } else {
+                " Move the whole layout with --base-port.".to_owned()
+            };
+            anyhow::bail!("port {port} ({what}) is taken{holder}; nothing was started.{hint}");
+        }
+        Ok(())
+    }
+
     /// How many replicas service `i` runs: one edge, [`ChainSpec::replicas`] of the rest.
     pub fn replicas_of(&self, i: usize) -> usize {
         if i == 0 { 1 } else { self.replicas.max(1) }
     }
+}
+
+/// Who holds local port `port`, as `ss` shows it (`"postgres",pid=123`), when it can tell.
+fn port_holder(port: u16) -> Option<String> {
+    let output = std::process::Command::new("ss")
+        .args(["-tanpH", &format!("( sport = :{port} )")])
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&output.stdout);
+    let line = text.lines().next()?;
+    let state = line.split_whitespace().next().unwrap_or("?");
+    let users = line
+        .split("users:((")
+        .nth(1)
+        .and_then(|u| u.split(')').next())
+        .unwrap_or("a process ss could not name");
+    Some(format!("{users} ({state})"))
 }
 
 /// How a chain's replica `r` of service `i` is called in logs: `hop3`, then `hop3.2`, …
@@ -157,8 +230,10 @@ async fn database(spec: &ChainSpec) -> anyhow::Result<(Option<OwnDatabase>, Stri
     Ok(match &spec.database_url {
         Some(url) => (None, url.clone()),
         None => {
-            let kind = spec.postgres;
-            let database = tokio::task::spawn_blocking(move || OwnDatabase::start(kind)).await??;
+            let (kind, tls) = (spec.postgres, spec.tls.clone());
+            let database =
+                tokio::task::spawn_blocking(move || OwnDatabase::start(kind, tls.as_ref()))
+                    .await??;
             let url = database.url();
             (Some(database), url)
         }
@@ -225,6 +300,9 @@ impl LocalChain {
     /// Starts Postgres if needed, then the ledger's replicas, hop4's, hop3's, hop2's and
     /// the edge, each after those below report SERVING.
     pub async fn start(spec: ChainSpec) -> anyhow::Result<Self> {
+        // Every port the layout needs, checked before anything starts: a chain that dies
+        // half-started on its thirtieth port helps nobody.
+        spec.check_ports()?;
         let (database, database_url) = database(&spec).await?;
         let mut chain = LocalChain {
             database,
@@ -255,7 +333,15 @@ impl LocalChain {
                         return Err(error);
                     }
                 };
-                let serving = wait_serving(&service.name, service.url()).await;
+                let mut service = service;
+                if spec.tls.is_some() {
+                    // The ready line names addresses; over TLS both ports are https://.
+                    service.addr.url = service.addr.url.replacen("http://", "https://", 1);
+                    service.addr.admin_url =
+                        service.addr.admin_url.replacen("http://", "https://", 1);
+                }
+                let serving =
+                    wait_serving(&service.name, &service.addr.url, spec.tls.as_ref()).await;
                 urls.push(service.addr.url.clone());
                 match r {
                     0 => chain.services.insert(0, service),
@@ -279,6 +365,12 @@ impl LocalChain {
     /// The database the chain started for itself, if it did.
     pub fn own_database(&self) -> Option<&OwnDatabase> {
         self.database.as_ref()
+    }
+
+    /// The database the chain started for itself, to fault it (restart, freeze, fail
+    /// over).
+    pub fn own_database_mut(&mut self) -> Option<&mut OwnDatabase> {
+        self.database.as_mut()
     }
 
     /// Keeps the services running: one that exits is started again after a short backoff
@@ -368,8 +460,13 @@ pub struct InProcessChain {
 impl InProcessChain {
     /// Starts Postgres if needed, then the ledger, hop4, hop3, hop2 and the edge from the
     /// same settings a [`LocalChain`] gives its processes (`spec.env`, `logs` and `program`
-    /// do not apply).
+    /// do not apply). Plaintext only: a chain over TLS is a [`LocalChain`], whose processes
+    /// each read their own certificates as a deployment's do.
     pub async fn start(spec: ChainSpec) -> anyhow::Result<Self> {
+        anyhow::ensure!(
+            spec.tls.is_none(),
+            "an in-process chain runs plaintext; start a chain over TLS as a LocalChain"
+        );
         let (database, database_url) = database(&spec).await?;
         let (mut services, mut replicas) = (Vec::new(), Vec::new());
         let mut downstream = String::new();

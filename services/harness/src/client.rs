@@ -36,6 +36,18 @@ impl ChainClient {
         Ok(Self { payments, control })
     }
 
+    /// Connects to all ten ports of a chain over TLS, as the operator (each server
+    /// required to be its tier): the tests' client of a chain started with `tls`.
+    pub async fn connect_tls(addrs: &ChainAddrs, tls: &crate::ChainTls) -> anyhow::Result<Self> {
+        let mut payments = Vec::new();
+        let mut control = Vec::new();
+        for (addr, name) in addrs.all().into_iter().zip(crate::NAMES) {
+            payments.push(tls.connect(&addr.url, name).await?);
+            control.push(tls.connect(&addr.admin_url, name).await?);
+        }
+        Ok(Self { payments, control })
+    }
+
     /// Connects to one service, which this client then treats as service 0 (its edge):
     /// an edge started apart from a chain, pointed at the chain's hop2.
     pub async fn connect_one(addr: &ServiceAddr) -> anyhow::Result<Self> {

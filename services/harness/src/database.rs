@@ -25,12 +25,25 @@ pub enum OwnDatabase {
 }
 
 impl OwnDatabase {
-    /// Starts the `kind` of database (it blocks: run it off the runtime).
-    pub fn start(kind: Postgres) -> anyhow::Result<Self> {
+    /// Starts the `kind` of database (it blocks: run it off the runtime). With `tls`, one
+    /// cluster speaks TLS only, with the certificate `tls` holds for `postgres`, and its URL
+    /// asks for `sslmode=verify-full` against the chain's authority; a formation stays
+    /// plaintext (pg_auto_failover's own TLS set-up is not done here).
+    pub fn start(kind: Postgres, tls: Option<&crate::ChainTls>) -> anyhow::Result<Self> {
         Ok(match kind {
             Postgres::Single => Self::Single(
-                tempgres::TempCluster::start()
-                    .context("starting a throwaway Postgres (or set DATABASE_URL)")?,
+                tempgres::TempCluster::start_with(&tempgres::Options {
+                    tls: tls.map(|tls| {
+                        let own = tls.files_of(crate::tls::POSTGRES);
+                        tempgres::ServerTls {
+                            cert: own.cert,
+                            key: own.key,
+                            ca: own.ca,
+                        }
+                    }),
+                    ..tempgres::Options::default()
+                })
+                .context("starting a throwaway Postgres (or set DATABASE_URL)")?,
             ),
             Postgres::Ha => Self::Ha(
                 tempgres::HaFormation::start()
@@ -52,8 +65,13 @@ impl OwnDatabase {
     pub fn describe(&self) -> String {
         match self {
             Self::Single(cluster) => format!(
-                "throwaway cluster on 127.0.0.1:{} (removed on exit)",
-                cluster.port()
+                "throwaway cluster on 127.0.0.1:{} (removed on exit){}",
+                cluster.port(),
+                if cluster.url("postgres").contains("sslmode=verify-full") {
+                    "; TLS only, the ledger checking its certificate and name (verify-full)"
+                } else {
+                    ""
+                }
             ),
             Self::Ha(formation) => format!(
                 "pg_auto_failover formation (removed on exit), the ledger on\n  {}\n\

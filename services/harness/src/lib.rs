@@ -17,6 +17,8 @@
 //! - [`client`]: [`ChainClient`], a chain's caller: charge, faults, counters.
 //! - [`faults`]: the faults a chain is put through, by name.
 //! - [`charge`]: [`charge_request`], a Charge call with its key, deadline and retry mode.
+//! - [`tls`]: a chain over TLS ([`ChainTls`]): a throwaway authority, every tier's
+//!   certificate, channels that speak it.
 
 pub mod addr;
 pub mod chain;
@@ -26,11 +28,13 @@ pub mod database;
 pub mod faults;
 pub mod in_process;
 pub mod process;
+pub mod tls;
 
-pub use addr::{ChainAddrs, NAMES, ServiceAddr, connect, serving};
+pub use addr::{ChainAddrs, NAMES, ServiceAddr, connect, serving, serving_tls};
 pub use chain::{ChainSpec, InProcessChain, LocalChain, with_chain};
 pub use charge::charge_request;
 pub use client::ChainClient;
 pub use database::{OwnDatabase, Postgres};
 pub use in_process::InProcessService;
 pub use process::{ChildService, Launch, Logs};
+pub use tls::ChainTls;

@@ -109,7 +109,13 @@ impl ChildService {
                 _ => launch.args.extend([flag.to_owned(), value.to_owned()]),
             }
         }
-        let (child, addr) = spawn(&self.name, &launch, &self.log).await?;
+        let (child, mut addr) = spawn(&self.name, &launch, &self.log).await?;
+        if self.addr.url.starts_with("https://") {
+            // A service over TLS stays reached by https:// (its ready line names only
+            // addresses).
+            addr.url = addr.url.replacen("http://", "https://", 1);
+            addr.admin_url = addr.admin_url.replacen("http://", "https://", 1);
+        }
         self.child = Some(child);
         self.addr = addr;
         Ok(())

@@ -27,8 +27,8 @@ use std::{
 };
 
 use resilience::{
-    Balancer, PropagateDeadlineLayer, RetryLayer, ServiceConfig, client::RetryService,
-    propagate::PropagateDeadline, wire,
+    Balancer, PropagateDeadlineLayer, RetryLayer, ServiceConfig, balance::PerTryTimeout,
+    client::RetryService, propagate::PropagateDeadline, wire,
 };
 use retrychain_node::{
     AccountId, AmountCents, IdempotencyKey, Node, RetryMode, RpcScope,
@@ -86,6 +86,8 @@ pub enum Plan {
 pub struct ByPlan<S> {
     /// For [`Plan::EveryLayer`].
     every_layer: S,
+    /// The per-attempt timeout of an every-layer call ([`HopSettings::every_layer_per_try`]).
+    every_layer_per_try: Option<Duration>,
     /// For [`Plan::EdgeOnly`].
     edge_only: S,
     /// For [`Plan::Single`].
@@ -108,7 +110,11 @@ where
     fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
         // Taken out: nothing below reads it, and every attempt copies what is left.
         let service = match request.extensions_mut().remove::<Plan>() {
-            Some(Plan::EveryLayer) => &self.every_layer,
+            Some(Plan::EveryLayer) => {
+                let per_try = PerTryTimeout(self.every_layer_per_try);
+                request.extensions_mut().insert(per_try);
+                &self.every_layer
+            }
             Some(Plan::EdgeOnly) => &self.edge_only,
             Some(Plan::Single) | None => &self.single,
         };
@@ -135,6 +141,11 @@ pub struct HopSettings {
     pub margin: Duration,
     /// The shortest downstream attempt worth starting.
     pub min_attempt: Duration,
+    /// The per-attempt timeout of an every-layer call: only one the operator set. The
+    /// balancer's default (a replicated downstream's 1 s) is sized for one call through the
+    /// chain; an every-layer attempt holds every retry below it (81 bottom calls at the
+    /// edge), and cutting it would hide the very amplification the mode shows.
+    pub every_layer_per_try: Option<Duration>,
 }
 
 /// Builds the [`Downstream`] stack over `replicas`.
@@ -178,6 +189,7 @@ fn downstream(
     };
     let plans = ByPlan {
         every_layer: every_layer.layer(below.clone()),
+        every_layer_per_try: settings.every_layer_per_try,
         edge_only: edge_only.layer(below.clone()),
         single: engine(one_attempt).layer(below),
     };
@@ -296,10 +308,16 @@ fn relay<T>(answer: Result<Response<T>, Status>) -> Result<Response<T>, Status> 
         }
         Err(mut status) => {
             let pushback = status.metadata().get(wire::PUSHBACK).cloned();
+            let overloaded = status.metadata().get(wire::OVERLOADED).is_some();
             let mut metadata = relayed(std::mem::take(status.metadata_mut()));
             // Whatever failed, it was the call below, not this service: the balancer
             // above must not eject this replica for it.
             wire::mark_relayed(&mut metadata);
+            // An overload below is a signal for every concurrency limit on the way up:
+            // each lowers its own, so the excess is refused where it enters.
+            if overloaded {
+                wire::mark_overloaded(&mut metadata);
+            }
             if let Some(value) = pushback {
                 metadata.insert(MetadataKey::from_static(wire::PUSHBACK), value);
             }

@@ -2,14 +2,16 @@
 //!
 //! # Layout
 //!
-//! - [`store`]: [`KeyStore`] — the key, the effect and the saved reply in one Postgres
-//!   transaction; replays, parameter checks, in-flight behaviour, retention purges.
+//! - [`store`]: [`KeyStore`] — a charge in atomic phases (the key claimed, the processor
+//!   called with nothing held, the effect and the reply recorded), the key's state machine,
+//!   resuming, the completer, replays, retention purges.
 //! - [`pool`]: the store's connections — nothing sent when one is taken or given back,
 //!   checked only while suspect, closed whenever their state is in doubt.
 //! - [`primary`]: which host of a replicated Postgres accepts writes, followed across a
 //!   failover (libpq's multi-host `DATABASE_URL`).
 //! - [`key_locks`]: same-key requests queue in memory, not on a database connection.
-//! - [`processor`]: the simulated payment processor whose calls are the bottom calls.
+//! - [`processor`]: the simulated payment processor whose calls are the bottom calls; it
+//!   deduplicates by processor key, as a provider does.
 //! - [`service`]: [`Ledger`], the `Payments` service, and the mapping of store errors to
 //!   statuses.
 
@@ -20,5 +22,8 @@ pub mod processor;
 pub mod service;
 pub mod store;
 
-pub use service::{Ledger, run_retention};
-pub use store::{ChargeOutcome, InFlight, KeyStore, SavedReply, StoreError, StoreOptions};
+pub use service::{Ledger, run_completer, run_retention};
+pub use store::{
+    ChargeOutcome, InFlight, KeyStore, KeyedCharge, PHASE_TWO_PATIENCE, ProcessorCharge,
+    SavedReply, StoreError, StoreOptions,
+};

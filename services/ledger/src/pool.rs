@@ -1,93 +1,436 @@
-//! The key store's connections: a deadpool of `PgConnection`s, opened to the primary and
-//! checked only when something suggests they are broken.
+//! The key store's connections: a pool of `PgConnection`s, opened to the primary, checked
+//! only when something suggests they are broken, and refilled by the pool's own tasks.
 //!
-//! Why not sqlx's own pool: it pings every connection given back to it (sqlx-core's
-//! `return_to_pool`), with no option to turn that off. For the ledger that is a fifth round
-//! trip per charge beside BEGIN, the claim, the charge and COMMIT — a Postgres wake-up that
-//! pgbench running the same transaction does not pay — and, against a frozen server, a ping
-//! that holds the pool's permit until TCP gives up (transact-rs/sqlx#4349). Here giving a
-//! connection back costs nothing, and everything that can wait on the server is bounded by
-//! the caller's clock:
+//! # Why a pool of our own
 //!
-//! - **Opening** ([`Connections::create`]): to the host [`Primary`] names now; a connection
-//!   that landed on a standby is refused ([`Primary::check`]). The caller bounds the wait
-//!   (the store's acquire timeout and the request's deadline).
-//! - **Taking one that was idle** ([`Connections::recycle`]): retired if it was opened
-//!   before the primary last moved or is older than [`MAX_LIFETIME`]; pinged first only
-//!   while [`Suspicion`] is raised (a lost connection a moment ago means a restart may have
-//!   broken every idle one).
-//! - **Giving it back** ([`Checkout`]): only a connection whose state is known — no
-//!   transaction open, no statement cut off — goes back; any other is dropped, which closes
-//!   its socket at once, and the server rolls back whatever it had open.
-//! - **Idle ones** are closed after [`IDLE_TIMEOUT`] ([`reap_idle`]).
+//! sqlx's pool pings every connection given back to it (a fifth round trip per charge);
+//! deadpool opens a missing connection inside the waiting caller's future, so a caller
+//! that gives up (its acquire timeout, its deadline) cancels the opening with it. Under
+//! overload every caller gives up early, so a pool that lost a connection never gets it
+//! back: it drains to zero and stays there while Postgres is healthy (a metastable
+//! failure the overload trial found, goodput 0 until the load stopped). Here the work that
+//! makes a connection usable belongs to the pool, not to a caller:
+//!
+//! - **Opening** is a task of the pool's, bounded by its own connect timeout
+//!   ([`PoolOptions::connect_timeout`]), never by a caller's wait. Its connection goes to
+//!   the first caller still waiting, or to the idle stack if none is. A pool below its
+//!   size with callers waiting always has openings under way, retried (briefly spaced)
+//!   while callers wait and the failure is one that may pass (a restart, a failover).
+//! - **Verifying** a connection that may be broken (one last seen working before a
+//!   connection was lost: a restart breaks them all) is a ping, also a task of the pool's,
+//!   bounded by the round-trip timeout, once per connection per loss — not a ping per use
+//!   for a while, which under load keeps itself going.
+//! - **Waiting** is the caller's: FIFO, bounded by its own clock. A wait that timed out
+//!   because every connection was busy is load, and is said so ([`AcquireError::Busy`]);
+//!   it raises no suspicion, pings nothing, retires nothing.
+//!
+//! # What shrinks the pool, and why none of it feeds itself
+//!
+//! | path | when | refilled by |
+//! |---|---|---|
+//! | a use that ended in doubt ([`Checkout`] not settled) | a statement cut off, a lost connection, the round-trip bound | an opening, at once if anyone waits |
+//! | a failed verification | the ping after a loss failed or went unanswered | the same |
+//! | retirement | opened before the primary last moved; past its lifetime (jittered, so a pool opened at once does not retire at once) | the same |
+//! | idle reaping ([`Pool::reap_idle`]) | not taken for [`IDLE_TIMEOUT`]: never under load | the next wait |
+//!
+//! Suspicion is raised only by a connection that was really lost (an I/O error, the server
+//! ending the session) or could not be opened — never by a wait, a timeout under load, or
+//! a failed verification — and it costs at most one ping per pooled connection.
 
 use std::{
-    sync::{
-        Arc,
-        atomic::{AtomicU64, Ordering},
-    },
-    time::{Duration, Instant},
+    collections::VecDeque,
+    sync::{Arc, Mutex, MutexGuard},
+    time::Duration,
 };
 
-use deadpool::managed::{self, Metrics, RecycleError, RecycleResult};
 use sqlx::{Connection, PgConnection};
+use tokio::{sync::oneshot, time::Instant};
 
 use crate::primary::Primary;
 
-/// How long after a lost connection idle connections are pinged before use.
-pub const SUSPICION: Duration = Duration::from_secs(10);
-
-/// A connection older than this is closed rather than reused (sqlx's default lifetime):
-/// server-side memory a long session accumulates goes back, and connections spread again
-/// over whatever a DNS name resolves to now.
+/// A connection older than about this is closed rather than reused (sqlx's default
+/// lifetime): server-side memory a long session accumulates goes back, and connections
+/// spread again over whatever a DNS name resolves to now. Each connection's own lifetime
+/// is drawn within ±10% of it, so a pool opened in one burst is not reopened in one.
 pub const MAX_LIFETIME: Duration = Duration::from_secs(30 * 60);
 
 /// A connection not taken from the pool for this long is closed (sqlx's default idle
 /// timeout): a burst's connections do not stay open on the server for good.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(10 * 60);
 
-/// The pool.
-pub type Pool = managed::Pool<Connections>;
+/// The first pause between two failed openings while callers wait; doubled each time up to
+/// [`OPEN_PAUSE_MAX`].
+const OPEN_PAUSE_MIN: Duration = Duration::from_millis(5);
+
+/// The longest pause between two failed openings.
+const OPEN_PAUSE_MAX: Duration = Duration::from_millis(100);
+
+/// How the pool sizes and bounds its work.
+#[derive(Debug, Clone, Copy)]
+pub struct PoolOptions {
+    /// Connections at most, opened and opening.
+    pub max_size: usize,
+    /// The longest one opening may take (TCP, TLS, authentication, the primary check).
+    pub connect_timeout: Duration,
+    /// The longest a verifying ping may take.
+    pub ping_timeout: Duration,
+}
 
 /// One pooled connection.
 #[derive(Debug)]
-pub struct Pooled {
+struct Pooled {
     /// The connection.
     conn: PgConnection,
     /// When its opening began: a connection whose opening began before the primary moved
     /// may have been opened to the old one, however late it finished.
-    opening_began: Instant,
+    opening_began: std::time::Instant,
+    /// When it is retired ([`MAX_LIFETIME`], jittered).
+    retire_at: Instant,
+    /// When it last finished a use cleanly, or was opened or verified: a connection lost
+    /// after that makes it suspect.
+    last_ok: Instant,
 }
 
-/// Opens and recycles the key store's connections; see the module docs.
+/// Why no connection could be had.
+#[derive(Debug, thiserror::Error)]
+pub enum AcquireError {
+    /// Every connection was busy until the caller stopped waiting: load, not a fault.
+    #[error("every database connection is busy; none came free within the acquire timeout")]
+    Busy,
+    /// Openings were failing (the server down, restarting, or a standby now) while the
+    /// caller waited; the last failure.
+    #[error("no connection to Postgres could be opened: {0}")]
+    CannotOpen(sqlx::Error),
+    /// Opening failed in a way that will not pass by itself (bad credentials, a missing
+    /// database): said at once.
+    #[error("Postgres refused a connection: {0}")]
+    Refused(sqlx::Error),
+}
+
+/// What a waiting caller is handed.
+type Handoff = Result<InTransit, Arc<sqlx::Error>>;
+
+/// A connection on its way to a waiting caller. The caller may give up after it was sent
+/// and before it looked (its future dropped with the connection in the channel): then the
+/// connection comes back to the pool as it drops, instead of vanishing from the count.
 #[derive(Debug)]
-pub struct Connections {
-    /// Which host to open connections to.
-    primary: Arc<Primary>,
-    /// Whether idle connections are suspect right now.
-    suspicion: Arc<Suspicion>,
-    /// The longest a suspect connection's ping may take (the store's round-trip bound).
-    ping_timeout: Duration,
+struct InTransit {
+    /// The connection; taken by the caller that receives it.
+    pooled: Option<Pooled>,
+    /// Where it goes back if nobody takes it.
+    shared: Arc<Shared>,
 }
 
-impl Connections {
-    /// A manager opening connections to `primary`'s current host, pinging a suspect one
-    /// for at most `ping_timeout`.
-    pub fn new(primary: Arc<Primary>, suspicion: Arc<Suspicion>, ping_timeout: Duration) -> Self {
-        Self {
-            primary,
-            suspicion,
-            ping_timeout,
+impl InTransit {
+    fn take(mut self) -> Pooled {
+        self.pooled.take().expect("taken once")
+    }
+}
+
+impl Drop for InTransit {
+    fn drop(&mut self) {
+        if let Some(pooled) = self.pooled.take() {
+            self.shared.hand_over(pooled);
         }
     }
 }
 
-impl managed::Manager for Connections {
-    type Type = Pooled;
-    type Error = sqlx::Error;
+/// The pool's state, under one lock held only for bookkeeping (never across I/O).
+#[derive(Debug)]
+struct State {
+    /// Connections not in use, the most recently used last (taken from the end).
+    idle: Vec<Pooled>,
+    /// Connections that exist: idle, in use, or being verified.
+    open: usize,
+    /// Openings under way.
+    opening: usize,
+    /// Verifications under way (counted in `open` too).
+    verifying: usize,
+    /// Callers waiting, oldest first; a dropped receiver is a caller that gave up.
+    waiters: VecDeque<oneshot::Sender<Handoff>>,
+    /// When a connection was last lost (or could not be opened): a connection whose
+    /// `last_ok` is older is verified before use.
+    lost_at: Option<Instant>,
+    /// The last failed opening and when it failed, until one succeeds.
+    last_open_error: Option<(Instant, Arc<sqlx::Error>)>,
+}
 
-    async fn create(&self) -> Result<Pooled, sqlx::Error> {
-        let opening_began = Instant::now();
+impl State {
+    /// Callers still waiting (dropping those that gave up).
+    fn live_waiters(&mut self) -> usize {
+        self.waiters.retain(|w| !w.is_closed());
+        self.waiters.len()
+    }
+}
+
+/// What opening and verifying need; shared with the pool's tasks.
+#[derive(Debug)]
+struct Shared {
+    /// The bookkeeping.
+    state: Mutex<State>,
+    /// Which host to open connections to.
+    primary: Arc<Primary>,
+    /// Size and bounds.
+    options: PoolOptions,
+}
+
+/// The key store's pool; see the module docs. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Pool {
+    /// State and settings, shared with the pool's own tasks.
+    shared: Arc<Shared>,
+}
+
+/// The pool's size now, for `/metrics` and tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolStatus {
+    /// Connections that exist (idle, in use, being verified).
+    pub open: usize,
+    /// Of those, not in use.
+    pub idle: usize,
+    /// Openings under way.
+    pub opening: usize,
+    /// Callers waiting for a connection.
+    pub waiting: usize,
+}
+
+impl Pool {
+    /// An empty pool opening connections to `primary`'s current host.
+    pub fn new(primary: Arc<Primary>, options: PoolOptions) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                state: Mutex::new(State {
+                    idle: Vec::with_capacity(options.max_size),
+                    open: 0,
+                    opening: 0,
+                    verifying: 0,
+                    waiters: VecDeque::new(),
+                    lost_at: None,
+                    last_open_error: None,
+                }),
+                primary,
+                options,
+            }),
+        }
+    }
+
+    /// A connection, waiting until `by` at the latest. Giving up (the caller's future
+    /// dropped, or `by` passed) cancels only the wait: an opening or verification this
+    /// wait started goes on, and its connection goes to the next caller or the idle stack.
+    pub async fn acquire(&self, by: Instant) -> Result<Checkout, AcquireError> {
+        let began = Instant::now();
+        let receiver = {
+            let mut state = self.shared.lock();
+            loop {
+                let Some(pooled) = state.idle.pop() else {
+                    break;
+                };
+                match self.shared.judge(&state, &pooled) {
+                    Judgement::Ready => return Ok(Checkout::new(pooled, self.clone())),
+                    Judgement::Retire => {
+                        state.open -= 1;
+                        close_quietly(pooled);
+                    }
+                    Judgement::Verify => {
+                        state.verifying += 1;
+                        spawn(Arc::clone(&self.shared).verify(pooled));
+                    }
+                }
+            }
+            let (sender, receiver) = oneshot::channel();
+            state.waiters.push_back(sender);
+            self.shared.open_for_waiters(&mut state);
+            receiver
+        };
+        match tokio::time::timeout_at(by, receiver).await {
+            Ok(Ok(Ok(pooled))) => Ok(Checkout::new(pooled.take(), self.clone())),
+            Ok(Ok(Err(refused))) => Err(AcquireError::Refused(unshare(&refused))),
+            // The sender is only dropped with the pool.
+            Ok(Err(_)) => Err(AcquireError::Busy),
+            Err(_) => {
+                // Openings failing while this caller waited: the database's fault;
+                // otherwise every connection was busy.
+                let state = self.shared.lock();
+                Err(match &state.last_open_error {
+                    Some((at, error)) if *at >= began => AcquireError::CannotOpen(unshare(error)),
+                    _ => AcquireError::Busy,
+                })
+            }
+        }
+    }
+
+    /// A connection was lost (an I/O error, the server ended the session): a restart may
+    /// have broken every idle one, so each connection last seen working before now is
+    /// verified once before its next use.
+    pub fn connection_lost(&self) {
+        self.shared.lock().lost_at = Some(Instant::now());
+    }
+
+    /// The pool's size now.
+    pub fn status(&self) -> PoolStatus {
+        let mut state = self.shared.lock();
+        PoolStatus {
+            open: state.open,
+            idle: state.idle.len(),
+            opening: state.opening,
+            waiting: state.live_waiters(),
+        }
+    }
+
+    /// Closes, politely and within `bound` each, the idle connections not used for
+    /// [`IDLE_TIMEOUT`]; called now and then by the store's maintenance task.
+    pub fn reap_idle(&self, bound: Duration) {
+        let now = Instant::now();
+        let stale: Vec<Pooled> = {
+            let mut state = self.shared.lock();
+            let (stale, kept) = std::mem::take(&mut state.idle)
+                .into_iter()
+                .partition(|p| now.duration_since(p.last_ok) >= IDLE_TIMEOUT);
+            state.idle = kept;
+            state.open -= stale.len();
+            stale
+        };
+        for pooled in stale {
+            spawn(async move {
+                let _ = tokio::time::timeout(bound, pooled.conn.close()).await;
+            });
+        }
+    }
+
+    /// Takes `pooled` back after a clean use: to the first caller waiting, or idle.
+    fn release(&self, mut pooled: Pooled) {
+        pooled.last_ok = Instant::now();
+        self.shared.hand_over(pooled);
+    }
+
+    /// Forgets a connection whose state is in doubt (its socket closes as it drops, and
+    /// the server rolls back whatever it had open), and opens another if callers wait.
+    fn discard(&self) {
+        let mut state = self.shared.lock();
+        state.open -= 1;
+        self.shared.open_for_waiters(&mut state);
+    }
+}
+
+/// What to do with an idle connection about to be handed out.
+enum Judgement {
+    /// Use it.
+    Ready,
+    /// Close it: opened before the primary moved, or past its lifetime.
+    Retire,
+    /// Ping it first: last seen working before a connection was lost.
+    Verify,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn judge(&self, state: &State, pooled: &Pooled) -> Judgement {
+        if self
+            .primary
+            .opened_before_move(pooled.opening_began.elapsed())
+            || Instant::now() >= pooled.retire_at
+        {
+            Judgement::Retire
+        } else if state.lost_at.is_some_and(|lost| pooled.last_ok <= lost) {
+            Judgement::Verify
+        } else {
+            Judgement::Ready
+        }
+    }
+
+    /// Starts openings for callers that no opening or verification under way will serve,
+    /// within the pool's size.
+    fn open_for_waiters(self: &Arc<Self>, state: &mut State) {
+        let waiting = state.live_waiters();
+        while state.opening + state.verifying < waiting
+            && state.open + state.opening < self.options.max_size
+        {
+            state.opening += 1;
+            spawn(Arc::clone(self).open());
+        }
+    }
+
+    /// Gives `pooled` to the first caller still waiting, or puts it idle.
+    fn hand_over(self: &Arc<Self>, pooled: Pooled) {
+        let mut state = self.lock();
+        let mut pooled = pooled;
+        while let Some(waiter) = state.waiters.pop_front() {
+            let in_transit = InTransit {
+                pooled: Some(pooled),
+                shared: Arc::clone(self),
+            };
+            match waiter.send(Ok(in_transit)) {
+                Ok(()) => return,
+                // That caller gave up: the next one.
+                Err(back) => match back {
+                    Ok(back) => pooled = back.take(),
+                    Err(_) => unreachable!("a connection was sent"),
+                },
+            }
+        }
+        state.idle.push(pooled);
+    }
+
+    /// One opening, retried while callers wait and the failure may pass; see the module
+    /// docs.
+    async fn open(self: Arc<Self>) {
+        let mut pause = OPEN_PAUSE_MIN;
+        loop {
+            let opened = tokio::time::timeout(self.options.connect_timeout, self.connect())
+                .await
+                .unwrap_or_else(|_| {
+                    Err(sqlx::Error::Io(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!(
+                            "opening a connection took longer than {:?}",
+                            self.options.connect_timeout
+                        ),
+                    )))
+                });
+            match opened {
+                Ok(pooled) => {
+                    {
+                        let mut state = self.lock();
+                        state.opening -= 1;
+                        state.open += 1;
+                        state.last_open_error = None;
+                    }
+                    self.hand_over(pooled);
+                    return;
+                }
+                Err(error) => {
+                    // The server may have restarted (idle connections broken) or moved.
+                    self.primary.suspect();
+                    let transient = opening_may_succeed_later(&error);
+                    let error = Arc::new(error);
+                    let mut state = self.lock();
+                    state.lost_at = Some(Instant::now());
+                    state.last_open_error = Some((Instant::now(), Arc::clone(&error)));
+                    if !transient {
+                        state.opening -= 1;
+                        for waiter in state.waiters.drain(..) {
+                            let _ = waiter.send(Err(Arc::clone(&error)));
+                        }
+                        return;
+                    }
+                    // Tried again only while someone waits that this opening is for.
+                    if state.live_waiters() <= state.opening - 1 + state.verifying {
+                        state.opening -= 1;
+                        return;
+                    }
+                }
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(OPEN_PAUSE_MAX);
+        }
+    }
+
+    /// A new connection to the primary as it is named now; see [`Primary::check`].
+    async fn connect(&self) -> Result<Pooled, sqlx::Error> {
+        let opening_began = std::time::Instant::now();
         let mut conn = PgConnection::connect_with(&self.primary.options()).await?;
         self.primary.check(&mut conn).await?;
         // Begun with the old primary's options and finished after the move: perhaps to a
@@ -98,30 +441,68 @@ impl managed::Manager for Connections {
                 "opened while the primary moved, perhaps to the old one",
             )));
         }
+        let lifetime = MAX_LIFETIME.mul_f64(rand::random_range(0.9..1.1));
+        let now = Instant::now();
         Ok(Pooled {
             conn,
             opening_began,
+            retire_at: now + lifetime,
+            last_ok: now,
         })
     }
 
-    async fn recycle(&self, pooled: &mut Pooled, _: &Metrics) -> RecycleResult<sqlx::Error> {
-        let age = pooled.opening_began.elapsed();
-        if self.primary.opened_before_move(age) {
-            return Err(RecycleError::message(
-                "opened before the primary moved: perhaps to the old one",
-            ));
+    /// Pings a suspect connection: back into circulation if it answers within the ping
+    /// timeout, else closed (and replaced if callers wait).
+    async fn verify(self: Arc<Self>, mut pooled: Pooled) {
+        let answered = tokio::time::timeout(self.options.ping_timeout, pooled.conn.ping()).await;
+        let mut state = self.lock();
+        state.verifying -= 1;
+        if let Ok(Ok(())) = answered {
+            drop(state);
+            pooled.last_ok = Instant::now();
+            self.hand_over(pooled);
+        } else {
+            state.open -= 1;
+            self.open_for_waiters(&mut state);
+            drop(state);
+            close_quietly(pooled);
         }
-        if age > MAX_LIFETIME {
-            return Err(RecycleError::message("older than the connection lifetime"));
-        }
-        // A failed ping retires this connection; the pool then tries the next idle one or
-        // opens a fresh one.
-        if self.suspicion.active() {
-            tokio::time::timeout(self.ping_timeout, pooled.conn.ping())
-                .await
-                .map_err(|_| RecycleError::message("the ping went unanswered"))??;
-        }
-        Ok(())
+    }
+}
+
+/// Runs `task` on the runtime, if there still is one (a checkout dropped while the
+/// process stops has nobody left to open for).
+fn spawn(task: impl Future<Output = ()> + Send + 'static) {
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        runtime.spawn(task);
+    }
+}
+
+/// Drops a connection without a round trip: its socket closes now.
+fn close_quietly(pooled: Pooled) {
+    drop(pooled);
+}
+
+/// A copy of a shared error good enough to report (its text, and its kind where the
+/// classification needs it).
+fn unshare(error: &sqlx::Error) -> sqlx::Error {
+    match error {
+        sqlx::Error::Io(io) => sqlx::Error::Io(std::io::Error::new(io.kind(), io.to_string())),
+        other => sqlx::Error::Protocol(other.to_string()),
+    }
+}
+
+/// Whether opening a connection that failed with `error` may work if tried again shortly:
+/// the server unreachable, restarting, refusing connections for now or out of them, or a
+/// standby (the primary is moving). Bad credentials or a missing database are answered at
+/// once.
+pub fn opening_may_succeed_later(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) => true,
+        sqlx::Error::Database(db) => db.code().is_some_and(|code| {
+            code.starts_with("08") || code.starts_with("53") || code.starts_with("57P")
+        }),
+        _ => false,
     }
 }
 
@@ -131,24 +512,25 @@ impl managed::Manager for Connections {
 /// cancelled BEGIN leaves the session inside a transaction that sqlx does not know about).
 pub struct Checkout {
     /// The pooled connection; taken only by `drop`.
-    pooled: Option<managed::Object<Connections>>,
+    pooled: Option<Pooled>,
+    /// Where it goes back.
+    pool: Pool,
     /// Whether the connection's state is known to be clean.
     settled: bool,
 }
 
 impl Checkout {
-    /// A connection just taken from the pool, its state not yet known to be clean.
-    pub fn new(pooled: managed::Object<Connections>) -> Self {
+    fn new(pooled: Pooled, pool: Pool) -> Self {
         Self {
             pooled: Some(pooled),
+            pool,
             settled: false,
         }
     }
 
     /// The connection.
     pub fn get(&mut self) -> &mut PgConnection {
-        let pooled = self.pooled.as_mut().expect("taken only when dropped");
-        &mut pooled.conn
+        &mut self.pooled.as_mut().expect("taken only when dropped").conn
     }
 
     /// Marks the use as over: when dropped, the connection goes back to the pool if
@@ -163,58 +545,14 @@ impl Drop for Checkout {
         let Some(pooled) = self.pooled.take() else {
             return;
         };
-        if !self.settled {
-            // Out of the pool's count, then dropped: the socket closes now, with no round
-            // trip to a server that may not answer, and the server rolls back what was open.
-            drop(managed::Object::take(pooled));
+        if self.settled {
+            // Back with no I/O.
+            self.pool.release(pooled);
+        } else {
+            // The socket closes now, with no round trip to a server that may not answer,
+            // and the server rolls back what was open.
+            close_quietly(pooled);
+            self.pool.discard();
         }
-        // Settled: dropping the object gives the connection back, with no I/O.
-    }
-}
-
-/// Closes, politely and within `bound` each, the idle connections not taken from the pool
-/// for [`IDLE_TIMEOUT`]; called now and then by the store's maintenance task.
-pub fn reap_idle(pool: &Pool, bound: Duration) {
-    let idle = pool.retain(|_, metrics| metrics.last_used() < IDLE_TIMEOUT);
-    for pooled in idle.removed {
-        tokio::spawn(async move {
-            let _ = tokio::time::timeout(bound, pooled.conn.close()).await;
-        });
-    }
-}
-
-/// After a connection was lost, idle connections are suspect (a restart broke them all)
-/// until this window closes: each is pinged before use.
-#[derive(Debug)]
-pub struct Suspicion {
-    /// The clock's origin.
-    since: Instant,
-    /// Until when (ms after `since`) idle connections are pinged before use.
-    until_ms: AtomicU64,
-}
-
-impl Default for Suspicion {
-    fn default() -> Self {
-        Self {
-            since: Instant::now(),
-            until_ms: AtomicU64::new(0),
-        }
-    }
-}
-
-impl Suspicion {
-    fn now_ms(&self) -> u64 {
-        self.since.elapsed().as_millis() as u64
-    }
-
-    /// A connection was just lost: suspect idle ones for [`SUSPICION`] from now.
-    pub fn raise(&self) {
-        let until = self.now_ms() + SUSPICION.as_millis() as u64;
-        self.until_ms.fetch_max(until, Ordering::Relaxed);
-    }
-
-    /// Whether idle connections are suspect now.
-    pub fn active(&self) -> bool {
-        self.now_ms() < self.until_ms.load(Ordering::Relaxed)
     }
 }

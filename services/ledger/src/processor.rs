@@ -1,14 +1,33 @@
-//! The payment processor, simulated in process. Its calls are the "bottom calls" whose
-//! count shows how retries multiply; it obeys the ledger's faults.
+//! The payment processor, simulated in process, behaving as a provider does. Its calls are
+//! the "bottom calls" whose count shows how retries multiply; it obeys the ledger's faults.
+//!
+//! Like a real provider's idempotency (Stripe's, Adyen's), it remembers every processor
+//! key with the parameters it was first called with, in a record of its own that outlives
+//! a crash of the ledger (the `processor_charges` table: a provider's database, kept in
+//! the ledger's for want of a second system):
+//!
+//! - a repeat with the same parameters is answered as the first call was — it charges
+//!   nothing again (the ledger resumes a charge this way after a crash or a timeout);
+//! - a repeat with other parameters is refused, FAILED_PRECONDITION, and counted
+//!   (`processor_conflicts` on the ledger's Control stats): the ledger binds a key to its
+//!   parameters from the first attempt, so it must never happen.
+//!
+//! The faults, in the order a call meets them: `fail_rate` (the call fails before it
+//! reaches the processor: nothing recorded), `processor_capacity` (busy: RESOURCE_EXHAUSTED,
+//! nothing recorded), `delay_ms` (the processor's time), the record (the charge happens),
+//! `processor_lost_answer_rate` (charged, but the answer is lost: UNAVAILABLE).
 
 use std::sync::{
     Arc,
     atomic::{AtomicU32, Ordering},
 };
 
-use resilience::Attempt;
-use retrychain_node::{AccountId, IdempotencyKey, Node, faults::failure};
+use rand::RngExt;
+use resilience::{Attempt, Deadline};
+use retrychain_node::{AccountId, IdempotencyKey, Node, faults::failure, stats::Counters};
 use tonic::{Code, Status};
+
+use crate::store::{KeyStore, ProcessorCharge, StoreError};
 
 /// The idempotency key the processor receives: the client's key scoped to its account.
 ///
@@ -38,11 +57,13 @@ impl std::fmt::Display for ProcessorKey {
     }
 }
 
-/// A processor that succeeds unless the faults say otherwise.
+/// A processor that charges unless the faults say otherwise; see the module docs.
 #[derive(Debug)]
 pub struct Processor {
-    /// The ledger's node: its faults steer this processor.
+    /// The ledger's node: its faults steer this processor, its counters count conflicts.
     node: Arc<Node>,
+    /// Where the processor keeps its record.
+    record: KeyStore,
     /// Calls running now, against `processor_capacity`.
     in_flight: AtomicU32,
 }
@@ -57,20 +78,20 @@ impl Drop for Slot<'_> {
 }
 
 impl Processor {
-    /// A processor steered by `node`'s faults.
-    pub fn new(node: Arc<Node>) -> Self {
+    /// A processor steered by `node`'s faults, keeping its record through `record`.
+    pub fn new(node: Arc<Node>, record: KeyStore) -> Self {
         Self {
             node,
+            record,
             in_flight: AtomicU32::new(0),
         }
     }
 
-    /// One processor call for the charge under `key`: may fail (`fail_rate`), may be busy
-    /// (`processor_capacity`), takes `delay_ms`. The retry executor bounds it by the
-    /// attempt's timeout. The key goes with the call, as it would to a real processor: if
-    /// the ledger's transaction rolls back after the processor succeeded, the retry's
-    /// processor call carries the same key and a real processor would not charge again.
-    pub async fn charge(&self, attempt: Attempt, key: &ProcessorKey) -> Result<(), Status> {
+    /// One processor call: may fail before reaching the processor (`fail_rate`), may find
+    /// it busy (`processor_capacity`), takes `delay_ms`, charges (or answers a repeat of a
+    /// key as before), may lose its answer. The retry executor bounds it by the attempt's
+    /// timeout.
+    pub async fn charge(&self, attempt: Attempt, call: &ProcessorCharge) -> Result<(), Status> {
         let name = &self.node.name;
         if let Some(status) = self.node.faults.injected_failure(name) {
             return Err(status);
@@ -92,11 +113,41 @@ impl Processor {
         if !delay.is_zero() {
             tracing::debug!(
                 attempt = attempt.number,
-                %key,
+                key = %call.key,
                 delay_ms = faults.delay_ms,
                 "processor working"
             );
             tokio::time::sleep(delay).await;
+        }
+        let deadline = attempt.deadline.map_or_else(
+            || Deadline::after(std::time::Duration::from_secs(5)),
+            Deadline::at,
+        );
+        let first_amount = self
+            .record
+            .processor_record(call, deadline)
+            .await
+            .map_err(|error| {
+                let message = format!(
+                    "payment processor unreachable: its record could not be written ({error})"
+                );
+                match error {
+                    StoreError::DeadlineWhileWaiting(_) => Status::deadline_exceeded(message),
+                    _ => Status::unavailable(message),
+                }
+            })?;
+        if first_amount != call.amount_cents {
+            Counters::bump(&self.node.counters.processor_conflicts);
+            return Err(Status::failed_precondition(format!(
+                "payment processor: key {} was first used with amount_cents={first_amount}, this call has amount_cents={}; refused",
+                call.key, call.amount_cents
+            )));
+        }
+        let lost = faults.processor_lost_answer_rate;
+        if lost > 0.0 && rand::rng().random_bool(lost.min(1.0)) {
+            return Err(Status::unavailable(
+                "payment processor: the call's answer was lost (it charged); retry with the same key",
+            ));
         }
         Ok(())
     }

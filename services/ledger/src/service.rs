@@ -1,5 +1,6 @@
 //! The ledger's `Payments` service: validation, the processor under the retry mode's
-//! policy, the key store, and the one place store errors become statuses.
+//! policy, the key store's phases, the completer of abandoned charges, and the one place
+//! store errors become statuses.
 
 use std::{sync::Arc, time::Duration};
 
@@ -22,14 +23,16 @@ use tracing::Instrument;
 
 use crate::{
     processor::{Processor, ProcessorKey},
-    store::{ChargeOutcome, InFlight, KeyStore, SavedReply, StoreError},
+    store::{
+        ChargeOutcome, InFlight, KeyStore, KeyedCharge, ProcessorCharge, SavedReply, StoreError,
+    },
 };
 
 /// The method whose policy the processor's calls follow: they are Charge's bottom calls.
 const CHARGE: &str = "/retrychain.v1.Payments/Charge";
 
 /// The processor as a tower service, one attempt per call: what the retry engine drives.
-type ProcessorService = BoxCloneSyncService<AttemptRequest<ProcessorKey>, (), Status>;
+type ProcessorService = BoxCloneSyncService<AttemptRequest<ProcessorCharge>, (), Status>;
 
 /// The bottom of the chain.
 #[derive(Debug, Clone)]
@@ -65,9 +68,9 @@ impl Ledger {
         in_flight: InFlight,
     ) -> Self {
         let _ = node.database.set(Arc::new(store.clone()));
-        let processor = Arc::new(Processor::new(Arc::clone(&node)));
+        let processor = Arc::new(Processor::new(Arc::clone(&node), store.clone()));
         let service: ProcessorService = BoxCloneSyncService::new(tower::service_fn(
-            move |call: AttemptRequest<ProcessorKey>| {
+            move |call: AttemptRequest<ProcessorCharge>| {
                 let processor = Arc::clone(&processor);
                 async move { processor.charge(call.attempt, &call.request).await }
             },
@@ -96,10 +99,9 @@ impl Ledger {
         &self.store
     }
 
-    /// One charge: the key store's transaction with the processor call(s) inside it, under
-    /// the mode's retry policy, and its counters. Processor attempts and lock waits end at
-    /// `answer_by`, less the margin, which leaves the last statements and the commit their
-    /// time before this service must answer.
+    /// One charge: the key store's phases with the processor call(s) between them, under
+    /// the mode's retry policy, and its counters. Processor attempts end at `answer_by`,
+    /// less the margin, which leaves phase 2 its time before this service must answer.
     async fn charge_once(
         &self,
         account: AccountId,
@@ -112,15 +114,36 @@ impl Ledger {
             RetryMode::EveryLayer => &self.every_layer,
             RetryMode::EdgeOnly => &self.single,
         };
-        let call = CallRequest {
-            request: ProcessorKey::new(&account, &key),
-            deadline: Some(answer_by.earlier_by(self.margin).instant()),
-        };
+        let processor_key = ProcessorKey::new(&account, &key);
+        let deadline = Some(answer_by.earlier_by(self.margin).instant());
+        let faults = &self.node.faults;
         let outcome = self
             .store
-            .charge(&account, &key, amount, answer_by, self.in_flight, || {
-                processor.clone().oneshot(call)
-            })
+            .charge(
+                KeyedCharge {
+                    account: &account,
+                    key: &key,
+                    amount,
+                    deadline: answer_by,
+                    in_flight: self.in_flight,
+                    processor_key: processor_key.as_str(),
+                },
+                |call| {
+                    let called = processor.clone().oneshot(CallRequest {
+                        request: call,
+                        deadline,
+                    });
+                    async move {
+                        called.await?;
+                        // A test's window between the processor's answer and phase 2.
+                        let hold = faults.current().finish_delay_ms;
+                        if hold > 0 {
+                            tokio::time::sleep(Duration::from_millis(u64::from(hold))).await;
+                        }
+                        Ok(())
+                    }
+                },
+            )
             .await?;
         // The outcome goes on the request's one log line (its span's fields), not a line
         // of its own: `charge_id` and `balance_cents` there, `replayed=true` on a replay.
@@ -175,8 +198,27 @@ impl From<StoreError> for Status {
                 resilience::wire::mark_relayed(status.metadata_mut());
                 status
             }
-            StoreError::Purged => Status::aborted(message),
-            StoreError::Unavailable(_) => {
+            // A processor refusal saved with the key, replayed as a saved reply would be.
+            StoreError::Failed { code, message } => {
+                let mut status = Status::new(code, message);
+                resilience::wire::mark_relayed(status.metadata_mut());
+                status.metadata_mut().insert(
+                    MetadataKey::from_static(IDEMPOTENT_REPLAYED),
+                    MetadataValue::from_static("true"),
+                );
+                status
+            }
+            // Every connection busy: an overload, refused as the admission layer refuses
+            // (marked, so no balancer ejects this replica for it, and every limit above
+            // takes it as backpressure), with a short pushback: connections come free
+            // every few milliseconds.
+            StoreError::Busy(_) => {
+                let mut status = Status::unavailable(message);
+                resilience::wire::mark_overloaded(status.metadata_mut());
+                resilience::wire::set_pushback(&mut status, 1);
+                status
+            }
+            StoreError::Unavailable(_) | StoreError::Lost(_) => {
                 tracing::warn!(%message, "database unavailable");
                 Status::unavailable(message)
             }
@@ -260,6 +302,33 @@ impl Payments for Ledger {
                 }))
             })
             .await
+    }
+}
+
+/// Resumes abandoned charges (keys left started, their lease passed a while ago, nobody
+/// back for them) every second until the process ends; see `store::KeyStore::complete_abandoned`.
+pub async fn run_completer(ledger: Ledger) {
+    let mut ticker = tokio::time::interval(Duration::from_secs(1));
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let processor = ledger.single.clone();
+    loop {
+        ticker.tick().await;
+        let completed = ledger
+            .store
+            .complete_abandoned(16, |call| {
+                processor.clone().oneshot(CallRequest {
+                    request: call,
+                    deadline: Some(tokio::time::Instant::now() + crate::store::COMPLETER_CALL),
+                })
+            })
+            .await;
+        match completed {
+            Ok(0) => {}
+            Ok(taken) => tracing::info!(taken, "completer took over abandoned charges"),
+            Err(error) => {
+                tracing::warn!(%error, "completer could not look for abandoned charges; will try again")
+            }
+        }
     }
 }
 

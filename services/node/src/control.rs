@@ -33,7 +33,7 @@ impl Control for ControlService {
         // Counters only. The retry budget is protection, not a statistic: if resetting the
         // counters refilled it, anyone who can call Control could switch the budget off
         // during an outage by calling ResetStats in a loop.
-        self.node.counters.reset();
+        self.node.reset_stats();
         Ok(Response::new(self.node.stats()))
     }
 

@@ -113,10 +113,15 @@ impl AccountId {
     /// - a dot above on i, j or a dotless ı (`alı̇ce`, `ali̇ce` beside `alice`), the same
     ///   nonspacing mark twice in a row, or more than four in a row (UTS #39 §5.4).
     ///
-    /// Ids written wholly in one non-Latin script that happen to look like a Latin word are
-    /// still different accounts, as they are in every system that names things in more than
-    /// one script. Zero-width joiners are refused with the other format characters, so the
-    /// Persian and Indic spellings that use one must be written without it.
+    /// - ids written wholly in a non-Latin script whose every letter looks like a Latin
+    ///   ASCII one (UTS #39 §4, whole-script confusables: Cyrillic `асе` beside `ace`, Greek
+    ///   `ΑΒΕ` beside `ABE`): refused, not folded, so that one account has one spelling
+    ///   and a Cyrillic or Greek id is never silently charged as its Latin look-alike. An
+    ///   id with at least one letter that has no Latin look-alike (`привет`, `Ωμέγα`) is
+    ///   its own account.
+    ///
+    /// Zero-width joiners are refused with the other format characters, so the Persian
+    /// and Indic spellings that use one must be written without it.
     pub fn parse(raw: &str) -> Result<Self, InvalidInput> {
         let refuse = |why: String| Err(InvalidInput::Account(why));
         if raw.is_empty() {
@@ -141,7 +146,8 @@ impl AccountId {
             let why = confusable_marks(raw)
                 .or_else(|| mixed_digits(raw))
                 .or_else(|| not_nfc(raw))
-                .or_else(|| mixed_scripts(raw));
+                .or_else(|| mixed_scripts(raw))
+                .or_else(|| whole_script_look_alike(raw));
             if let Some(why) = why {
                 return refuse(why);
             }
@@ -221,6 +227,36 @@ fn mixed_scripts(raw: &str) -> Option<String> {
         .check_restriction_level(RestrictionLevel::HighlyRestrictive))
     .then(|| {
         "must not mix letters of different scripts (a Cyrillic а among Latin letters, say)".into()
+    })
+}
+
+/// Why `raw`, written in one script other than Latin, is refused as a whole-script
+/// look-alike of an ASCII spelling (UTS #39 §4), if it is: every letter's confusable
+/// skeleton is an ASCII letter.
+fn whole_script_look_alike(raw: &str) -> Option<String> {
+    use unicode_script::{Script, UnicodeScript};
+    let letters: String = raw.chars().filter(|c| c.is_alphabetic()).collect();
+    let script = letters
+        .chars()
+        .map(|c| c.script())
+        .find(|s| !matches!(s, Script::Common | Script::Inherited))?;
+    if script == Script::Latin {
+        return None;
+    }
+    // Every letter's skeleton ASCII letters, marks included: Cyrillic `в` is confusable
+    // with the small capital `ʙ`, which is Latin but no one's spelling of an ASCII id
+    // (`Москва` stays its own), and Greek `ή` with `ń`, not `n`.
+    let mut buf = [0u8; 4];
+    let ascii_look_alike = letters.chars().all(|c| {
+        let skeleton: String = unicode_security::skeleton(c.encode_utf8(&mut buf)).collect();
+        !skeleton.is_empty() && skeleton.chars().all(|p| p.is_ascii_alphabetic())
+    });
+    let skeleton: String = unicode_security::skeleton(&letters).collect();
+    ascii_look_alike.then(|| {
+        format!(
+            "is written in {} letters that all look like Latin ones ({letters:?} looks like {skeleton:?}: a whole-script confusable, UTS #39); one account has one spelling, so write it in Latin",
+            script.full_name()
+        )
     })
 }
 
@@ -403,6 +439,11 @@ mod tests {
             ("café", "café\u{0301}"),          // the mark twice
             ("100", "1\u{0966}\u{0966}"),      // Devanagari zeros among ASCII digits
             ("১০০", "১\u{0966}\u{0966}"),      // Bengali one, Devanagari zeros
+            ("ace", "асе"),                    // wholly Cyrillic
+            ("ABE", "ΑΒΕ"),                    // wholly Greek
+            ("xopo", "хоро"),                  // wholly Cyrillic
+            ("ace 7", "асе 7"),                // wholly Cyrillic letters, an ASCII digit
+            ("TOP", "ТОР"),                    // Cyrillic capitals
         ] {
             assert!(AccountId::parse(plain).is_ok(), "{plain:?}");
             let refused = AccountId::parse(look_alike).expect_err(look_alike);
@@ -423,6 +464,8 @@ mod tests {
             "İstanbul",
             "Işık",
             "Nguyễn",
+            "привет",
+            "Αθήνα",
         ] {
             assert!(AccountId::parse(fine).is_ok(), "{fine:?}");
         }

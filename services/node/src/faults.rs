@@ -39,6 +39,10 @@ pub struct FaultPlan {
     pub drop_reply_rate: f64,
     /// Ledger: processor calls served at once (0: no limit).
     pub processor_capacity: u32,
+    /// Ledger: probability that the processor charges and its answer is lost.
+    pub processor_lost_answer_rate: f64,
+    /// Ledger: the hold between the processor's answer and phase 2, in ms.
+    pub finish_delay_ms: u32,
 }
 
 impl Default for FaultPlan {
@@ -51,6 +55,8 @@ impl Default for FaultPlan {
             delay_ms: 0,
             drop_reply_rate: 0.0,
             processor_capacity: 0,
+            processor_lost_answer_rate: 0.0,
+            finish_delay_ms: 0,
         }
     }
 }
@@ -76,6 +82,10 @@ impl FaultSwitch {
         for (name, rate) in [
             ("fail_rate", faults.fail_rate),
             ("drop_reply_rate", faults.drop_reply_rate),
+            (
+                "processor_lost_answer_rate",
+                faults.processor_lost_answer_rate,
+            ),
         ] {
             if !(0.0..=1.0).contains(&rate) {
                 return Err(Status::invalid_argument(format!(
@@ -92,6 +102,8 @@ impl FaultSwitch {
             delay_ms: faults.delay_ms,
             drop_reply_rate: faults.drop_reply_rate,
             processor_capacity: faults.processor_capacity,
+            processor_lost_answer_rate: faults.processor_lost_answer_rate,
+            finish_delay_ms: faults.finish_delay_ms,
         };
         *self
             .plan

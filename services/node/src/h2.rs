@@ -22,14 +22,22 @@ use futures::{Stream, StreamExt, future::Either};
 use hyper::body::Incoming;
 use hyper_util::{
     rt::{TokioExecutor, TokioIo, TokioTimer},
-    server::graceful::GracefulShutdown,
     service::TowerToHyperService,
 };
 use tokio::io::{AsyncRead, AsyncWrite};
 use tonic::{body::Body, server::NamedService, service::Routes};
 use tower::{Service, ServiceExt};
 
-/// The HTTP/2 settings of a port that faces untrusted clients (the README's table).
+use crate::{
+    authz::PeerIdentity,
+    limits::{Counted, Handshake},
+};
+use retrychain_tls::Tls;
+
+/// The longest a TLS handshake may take on an accepted connection before it is closed.
+pub const HANDSHAKE_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The HTTP/2 settings of a port that faces untrusted clients (docs/contract.md's table).
 #[derive(Debug, Clone, Copy)]
 pub struct Http2Settings {
     /// Concurrent streams (calls) per connection.
@@ -57,10 +65,19 @@ pub struct Http2Settings {
 /// them).
 /// An error `service` answers with (rather than a response) resets the call's stream, as
 /// under tonic's server; the node's stack answers its own refusals as gRPC statuses.
-pub async fn serve_h2<I, IO, S, B, F>(incoming: I, service: S, settings: Http2Settings, shutdown: F)
-where
+///
+/// With `tls`, each connection first completes a TLS handshake (in its own task, within
+/// [`HANDSHAKE_WITHIN`], so a slow or silent client holds up nobody else), and every request
+/// on it carries the caller's [`PeerIdentity`]; a failed handshake closes the connection.
+pub async fn serve_h2<I, IO, S, B, F>(
+    incoming: I,
+    service: S,
+    settings: Http2Settings,
+    tls: Option<Tls>,
+    shutdown: F,
+) where
     I: Stream<Item = std::io::Result<IO>>,
-    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    IO: AsyncRead + AsyncWrite + Handshake + Unpin + Send + 'static,
     S: Service<http::Request<Body>, Response = http::Response<B>> + Clone + Send + 'static,
     S::Error: Into<tower::BoxError>,
     S::Future: Send + 'static,
@@ -78,7 +95,10 @@ where
         .max_local_error_reset_streams(Some(settings.max_local_error_reset_streams))
         .keep_alive_interval(Some(settings.keepalive_interval))
         .keep_alive_timeout(settings.keepalive_timeout);
-    let connections = GracefulShutdown::new();
+    // Stopping: `stop` tells every connection to send its GOAWAY; each connection's task
+    // holds a clone of `open`, so `all_closed` ends once the last one has closed.
+    let (stop, _) = tokio::sync::watch::channel(false);
+    let (open, mut all_closed) = tokio::sync::mpsc::channel::<()>(1);
     let mut incoming = Box::pin(incoming);
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
@@ -93,20 +113,102 @@ where
                 None => break,
             },
         };
-        let service = TowerToHyperService::new(
-            service
-                .clone()
-                .map_request(|request: http::Request<Incoming>| request.map(Body::new)),
-        );
-        let connection = connections.watch(builder.serve_connection(TokioIo::new(io), service));
+        let (stopping, open) = (stop.subscribe(), open.clone());
+        let Some(tls) = &tls else {
+            let service = TowerToHyperService::new(
+                service
+                    .clone()
+                    .map_request(|request: http::Request<Incoming>| request.map(Body::new)),
+            );
+            let connection = builder.serve_connection(TokioIo::new(io), service);
+            tokio::spawn(async move {
+                let _open = open;
+                serve_until(connection, stopping, std::future::pending()).await;
+            });
+            continue;
+        };
+        let (tls, service, builder) = (tls.clone(), service.clone(), builder.clone());
+        let mut io = io;
+        let activity = io.activity();
+        io.handshake_starts();
         tokio::spawn(async move {
-            if let Err(error) = connection.await {
-                tracing::debug!(%error, "a connection ended with an error");
-            }
+            let _open = open;
+            // Material renewed after this handshake: the connection is closed gracefully,
+            // so its client reconnects on the new (a rotated-out certificate or authority
+            // stops authenticating anything within one call's time).
+            let renewed = tls.renewed();
+            let (mut stream, identity) = match tokio::time::timeout(
+                HANDSHAKE_WITHIN,
+                retrychain_tls::accept(&tls, io),
+            )
+            .await
+            {
+                Ok(Ok(accepted)) => accepted,
+                Ok(Err(error)) => {
+                    tracing::info!(%error, "a TLS handshake failed: connection closed");
+                    return;
+                }
+                Err(_) => {
+                    tracing::info!(within = ?HANDSHAKE_WITHIN, "a TLS handshake did not finish in time: connection closed");
+                    return;
+                }
+            };
+            stream.get_mut().0.handshake_done();
+            let peer = PeerIdentity(identity);
+            let service = TowerToHyperService::new(service.map_request(
+                move |request: http::Request<Incoming>| {
+                    let mut request = request.map(Body::new);
+                    request.extensions_mut().insert(peer.clone());
+                    request
+                },
+            ));
+            // The plaintext is what tells a connection that makes requests from one that
+            // only holds a slot.
+            let stream = Counted::new(stream, activity);
+            let connection = builder.serve_connection(TokioIo::new(stream), service);
+            serve_until(connection, stopping, renewed).await;
         });
     }
     drop(incoming);
-    connections.shutdown().await;
+    let _ = stop.send(true);
+    drop(open);
+    let _ = all_closed.recv().await;
+}
+
+/// Serves `connection` until it ends; when the server stops (`stop`) or `renewed`
+/// completes, it is sent a GOAWAY first (calls in flight finish, no new ones start).
+async fn serve_until<I, S, B, E>(
+    connection: hyper::server::conn::http2::Connection<I, S, E>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+    renewed: impl Future<Output = ()>,
+) where
+    S: hyper::service::HttpService<Incoming, ResBody = B>,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    I: hyper::rt::Read + hyper::rt::Write + Unpin,
+    B: http_body::Body + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    E: hyper::rt::bounds::Http2ServerConnExec<S::Future, B>,
+{
+    let mut connection = std::pin::pin!(connection);
+    let mut renewed = std::pin::pin!(renewed);
+    let mut closing = false;
+    let ended = loop {
+        tokio::select! {
+            ended = connection.as_mut() => break ended,
+            _ = stop.wait_for(|stop| *stop), if !closing => {
+                connection.as_mut().graceful_shutdown();
+                closing = true;
+            }
+            () = &mut renewed, if !closing => {
+                tracing::debug!("TLS material renewed: a connection made with the old one is closed (GOAWAY; its calls finish)");
+                connection.as_mut().graceful_shutdown();
+                closing = true;
+            }
+        }
+    };
+    if let Err(error) = ended {
+        tracing::debug!(%error, "a connection ended with an error");
+    }
 }
 
 /// Sends a call for `P`'s service straight to it, and every other request to `others`

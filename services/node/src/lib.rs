@@ -20,6 +20,8 @@
 //! - [`telemetry`]: log set-up.
 //! - [`log_writer`]: where log lines go: stdout, in batches, from a thread of their own.
 
+pub mod admin_tls;
+pub mod authz;
 pub mod control;
 pub mod domain;
 pub mod faults;

@@ -1,6 +1,7 @@
 //! What a service facing untrusted clients bounds, below gRPC: how many connections it
 //! holds (in all and per peer), how long a connection may take to say it speaks HTTP/2,
-//! how many requests it serves at once, how large a request's metadata may be. Deadlines (how long a request may take to arrive and be
+//! how large a request's metadata may be (how many requests it serves at once is the
+//! adaptive concurrency limit's, `resilience::admission`). Deadlines (how long a request may take to arrive and be
 //! answered) are `resilience::DeadlineLayer`'s; the HTTP/2 settings are in
 //! [`crate::server`].
 //!
@@ -13,10 +14,7 @@
 use std::{
     io,
     pin::Pin,
-    sync::{
-        Arc,
-        atomic::{AtomicUsize, Ordering},
-    },
+    sync::Arc,
     task::{Context, Poll},
     time::Duration,
 };
@@ -36,17 +34,16 @@ pub struct ConnectionLimits {
     /// Connections held at once; past it, new ones wait in the kernel's accept queue until
     /// one closes.
     pub max_connections: usize,
-    /// Connections held at once from one IP address; past it, a new one from that address
-    /// is closed at once. Without it, one client could take every slot of
-    /// `max_connections` and lock everybody else out.
+    /// Connections held at once from one IP address. Past it, the oldest of that
+    /// address's idle connections (none has sent a request) is closed to make room; if
+    /// all of them have sent requests, the new one is closed at once. Without it, one
+    /// client could take every slot of `max_connections` and lock everybody else out;
+    /// without the eviction, 256 idle sockets from an address (a NAT, a load balancer, an
+    /// attacker on the same host) would lock out every other client behind it.
     pub max_per_peer: usize,
     /// How long a new connection may take to send the HTTP/2 preface and its first SETTINGS
     /// frame before it is closed: a real client sends them at once.
     pub preface_within: Duration,
-    /// Requests being served at once, over all connections; past it, a new request is
-    /// answered RESOURCE_EXHAUSTED at once. It bounds the memory that unfinished requests
-    /// can hold (each up to the message limit), whatever the number of connections.
-    pub max_in_flight: usize,
 }
 
 impl Default for ConnectionLimits {
@@ -55,7 +52,6 @@ impl Default for ConnectionLimits {
             max_connections: 4096,
             max_per_peer: 256,
             preface_within: Duration::from_secs(10),
-            max_in_flight: 4096,
         }
     }
 }
@@ -65,22 +61,54 @@ impl Default for ConnectionLimits {
 /// stops. One byte is not enough to hold a slot.
 const PREFACE_BYTES: usize = 24 + 9;
 
-/// Connections per peer address, shared by a listener's accepted connections.
-#[derive(Debug, Default)]
-struct PeerCounts(std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>);
+/// What a connection must have sent to count as one that makes requests: the preface, a
+/// SETTINGS frame with every setting HTTP/2 defines (9 + 6 × 6 bytes), a WINDOW_UPDATE
+/// (13) and a PING (17) fit under it; a call's HEADERS frame takes it past.
+const REQUEST_BYTES: usize = 128;
 
-impl PeerCounts {
-    /// One more connection from `peer`, unless it already holds `max`.
+/// One accepted connection, as its peer's list knows it.
+#[derive(Debug)]
+struct Conn {
+    /// Set once it has sent more than [`REQUEST_BYTES`]: it makes requests.
+    busy: std::sync::atomic::AtomicBool,
+    /// Set to close it: its next read fails.
+    close: std::sync::atomic::AtomicBool,
+    /// Wakes its pending read when it is to close.
+    waker: futures::task::AtomicWaker,
+}
+
+/// The connections of each peer address, oldest first, shared by a listener's accepted
+/// connections.
+#[derive(Debug, Default)]
+struct Peers(std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, Vec<Arc<Conn>>>>);
+
+impl Peers {
+    /// One more connection from `peer`: at `max`, the oldest of its idle connections is
+    /// closed to make room; `None` when every one of them has made requests.
     fn admit(self: &Arc<Self>, peer: std::net::IpAddr, max: usize) -> Option<PeerSlot> {
-        let mut counts = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        let count = counts.entry(peer).or_default();
-        if *count >= max {
-            return None;
+        let mut peers = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let conns = peers.entry(peer).or_default();
+        if conns.len() >= max {
+            let idle = conns
+                .iter()
+                .position(|c| !c.busy.load(std::sync::atomic::Ordering::Relaxed))?;
+            let evicted = conns.remove(idle);
+            evicted
+                .close
+                .store(true, std::sync::atomic::Ordering::Release);
+            evicted.waker.wake();
+            tracing::debug!(%peer, "closed an idle connection to make room for a new one from its address");
         }
-        *count += 1;
+        let conn = Arc::new(Conn {
+            busy: std::sync::atomic::AtomicBool::new(false),
+            close: std::sync::atomic::AtomicBool::new(false),
+            waker: futures::task::AtomicWaker::new(),
+        });
+        conns.push(Arc::clone(&conn));
         Some(PeerSlot {
-            counts: Arc::clone(self),
+            peers: Arc::clone(self),
             peer,
+            conn,
         })
     }
 }
@@ -88,17 +116,18 @@ impl PeerCounts {
 /// A connection's place among its peer's, given back when the connection is dropped.
 #[derive(Debug)]
 struct PeerSlot {
-    counts: Arc<PeerCounts>,
+    peers: Arc<Peers>,
     peer: std::net::IpAddr,
+    conn: Arc<Conn>,
 }
 
 impl Drop for PeerSlot {
     fn drop(&mut self) {
-        let mut counts = self.counts.0.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(count) = counts.get_mut(&self.peer) {
-            *count -= 1;
-            if *count == 0 {
-                counts.remove(&self.peer);
+        let mut peers = self.peers.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(conns) = peers.get_mut(&self.peer) {
+            conns.retain(|c| !Arc::ptr_eq(c, &self.conn));
+            if conns.is_empty() {
+                peers.remove(&self.peer);
             }
         }
     }
@@ -114,7 +143,7 @@ pub fn incoming(
     limits: ConnectionLimits,
 ) -> impl Stream<Item = io::Result<GuardedStream>> + Send + 'static {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
-    let peers = Arc::new(PeerCounts::default());
+    let peers = Arc::new(Peers::default());
     futures::stream::unfold(
         (listener, slots, peers),
         move |(listener, slots, peers)| async move {
@@ -123,7 +152,7 @@ pub fn incoming(
                 match listener.accept().await {
                     Ok((stream, peer)) => {
                         let Some(peer_slot) = peers.admit(peer.ip(), limits.max_per_peer) else {
-                            tracing::debug!(%peer, "refused a connection: its address holds too many");
+                            tracing::debug!(%peer, "refused a connection: its address holds too many, all making requests");
                             continue; // dropped: closed
                         };
                         let _ = stream.set_nodelay(true);
@@ -132,6 +161,7 @@ pub fn incoming(
                             _slot: slot,
                             _peer_slot: peer_slot,
                             received: 0,
+                            request_bytes: REQUEST_BYTES,
                             silence: Some(Box::pin(tokio::time::sleep(limits.preface_within))),
                         });
                     }
@@ -158,8 +188,116 @@ pub struct GuardedStream {
     _peer_slot: PeerSlot,
     /// Bytes read so far, until the preface is in.
     received: usize,
+    /// Bytes after which the connection counts as one that makes requests (never, while a
+    /// TLS handshake is read: [`Handshake`]).
+    request_bytes: usize,
     /// Until the preface is in: when the connection is given up.
     silence: Option<Pin<Box<Sleep>>>,
+}
+
+/// A connection told when its TLS handshake starts and ends. What the socket reads then
+/// is ciphertext (a client hello and a certificate are hundreds of bytes, and a request's
+/// bytes may arrive in the same read as the handshake's end), so whether the connection
+/// makes requests is judged above TLS, on the plaintext ([`Counted`], through
+/// [`Handshake::activity`]).
+pub trait Handshake {
+    /// The handle that marks this connection as one that makes requests.
+    fn activity(&self) -> Activity;
+    /// The handshake begins: the socket's own count stops judging.
+    fn handshake_starts(&mut self);
+    /// The handshake is over: it proved a live client, so the preface timer is off (HTTP/2
+    /// keepalive notices a peer that vanishes).
+    fn handshake_done(&mut self);
+}
+
+impl Handshake for GuardedStream {
+    fn activity(&self) -> Activity {
+        Activity(Arc::clone(&self._peer_slot.conn))
+    }
+
+    fn handshake_starts(&mut self) {
+        self.request_bytes = usize::MAX;
+    }
+
+    fn handshake_done(&mut self) {
+        self.silence = None;
+    }
+}
+
+/// Marks a connection as one that makes requests: it is then never closed to make room for
+/// another from its address.
+#[derive(Debug, Clone)]
+pub struct Activity(Arc<Conn>);
+
+/// A stream whose reads count toward its connection's [`Activity`]: over TLS, the
+/// plaintext, judged as a plaintext connection's bytes are.
+#[derive(Debug)]
+pub struct Counted<S> {
+    inner: S,
+    activity: Activity,
+    received: usize,
+}
+
+impl<S> Counted<S> {
+    /// Counts what is read from `inner` toward `activity`.
+    pub fn new(inner: S, activity: Activity) -> Self {
+        Self {
+            inner,
+            activity,
+            received: 0,
+        }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Counted<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        use std::sync::atomic::Ordering;
+        let before = buf.filled().len();
+        let read = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if let Poll::Ready(Ok(())) = read
+            && self.received <= REQUEST_BYTES
+        {
+            self.received += buf.filled().len() - before;
+            if self.received > REQUEST_BYTES {
+                self.activity.0.busy.store(true, Ordering::Relaxed);
+            }
+        }
+        read
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Counted<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
 }
 
 impl AsyncRead for GuardedStream {
@@ -168,14 +306,33 @@ impl AsyncRead for GuardedStream {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
+        use std::sync::atomic::Ordering;
+        let conn = &self._peer_slot.conn;
+        if !conn.busy.load(Ordering::Relaxed) {
+            // Idle: it may be closed to make room for another from its address.
+            conn.waker.register(cx.waker());
+            if conn.close.load(Ordering::Acquire) {
+                return Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::ConnectionAborted,
+                    "closed while idle: its address reached its connection limit, and a new connection took its place",
+                )));
+            }
+        }
         let before = buf.filled().len();
         let read = Pin::new(&mut self.stream).poll_read(cx, buf);
+        if let Poll::Ready(Ok(())) = read
+            && !self._peer_slot.conn.busy.load(Ordering::Relaxed)
+        {
+            self.received += buf.filled().len() - before;
+            if self.received > self.request_bytes {
+                self._peer_slot.conn.busy.store(true, Ordering::Relaxed);
+            }
+        }
         let Some(silence) = self.silence.as_mut() else {
             return read;
         };
         match read {
             Poll::Ready(Ok(())) => {
-                self.received += buf.filled().len() - before;
                 if self.received >= PREFACE_BYTES {
                     self.silence = None;
                 }
@@ -223,6 +380,74 @@ impl AsyncWrite for GuardedStream {
     }
 }
 
+/// Answers a request message over the size limit RESOURCE_EXHAUSTED, as gRPC core,
+/// grpc-java and grpc-go do for a message larger than the maximum, where tonic's decoder
+/// says OUT_OF_RANGE (it refuses the message from its length prefix, before reading it).
+/// Only that answer is rewritten: an OUT_OF_RANGE of the service's own (a balance that
+/// would overflow) goes through as it is.
+#[derive(Debug, Clone)]
+pub struct OversizeAsResourceExhausted<S> {
+    /// The server's services.
+    inner: S,
+}
+
+impl<S> OversizeAsResourceExhausted<S> {
+    /// `inner`, its oversize answers told as RESOURCE_EXHAUSTED.
+    pub fn new(inner: S) -> Self {
+        Self { inner }
+    }
+}
+
+/// What tonic's decoder says of a message over its limit.
+const TONIC_OVERSIZE: &str = "Error, decoded message length too large";
+
+impl<S, B, RB> tower::Service<http::Request<B>> for OversizeAsResourceExhausted<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<RB>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    #[allow(clippy::type_complexity)] // a named future, no box: every request passes here
+    type Future = futures::future::Map<
+        S::Future,
+        fn(Result<http::Response<RB>, S::Error>) -> Result<http::Response<RB>, S::Error>,
+    >;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        use futures::FutureExt;
+        self.inner.call(request).map(|answer| {
+            answer.map(|mut response| {
+                oversize_as_resource_exhausted(response.headers_mut());
+                response
+            })
+        })
+    }
+}
+
+/// Rewrites tonic's OUT_OF_RANGE for an oversize message in `headers` (a trailers-only
+/// answer) as RESOURCE_EXHAUSTED, keeping what it said of the sizes.
+fn oversize_as_resource_exhausted(headers: &mut http::HeaderMap) {
+    let Some(status) = Status::from_header_map(headers) else {
+        return;
+    };
+    if status.code() != tonic::Code::OutOfRange || !status.message().starts_with(TONIC_OVERSIZE) {
+        return;
+    }
+    let sizes = status
+        .message()
+        .split_once(": ")
+        .map_or("", |(_, sizes)| sizes);
+    let status = Status::resource_exhausted(format!("request message too large: {sizes}"));
+    headers.remove("grpc-status");
+    headers.remove("grpc-message");
+    headers.remove("grpc-status-details-bin");
+    let _ = status.add_header(headers);
+}
+
 /// The largest request metadata accepted, counted as HTTP/2 counts a header list (each
 /// entry's name and value plus 32 bytes): gRPC core's hard limit. A Charge needs a few
 /// hundred bytes; 1,000 small headers are about 40 KiB.
@@ -256,117 +481,5 @@ impl MetadataLimit {
             )));
         }
         Ok(request)
-    }
-}
-
-/// Answers RESOURCE_EXHAUSTED at once when `max` requests are already being served (over
-/// all connections), instead of queueing: the caller's retry policy, with its backoff,
-/// decides what to do, and the memory unfinished requests can hold stays bounded. A count
-/// in an atomic: every request passes here, and a semaphore's release takes a lock.
-#[derive(Debug, Clone)]
-pub struct InFlightLimitLayer {
-    /// Requests being served now.
-    serving: Arc<AtomicUsize>,
-    /// The limit.
-    max: usize,
-}
-
-impl InFlightLimitLayer {
-    /// At most `max` requests at once.
-    pub fn new(max: usize) -> Self {
-        Self {
-            serving: Arc::new(AtomicUsize::new(0)),
-            max,
-        }
-    }
-}
-
-impl<S> tower::Layer<S> for InFlightLimitLayer {
-    type Service = InFlightLimit<S>;
-
-    fn layer(&self, inner: S) -> Self::Service {
-        InFlightLimit {
-            inner,
-            layer: self.clone(),
-        }
-    }
-}
-
-/// The service [`InFlightLimitLayer`] makes.
-#[derive(Debug, Clone)]
-pub struct InFlightLimit<S> {
-    /// The server's services.
-    inner: S,
-    /// Count and limit.
-    layer: InFlightLimitLayer,
-}
-
-/// One request's place under the limit, given back when its answer is done (or dropped).
-#[derive(Debug)]
-pub struct Serving(Arc<AtomicUsize>);
-
-impl Drop for Serving {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-pin_project_lite::pin_project! {
-    /// The future of [`InFlightLimit`]: the request served while holding its place, or
-    /// its refusal.
-    #[project = InFlightProj]
-    #[allow(missing_docs)] // described above; the macro takes no field docs
-    pub enum InFlightFuture<F> {
-        Serving { #[pin] future: F, serving: Serving },
-        Refused { status: Option<Status> },
-    }
-}
-
-impl<F, T, E> Future for InFlightFuture<F>
-where
-    F: Future<Output = Result<T, E>>,
-    E: Into<tower::BoxError>,
-{
-    type Output = Result<T, tower::BoxError>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match self.project() {
-            InFlightProj::Serving { future, .. } => future.poll(cx).map_err(Into::into),
-            InFlightProj::Refused { status } => match status.take() {
-                Some(status) => Poll::Ready(Err(status.into())),
-                None => Poll::Pending,
-            },
-        }
-    }
-}
-
-impl<S, B> tower::Service<http::Request<B>> for InFlightLimit<S>
-where
-    S: tower::Service<http::Request<B>>,
-    S::Error: Into<tower::BoxError>,
-{
-    type Response = S::Response;
-    type Error = tower::BoxError;
-    type Future = InFlightFuture<S::Future>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx).map_err(Into::into)
-    }
-
-    fn call(&mut self, request: http::Request<B>) -> Self::Future {
-        let serving = Serving(Arc::clone(&self.layer.serving));
-        if serving.0.fetch_add(1, Ordering::AcqRel) >= self.layer.max {
-            drop(serving);
-            return InFlightFuture::Refused {
-                status: Some(Status::resource_exhausted(format!(
-                    "this service is serving {} requests, its limit; retry after a backoff",
-                    self.layer.max
-                ))),
-            };
-        }
-        InFlightFuture::Serving {
-            future: self.inner.call(request),
-            serving,
-        }
     }
 }

@@ -55,19 +55,38 @@ impl FromStr for RetryMode {
     }
 }
 
-/// The request's `idempotency-key`, parsed; `None` when absent, INVALID_ARGUMENT when bad.
+/// The request's `idempotency-key`, parsed; `None` when absent, INVALID_ARGUMENT when bad:
+/// not visible ASCII, empty, sent twice, or sent under another name a client could mean
+/// for it (`idempotency-key-bin`, `x-idempotency-key`, `idempotency_key`, …; see
+/// [`meant_as`]). Any of those, taken as "no key", would make the edge choose a fresh one
+/// and charge a retried payment twice.
 pub fn idempotency_key(metadata: &MetadataMap) -> Result<Option<IdempotencyKey>, Status> {
-    let Some(raw) = metadata.get(IDEMPOTENCY_KEY) else {
+    refuse_other_spellings(metadata, IDEMPOTENCY_KEY)?;
+    let mut values = metadata.get_all(IDEMPOTENCY_KEY).iter();
+    let Some(raw) = values.next() else {
         return Ok(None);
     };
+    if values.next().is_some() {
+        return Err(Status::invalid_argument(
+            "idempotency-key was sent more than once: send exactly one key per request",
+        ));
+    }
     let text = raw.to_str().map_err(|_| {
         Status::invalid_argument("idempotency-key must be visible ASCII characters")
     })?;
     Ok(Some(IdempotencyKey::parse(text)?))
 }
 
-/// The request's `x-retry-mode`, parsed; `None` when absent, INVALID_ARGUMENT when bad.
+/// The request's `x-retry-mode`, parsed; `None` when absent, INVALID_ARGUMENT when bad,
+/// sent twice, or sent under another name a client could mean for it (`retry-mode`,
+/// `x-retry-mode-bin`, …).
 pub fn retry_mode(metadata: &MetadataMap) -> Result<Option<RetryMode>, Status> {
+    refuse_other_spellings(metadata, RETRY_MODE)?;
+    if metadata.get_all(RETRY_MODE).iter().count() > 1 {
+        return Err(Status::invalid_argument(
+            "x-retry-mode was sent more than once: send it at most once",
+        ));
+    }
     metadata
         .get(RETRY_MODE)
         .map(|raw| {
@@ -79,6 +98,45 @@ pub fn retry_mode(metadata: &MetadataMap) -> Result<Option<RetryMode>, Status> {
                 })
         })
         .transpose()
+}
+
+/// Which of the contract's request headers a metadata name that is not exactly it was
+/// presumably meant as: the name with case, `-`, `_`, `.`, an `x-` prefix and a `-bin`
+/// suffix set aside (`Idempotency_Key`, `x-idempotency-key`, `idempotency-key-bin`,
+/// `idempotencykey`, `retry-mode`, `x-retry-mode-bin`).
+pub fn meant_as(name: &str) -> Option<&'static str> {
+    if name == IDEMPOTENCY_KEY || name == RETRY_MODE || name.len() > 40 {
+        return None;
+    }
+    let folded: String = name
+        .chars()
+        .filter(char::is_ascii_alphanumeric)
+        .map(|c| c.to_ascii_lowercase())
+        .collect();
+    let bare = folded.strip_suffix("bin").unwrap_or(&folded);
+    let bare = bare.strip_prefix('x').unwrap_or(bare);
+    match bare {
+        "idempotencykey" | "idempotentkey" | "idempotencyid" => Some(IDEMPOTENCY_KEY),
+        "retrymode" => Some(RETRY_MODE),
+        _ => None,
+    }
+}
+
+/// INVALID_ARGUMENT when `metadata` carries a header meant as `wanted` under another name
+/// ([`meant_as`]).
+fn refuse_other_spellings(metadata: &MetadataMap, wanted: &'static str) -> Result<(), Status> {
+    for key in metadata.keys() {
+        let name = match key {
+            tonic::metadata::KeyRef::Ascii(key) => key.as_str(),
+            tonic::metadata::KeyRef::Binary(key) => key.as_str(),
+        };
+        if meant_as(name) == Some(wanted) {
+            return Err(Status::invalid_argument(format!(
+                "{name} is not read: send it as {wanted} (visible ASCII, once); nothing was done"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// This hop's `traceparent`, formatted once per request for the calls it makes (each
@@ -243,6 +301,46 @@ fn parse_traceparent(value: &str) -> Option<(TraceIdHex, SpanIdHex, bool)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn other_spellings_of_the_key_and_the_mode_are_refused_not_ignored() {
+        for name in [
+            "idempotency-key-bin",
+            "x-idempotency-key",
+            "idempotency_key",
+            "idempotencykey",
+            "idempotent-key",
+            "x-idempotency-key-bin",
+        ] {
+            assert_eq!(meant_as(name), Some(IDEMPOTENCY_KEY), "{name}");
+        }
+        for name in ["retry-mode", "x-retry-mode-bin", "x_retry_mode"] {
+            assert_eq!(meant_as(name), Some(RETRY_MODE), "{name}");
+        }
+        for name in [
+            IDEMPOTENCY_KEY,
+            RETRY_MODE,
+            "traceparent",
+            "key",
+            "x-request-id",
+        ] {
+            assert_eq!(meant_as(name), None, "{name}");
+        }
+        let mut metadata = MetadataMap::new();
+        metadata.insert_bin(
+            "idempotency-key-bin",
+            tonic::metadata::MetadataValue::from_bytes(b"order-1"),
+        );
+        let refused = idempotency_key(&metadata).expect_err("a binary key is not a key");
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+        let mut twice = MetadataMap::new();
+        twice.append(IDEMPOTENCY_KEY, "a".parse().expect("ascii"));
+        twice.append(IDEMPOTENCY_KEY, "b".parse().expect("ascii"));
+        assert!(idempotency_key(&twice).is_err());
+        let mut empty = MetadataMap::new();
+        empty.insert(IDEMPOTENCY_KEY, "".parse().expect("ascii"));
+        assert!(idempotency_key(&empty).is_err());
+    }
 
     #[test]
     fn continues_a_valid_trace() {

@@ -22,6 +22,10 @@
 //! | `ledger_in_flight_waits_total` | counter | duplicates that waited for their key |
 //! | `ledger_db_connections{state="in_use"\|"idle"}`, `ledger_db_acquires_waiting` | gauge | the ledger's pool |
 //! | `ledger_db_round_trip_seconds` | histogram | each database round trip of a request |
+//! | `concurrency_limit`, `in_flight` | gauge | the adaptive concurrency limit now, and the Payments calls being served |
+//! | `shed_total{attempt="first"\|"retry"}` | counter | calls refused as overloaded (Stats `shed`, `shed_retries`) |
+//! | `shed_seconds` | histogram | how long each refusal took to answer |
+//! | `ledger_processor_conflicts_total` | counter | Stats `processor_conflicts` |
 //!
 //! The counters are the Stats counters' totals since the process started (see
 //! [`crate::stats`]), so the two always agree up to the last `ResetStats`.
@@ -70,6 +74,11 @@ pub fn registry(node: &Arc<Node>) -> Registry {
         "attempts_per_call",
         "Attempts made per downstream call (1 = no retry)",
         counters.attempts_per_call.clone(),
+    );
+    registry.register(
+        "shed_seconds",
+        "How long each Payments call refused as overloaded took to answer, from its arrival",
+        counters.shed_seconds.clone(),
     );
     if let Some(db) = node.database.get() {
         registry.register(
@@ -219,6 +228,31 @@ impl Collector for NodeCollector {
             ConstCounter::new(c.deadline_denied.total())
                 .encode(metric.encode_family(&vec![("by", "deadline")])?)?;
         }
+        Self::gauge(
+            &mut encoder,
+            "concurrency_limit",
+            "The adaptive concurrency limit on Payments calls now",
+            node.admission.limit() as i64,
+        )?;
+        Self::gauge(
+            &mut encoder,
+            "in_flight",
+            "Payments calls being served now",
+            node.admission.in_flight() as i64,
+        )?;
+        {
+            let (first, retries) = node.admission.shed();
+            let counter = ConstCounter::new(first);
+            let mut metric = encoder.encode_descriptor(
+                "shed",
+                "Payments calls refused as overloaded, first attempts and retries (retries are refused first)",
+                None,
+                counter.metric_type(),
+            )?;
+            counter.encode(metric.encode_family(&vec![("attempt", "first")])?)?;
+            ConstCounter::new(retries)
+                .encode(metric.encode_family(&vec![("attempt", "retry")])?)?;
+        }
         if let Some(budget) = &node.budget {
             Self::gauge(
                 &mut encoder,
@@ -248,6 +282,12 @@ impl Collector for NodeCollector {
                 "ledger_replays",
                 "Saved replies returned for a repeated key (Stats replays)",
                 c.replays.total(),
+            )?;
+            Self::counter(
+                &mut encoder,
+                "ledger_processor_conflicts",
+                "Processor calls refused because their key came with other parameters (Stats processor_conflicts)",
+                c.processor_conflicts.total(),
             )?;
             Self::counter(
                 &mut encoder,

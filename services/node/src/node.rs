@@ -4,7 +4,7 @@
 
 use std::{sync::Arc, time::Duration};
 
-use resilience::{RetryObserver, ServiceConfig, Throttle};
+use resilience::{AdmissionSettings, ConcurrencyLimit, RetryObserver, ServiceConfig, Throttle};
 use retrychain_proto::v1::Stats;
 
 use crate::{
@@ -46,6 +46,12 @@ pub struct Node {
     pub downstream: std::sync::OnceLock<resilience::Balancer>,
     /// Bounds on the public port's connections.
     pub connection_limits: limits::ConnectionLimits,
+    /// The adaptive concurrency limit on Payments calls (`resilience::admission`).
+    pub admission: Arc<ConcurrencyLimit>,
+    /// The public port's TLS and who may call; `None`: plaintext.
+    pub tls: Option<crate::authz::ServerTls>,
+    /// The limit's refusals (first attempts, retries) at the last `ResetStats`.
+    shed_baseline: std::sync::Mutex<(u64, u64)>,
 }
 
 /// How a [`Node`] is set up; the rest of its state starts empty.
@@ -67,14 +73,18 @@ pub struct NodeConfig {
     pub policy: Arc<ServiceConfig>,
     /// See [`Node::connection_limits`].
     pub connection_limits: limits::ConnectionLimits,
+    /// How [`Node::admission`] moves.
+    pub admission: AdmissionSettings,
+    /// See [`Node::tls`].
+    pub tls: Option<crate::authz::ServerTls>,
 }
 
 impl Node {
     /// A node with zeroed counters and no faults.
     pub fn new(config: NodeConfig) -> Self {
+        let counters = Counters::default();
         Self {
             name: config.name,
-            counters: Counters::default(),
             faults: Arc::default(),
             fault_injection: config.fault_injection,
             default_deadline: config.default_deadline,
@@ -85,6 +95,13 @@ impl Node {
             database: std::sync::OnceLock::new(),
             downstream: std::sync::OnceLock::new(),
             connection_limits: config.connection_limits,
+            admission: Arc::new(ConcurrencyLimit::new(config.admission).observing_refusals({
+                let shed_seconds = counters.shed_seconds.clone();
+                move |took| shed_seconds.observe(took.as_secs_f64())
+            })),
+            counters,
+            tls: config.tls,
+            shed_baseline: std::sync::Mutex::new((0, 0)),
         }
     }
 
@@ -103,7 +120,26 @@ impl Node {
 
     /// The counters as `Control.GetStats` returns them.
     pub fn stats(&self) -> Stats {
-        self.counters.snapshot(&self.name, self.budget.as_ref())
+        let mut stats = self.counters.snapshot(&self.name, self.budget.as_ref());
+        let (first, retries) = self.admission.shed();
+        let (first_then, retries_then) =
+            *self.shed_baseline.lock().unwrap_or_else(|p| p.into_inner());
+        let retries = retries.saturating_sub(retries_then);
+        stats.shed = first.saturating_sub(first_then) + retries;
+        stats.shed_retries = retries;
+        stats.concurrency_limit = self.admission.limit() as u64;
+        if let Some(db) = self.database.get() {
+            (stats.resumed, stats.stale_owner_refusals) = db.takeovers();
+        }
+        stats.in_flight = self.admission.in_flight() as u64;
+        stats
+    }
+
+    /// Zeroes the Stats counters (`Control.ResetStats`); the Prometheus totals go on, and
+    /// the retry budget and the concurrency limit are protection, not statistics.
+    pub fn reset_stats(&self) {
+        self.counters.reset();
+        *self.shed_baseline.lock().unwrap_or_else(|p| p.into_inner()) = self.admission.shed();
     }
 }
 

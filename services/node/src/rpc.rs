@@ -22,6 +22,24 @@ use crate::{
     stats::Counters,
 };
 
+/// Writes a call's final line if its handler is dropped before it answered.
+struct Unfinished<'a>(Option<&'a RpcScope>);
+
+impl Unfinished<'_> {
+    /// The call is answering: its line is the caller's to write.
+    fn answered(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Unfinished<'_> {
+    fn drop(&mut self) {
+        if let Some(scope) = self.0 {
+            scope.log_cancelled();
+        }
+    }
+}
+
 /// One Payments call in progress at one service.
 #[derive(Debug)]
 pub struct RpcScope {
@@ -152,6 +170,9 @@ impl RpcScope {
     {
         let span = self.span.clone();
         async move {
+            // The caller may go away (cancel, or its connection closes): this future is
+            // then dropped mid-await, and the guard writes the call's one final line.
+            let mut unfinished = Unfinished(Some(self));
             let result = match tokio::time::timeout_at(self.answer_by.instant(), body).await {
                 Ok(result) => result,
                 Err(_) => Err(Status::deadline_exceeded(format!(
@@ -159,6 +180,7 @@ impl RpcScope {
                     self.timeout
                 ))),
             };
+            unfinished.answered();
             let elapsed = self.started.elapsed().as_secs_f64();
             let elapsed_ms = elapsed * 1e3;
             let code = result
@@ -191,6 +213,21 @@ impl RpcScope {
         }
         .instrument(span)
         .await
+    }
+
+    /// The call's one final line when the caller went away before an answer.
+    fn log_cancelled(&self) {
+        let elapsed = self.started.elapsed().as_secs_f64();
+        self.node
+            .counters
+            .call_finished(self.method, tonic::Code::Cancelled, elapsed);
+        self.span.record("code", "CANCELLED");
+        let _entered = self.span.enter();
+        tracing::info!(
+            code = "CANCELLED",
+            elapsed_ms = elapsed * 1e3,
+            "rpc cancelled: the caller went away before an answer"
+        );
     }
 
     fn stamp(&self, metadata: &mut MetadataMap) {

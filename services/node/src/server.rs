@@ -7,7 +7,7 @@
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
-use resilience::DeadlineLayer;
+use resilience::{AdmissionLayer, DeadlineLayer};
 use retrychain_proto::{
     FILE_DESCRIPTOR_SET,
     v1::{
@@ -29,6 +29,7 @@ use tower::ServiceBuilder;
 
 use crate::{
     Node,
+    authz::{Accept, AuthorizeLayer, PeerIdentity},
     control::ControlService,
     h2::{Dispatch, Http2Settings},
     limits,
@@ -44,8 +45,9 @@ const CONTROL: &str = <ControlServer<ControlService> as tonic::server::NamedServ
 pub const READY_PREFIX: &str = "retrychain ready: listening on ";
 
 /// The largest Payments request accepted, encoded: a Charge is well under 1 KiB, so a
-/// megabyte-sized one is an attack or a bug, refused (OUT_OF_RANGE, by tonic) before it is
-/// decoded. tonic's default would be 4 MiB.
+/// megabyte-sized one is an attack or a bug, refused (RESOURCE_EXHAUSTED, as gRPC's own
+/// servers answer; see `limits::OversizeAsResourceExhausted`) before it is decoded.
+/// tonic's default would be 4 MiB.
 pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
 
 /// Concurrent streams (calls) per HTTP/2 connection; a client with more queues them. The
@@ -164,8 +166,12 @@ pub enum ServeError {
 /// The public stack (served on hyper directly, [`crate::h2`]), outermost first:
 /// 1. tonic's `RecoverError`: a layer's refusal (a `Status` as its error) becomes the
 ///    gRPC answer.
-/// 2. `InFlightLimit` and `MetadataLimit` ([`limits`]): RESOURCE_EXHAUSTED at once for a
-///    request over the in-flight limit or with too much metadata.
+///    `Authorize` ([`crate::authz`]): over TLS, a Payments call from a caller the
+///    service does not accept is UNAUTHENTICATED or PERMISSION_DENIED before any work.
+/// 2. `Admission` (`resilience::admission`): a Payments call over the adaptive
+///    concurrency limit is answered UNAVAILABLE (overloaded, with a pushback) at once —
+///    retries and hedges before first attempts; health and reflection are not limited.
+///    `MetadataLimit` ([`limits`]): RESOURCE_EXHAUSTED at once for too much metadata.
 /// 3. `DeadlineLayer`: every request gets its deadline (or `node.default_deadline`, or
 ///    its method's `timeout`), capped at `node.max_deadline`; a malformed timeout is
 ///    INVALID_ARGUMENT; the handler answers DEADLINE_EXCEEDED `reserve` before the
@@ -176,7 +182,9 @@ pub enum ServeError {
 ///    health` and container checks), reflection v1 and v1alpha (grpcurl 1.8.6 speaks only
 ///    v1alpha) and UNIMPLEMENTED for anything else through tonic's router.
 ///
-/// The admin stack: `GET /metrics` (Prometheus, HTTP/1.1), health, reflection, Control.
+/// The admin stack: `GET /metrics` (Prometheus, HTTP/1.1), health, reflection, Control;
+/// over TLS when the service has it, Control answering only the operator's identity
+/// (PERMISSION_DENIED, or UNAUTHENTICATED without a certificate).
 pub async fn serve<P, F>(
     listeners: Listeners,
     node: Arc<Node>,
@@ -268,13 +276,19 @@ where
         .add_service(reflection_v1alpha(&[PAYMENTS])?)
         .prepare();
     let payments = PaymentsServer::new(payments).max_decoding_message_size(MAX_REQUEST_BYTES);
+    let accept = Arc::new(
+        node.tls
+            .as_ref()
+            .map_or(Accept::Anyone, |tls| tls.accept.clone()),
+    );
     let service = ServiceBuilder::new()
         // A layer's refusal (a tonic Status as its error) becomes the gRPC answer.
         .layer(RecoverErrorLayer::new())
-        // Refuses, at once, a request over the in-flight limit or with too much metadata.
-        .layer(limits::InFlightLimitLayer::new(
-            node.connection_limits.max_in_flight,
-        ))
+        // Over TLS, a caller this service does not accept is refused before any work.
+        .layer(AuthorizeLayer::new(accept, PAYMENTS))
+        // Refuses, at once, a call over the concurrency limit (retries first) ...
+        .layer(AdmissionLayer::new(Arc::clone(&node.admission)).only_service(PAYMENTS))
+        // ... or with too much metadata.
         .layer(tower::filter::FilterLayer::new(
             limits::MetadataLimit::check,
         ))
@@ -284,12 +298,16 @@ where
                 .with_max(node.max_deadline)
                 .with_method_timeouts(Arc::clone(&node.policy)),
         )
+        // A message over the size limit: RESOURCE_EXHAUSTED, as gRPC's own servers say.
+        .layer(tower::layer::layer_fn(
+            limits::OversizeAsResourceExhausted::new,
+        ))
         .service(Dispatch::new(payments, others));
     Ok(crate::h2::serve_h2(
         limits::incoming(listener, node.connection_limits),
         service,
         Http2Settings {
-            // HTTP/2 limits for a port that faces untrusted clients (the README's table).
+            // HTTP/2 limits for a port that faces untrusted clients (docs/contract.md's table).
             max_concurrent_streams: MAX_STREAMS_PER_CONNECTION,
             max_header_list_size: limits::MAX_HEADER_LIST_BYTES,
             stream_window: STREAM_WINDOW,
@@ -298,6 +316,7 @@ where
             keepalive_interval: KEEPALIVE_INTERVAL,
             keepalive_timeout: KEEPALIVE_TIMEOUT,
         },
+        node.tls.as_ref().map(|tls| tls.tls.clone()),
         shutdown,
     ))
 }
@@ -313,7 +332,24 @@ where
     H: Health,
     F: Future<Output = ()> + Send,
 {
-    Ok(Server::builder()
+    let tls = node.tls.as_ref().map(|tls| tls.tls.clone());
+    // Over TLS, Control — which steers the service — answers the operator alone; /metrics,
+    // health and reflection answer anyone who completes the handshake (a client
+    // certificate is asked for there, not required).
+    let accept = match tls {
+        Some(_) => Accept::Only(vec![retrychain_tls::Identity::named(
+            retrychain_tls::OPERATOR,
+        )]),
+        None => Accept::Anyone,
+    };
+    let control = ControlServer::with_interceptor(
+        ControlService::new(Arc::clone(&node)),
+        move |request: tonic::Request<()>| {
+            accept.check(request.extensions().get::<PeerIdentity>())?;
+            Ok(request)
+        },
+    );
+    let router = Server::builder()
         // Prometheus scrapes over HTTP/1.1 on the same port: `GET /metrics`.
         .accept_http1(true)
         .layer(crate::metrics::MetricsLayer::new(crate::metrics::registry(
@@ -322,8 +358,24 @@ where
         .add_service(health)
         .add_service(reflection_v1(&[CONTROL])?)
         .add_service(reflection_v1alpha(&[CONTROL])?)
-        .add_service(ControlServer::new(ControlService::new(node)))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown))
+        .add_service(control);
+    Ok(async move {
+        match tls {
+            None => {
+                router
+                    .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+                    .await
+            }
+            Some(tls) => {
+                router
+                    .serve_with_incoming_shutdown(
+                        crate::admin_tls::incoming(listener, tls),
+                        shutdown,
+                    )
+                    .await
+            }
+        }
+    })
 }
 
 /// Reflection that lists `services` (and health) only: one descriptor set holds both

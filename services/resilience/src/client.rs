@@ -296,7 +296,9 @@ where
             let path = uri.path();
             let method = shared.method(path);
             if let Some(per_try) = method.and_then(|m| m.per_try_timeout) {
-                request.extensions_mut().insert(PerTryTimeout(per_try));
+                request
+                    .extensions_mut()
+                    .insert(PerTryTimeout(Some(per_try)));
             }
             let deadline = Replay::<S>::deadline(&request, method.and_then(|m| m.timeout));
             let policy = match method.and_then(|m| m.policy.as_ref()) {

@@ -167,7 +167,15 @@ impl<A: Attempts> Hedging<'_, A> {
                     if let Some(throttle) = &settings.throttle {
                         throttle.attempt_answered(status.code());
                     }
-                    return Some(Ended::Failed(answer, StopReason::NotRetryable));
+                    // Cut by the call's own deadline: that is why it stopped.
+                    let why = if status.code() == tonic::Code::DeadlineExceeded
+                        && !call.has_room(Duration::ZERO)
+                    {
+                        StopReason::DeadlinePassed
+                    } else {
+                        StopReason::NotRetryable
+                    };
+                    return Some(Ended::Failed(answer, why));
                 }
                 if let Some(throttle) = &settings.throttle {
                     throttle.attempt_failed();
@@ -231,7 +239,7 @@ pub(crate) async fn hedge<A: Attempts>(
             () = until(state.next_hedge) => {}
             () = &mut deadline_passes => {
                 let status = Status::deadline_exceeded("the call's deadline passed before an answer");
-                break Ended::Failed(attempts.failure(status), StopReason::NoRoom);
+                break Ended::Failed(attempts.failure(status), StopReason::DeadlinePassed);
             }
         }
     };

@@ -25,11 +25,15 @@
 //!   peak-EWMA load, and a retry sent to a replica the call has not tried.
 //! - [`client`]: [`RetryLayer`], the engine's face: a tower layer over any tonic client,
 //!   and [`client::RetryCalls`] over an in-process service.
+//! - [`admission`]: [`ConcurrencyLimit`], the adaptive concurrency limit in front of a
+//!   server (Gradient2 over short windows), refusing at once what it cannot serve,
+//!   retries before first attempts.
 //! - [`server_deadline`]: [`DeadlineLayer`], the tower layer that gives each server
 //!   request its deadline and answers DEADLINE_EXCEEDED (never CANCELLED) when it is spent.
 //! - [`propagate`]: [`PropagateDeadlineLayer`], which hands every downstream call the
 //!   served request's deadline, shortened.
 
+pub mod admission;
 pub mod backoff;
 pub mod balance;
 pub mod budget;
@@ -47,6 +51,7 @@ pub mod service_config;
 pub mod throttle;
 pub mod wire;
 
+pub use admission::{AdmissionLayer, AdmissionSettings, ConcurrencyLimit, Priority};
 pub use backoff::{Backoff, BackoffKind, BackoffSchedule};
 pub use balance::{BalanceSettings, Balancer, Downstream, PerTryTimeout, Tried};
 pub use budget::RetryBudget;

@@ -29,6 +29,9 @@ pub enum StopReason {
     NoRoom,
     /// The server's pushback said not to retry.
     PushbackRefused,
+    /// The call's own deadline passed: an attempt cut by it (here, or answered
+    /// DEADLINE_EXCEEDED by the server as it ran out there) with no time left for another.
+    DeadlinePassed,
 }
 
 impl StopReason {
@@ -41,7 +44,7 @@ impl StopReason {
         }
         match self {
             StopReason::NotRetryable => false,
-            StopReason::MaxAttempts => attempts > 1,
+            StopReason::MaxAttempts | StopReason::DeadlinePassed => attempts > 1,
             StopReason::BudgetExhausted | StopReason::NoRoom | StopReason::PushbackRefused => true,
         }
     }
@@ -63,6 +66,8 @@ impl StopReason {
             StopReason::BudgetExhausted => Some(Refusal::Throttle),
             StopReason::NoRoom => Some(Refusal::Deadline),
             StopReason::PushbackRefused => Some(Refusal::Pushback),
+            // The retry that would have followed was not made: the deadline's doing.
+            StopReason::DeadlinePassed => Some(Refusal::Deadline),
             StopReason::NotRetryable | StopReason::MaxAttempts => None,
         }
     }
@@ -83,6 +88,7 @@ impl StopReason {
             StopReason::BudgetExhausted => "stopped by the retry budget".to_owned(),
             StopReason::NoRoom => "the deadline left no room for another attempt".to_owned(),
             StopReason::PushbackRefused => "the server's pushback said not to retry".to_owned(),
+            StopReason::DeadlinePassed => "the call's deadline passed".to_owned(),
         };
         format!("{message} [{who}{attempts} attempt{plural}, {why}]")
     }
@@ -148,22 +154,29 @@ impl<'a> Retrying<'a> {
     }
 
     /// After the latest attempt failed with `code` and `pushback`: retry after a wait, or
-    /// stop. `room(wait)` says whether an attempt could still start after `wait`.
+    /// stop. `room(wait)` says whether an attempt could still start after `wait`. An
+    /// attempt that ran out of the call's own time (DEADLINE_EXCEEDED with no room left)
+    /// stops for the deadline, whatever the policy thinks of the code.
     pub fn after_failure(
         &mut self,
         code: Code,
         pushback: Pushback,
-        room: impl FnOnce(Duration) -> bool,
+        room: impl Fn(Duration) -> bool,
         rng: &Mutex<SmallRng>,
     ) -> Next {
-        if !self.retryable.contains(&code) {
-            if let Some(throttle) = self.throttle {
+        let retryable = self.retryable.contains(&code);
+        if let Some(throttle) = self.throttle {
+            if retryable {
+                throttle.attempt_failed();
+            } else {
                 throttle.attempt_answered(code);
             }
-            return Next::Stop(StopReason::NotRetryable);
         }
-        if let Some(throttle) = self.throttle {
-            throttle.attempt_failed();
+        if code == Code::DeadlineExceeded && !room(Duration::ZERO) {
+            return Next::Stop(StopReason::DeadlinePassed);
+        }
+        if !retryable {
+            return Next::Stop(StopReason::NotRetryable);
         }
         if self.attempts >= self.max_attempts {
             return Next::Stop(StopReason::MaxAttempts);

@@ -39,6 +39,9 @@ pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 /// failed), not one of its own: the caller's balancer does not hold it against the
 /// replica that relayed it (outlier ejection, `balance`).
 pub const RELAYED: &str = "retrychain-relayed";
+/// On a refusal by an overloaded service (`admission`): its load, not a fault, so the
+/// caller's balancer sends it less rather than ejecting it.
+pub const OVERLOADED: &str = "retrychain-overloaded";
 
 /// The largest number a timeout may carry: at most eight ASCII digits.
 const MAX_TIMEOUT_VALUE: u64 = 99_999_999;
@@ -269,6 +272,19 @@ pub fn mark_relayed(metadata: &mut tonic::metadata::MetadataMap) {
         tonic::metadata::MetadataKey::from_static(RELAYED),
         tonic::metadata::MetadataValue::from_static("1"),
     );
+}
+
+/// Marks a refusal as an overloaded service's ([`OVERLOADED`]).
+pub fn mark_overloaded(metadata: &mut tonic::metadata::MetadataMap) {
+    metadata.insert(
+        tonic::metadata::MetadataKey::from_static(OVERLOADED),
+        tonic::metadata::MetadataValue::from_static("1"),
+    );
+}
+
+/// Whether a response's headers mark it as an overloaded service's refusal ([`OVERLOADED`]).
+pub fn is_overloaded(headers: &HeaderMap) -> bool {
+    headers.contains_key(OVERLOADED)
 }
 
 /// Whether a response's headers mark its failure as relayed from below ([`RELAYED`]).

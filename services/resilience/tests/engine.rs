@@ -209,7 +209,10 @@ async fn a_hanging_attempt_ends_at_the_deadline() {
     let inner: Inner = BoxCloneSyncService::new(tower::service_fn(|_: AttemptRequest<()>| {
         std::future::pending::<Result<u32, Status>>()
     }));
-    let layer = with_counts(retrying(3, BackoffKind::None), &counts);
+    let layer = with_counts(
+        retrying(3, BackoffKind::None).annotate_failures("edge"),
+        &counts,
+    );
     let started = Instant::now();
     let status = call(layer.calls("/t/M", inner), Some(Duration::from_secs(1)))
         .await
@@ -217,6 +220,39 @@ async fn a_hanging_attempt_ends_at_the_deadline() {
     assert_eq!(status.code(), Code::DeadlineExceeded);
     assert_eq!(started.elapsed(), Duration::from_secs(1));
     assert_eq!(counts.attempts(), 1);
+    assert!(
+        status
+            .message()
+            .contains("[edge: 1 attempt, the call's deadline passed]"),
+        "the deadline, not 'not retryable': {}",
+        status.message()
+    );
+}
+
+/// The server answers DEADLINE_EXCEEDED as the call's own deadline runs out (a code this
+/// policy does not retry): the stop is told as the deadline, not as "not retryable".
+#[tokio::test(start_paused = true)]
+async fn an_attempt_the_server_cut_at_the_calls_deadline_reads_deadline() {
+    let inner = slow_service(
+        |_| 1000,
+        |_| {
+            Err(Status::deadline_exceeded(
+                "the deadline ran out before an answer",
+            ))
+        },
+    );
+    let status = call(
+        hedging(3, 2_000, vec![Code::Unavailable]).calls("/t/M", inner),
+        Some(Duration::from_secs(1)),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(status.code(), Code::DeadlineExceeded);
+    assert!(
+        status.message().contains("the call's deadline passed]"),
+        "{}",
+        status.message()
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -471,7 +507,7 @@ async fn hedges_that_run_out_of_time_read_deadline() {
     assert!(
         status
             .message()
-            .contains("3 attempts, the deadline left no room"),
+            .contains("3 attempts, the call's deadline passed]"),
         "{}",
         status.message()
     );

@@ -116,14 +116,14 @@ pub struct ServiceArgs {
     #[arg(long, env = "RETRYCHAIN_BUDGET_REFUND", default_value_t = 0.1)]
     pub budget_refund: f64,
     /// Retry without a budget: retries limited only by --max-attempts.
-    #[arg(long, env = "RETRYCHAIN_NO_BUDGET")]
+    #[arg(long, env = "RETRYCHAIN_NO_BUDGET", value_parser = clap::builder::BoolishValueParser::new())]
     pub no_budget: bool,
     /// Adaptive client-side throttling (Google SRE) instead of the retry budget: every
     /// attempt, first ones too, is rejected locally with probability
     /// max(0, (requests - K*accepts) / (requests + 1)) over a sliding window, so that a
     /// service below that accepts nothing receives almost nothing. A --service-config's
     /// `retryThrottling` or `adaptiveThrottling` takes its place.
-    #[arg(long, env = "RETRYCHAIN_ADAPTIVE_THROTTLING")]
+    #[arg(long, env = "RETRYCHAIN_ADAPTIVE_THROTTLING", value_parser = clap::builder::BoolishValueParser::new())]
     pub adaptive_throttling: bool,
     /// Adaptive throttling's K: requests tolerated per accepted one (at least 1).
     #[arg(long, env = "RETRYCHAIN_ADAPTIVE_THROTTLING_K", default_value_t = resilience::throttle::ADAPTIVE_K)]
@@ -147,7 +147,7 @@ pub struct ServiceArgs {
     #[arg(long, env = "RETRYCHAIN_MIN_ATTEMPT_MS", default_value_t = 20)]
     pub min_attempt_ms: u64,
     /// Allow Control.SetFaults (a demo setting; production leaves it off).
-    #[arg(long, env = "RETRYCHAIN_FAULT_INJECTION")]
+    #[arg(long, env = "RETRYCHAIN_FAULT_INJECTION", value_parser = clap::builder::BoolishValueParser::new())]
     pub fault_injection: bool,
     /// A gRPC service config JSON file (gRFC A6), in place of --max-attempts and
     /// --backoff*: each method's `retryPolicy` or `hedgingPolicy` applies to that method's
@@ -158,7 +158,7 @@ pub struct ServiceArgs {
     pub service_config: Option<std::path::PathBuf>,
     /// Honour (and pass on) a caller's x-retry-mode header. It can multiply load 81-fold,
     /// so it is off by default on every service (a demo setting, like --fault-injection).
-    #[arg(long, env = "RETRYCHAIN_ALLOW_RETRY_MODE_OVERRIDE")]
+    #[arg(long, env = "RETRYCHAIN_ALLOW_RETRY_MODE_OVERRIDE", value_parser = clap::builder::BoolishValueParser::new())]
     pub allow_retry_mode_override: bool,
     /// Log format.
     #[arg(long, env = "RETRYCHAIN_LOG_FORMAT", value_enum, default_value_t = LogFormatArg::Text)]
@@ -172,13 +172,121 @@ pub struct ServiceArgs {
     /// they come (one client cannot take every slot).
     #[arg(long, env = "RETRYCHAIN_MAX_CONNECTIONS_PER_PEER", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_connections_per_peer: u32,
-    /// Requests served at once, over all connections; past it a request is answered
-    /// RESOURCE_EXHAUSTED at once (retryable, after a backoff).
+    /// The most Payments calls served at once, over all connections: the ceiling of the
+    /// adaptive concurrency limit (which follows latency between --min-concurrency and
+    /// this), and the bound on the memory unfinished calls can hold. A call over the limit
+    /// is answered UNAVAILABLE at once, as overloaded, with grpc-retry-pushback-ms.
     #[arg(long, env = "RETRYCHAIN_MAX_IN_FLIGHT", default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_in_flight: u32,
+    /// The floor of the adaptive concurrency limit: it never sheds while fewer calls than
+    /// this are in flight (at most --max-in-flight: a lower ceiling lowers it too). Set it
+    /// equal to --max-in-flight for a fixed limit.
+    #[arg(long, env = "RETRYCHAIN_MIN_CONCURRENCY", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    pub min_concurrency: u32,
+    /// The adaptive concurrency limit before anything was measured (kept within
+    /// --min-concurrency and --max-in-flight).
+    #[arg(long, env = "RETRYCHAIN_INITIAL_CONCURRENCY", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    pub initial_concurrency: u32,
+    /// TLS: a directory holding tls.crt, tls.key and ca.crt (a Kubernetes TLS secret, as
+    /// cert-manager writes it). With it, or the three files below, the public port speaks
+    /// TLS 1.3 only, every downstream call is TLS with this service's certificate, and the
+    /// files are read again when they change.
+    #[arg(long, env = "RETRYCHAIN_TLS_DIR")]
+    pub tls_dir: Option<std::path::PathBuf>,
+    /// TLS: this service's certificate chain, PEM; its one URI SAN names the service
+    /// (spiffe://retrychain/<tier>) [default: <--tls-dir>/tls.crt].
+    #[arg(long, env = "RETRYCHAIN_TLS_CERT")]
+    pub tls_cert: Option<std::path::PathBuf>,
+    /// TLS: the certificate's private key, PEM [default: <--tls-dir>/tls.key].
+    #[arg(long, env = "RETRYCHAIN_TLS_KEY")]
+    pub tls_key: Option<std::path::PathBuf>,
+    /// TLS: the authorities trusted for peers' certificates, PEM, one or several (old and
+    /// new during a CA rotation) [default: <--tls-dir>/ca.crt].
+    #[arg(long, env = "RETRYCHAIN_TLS_CA")]
+    pub tls_ca: Option<std::path::PathBuf>,
+    /// TLS: the identities that may call Payments, comma-separated, or `any`
+    /// [default: the tier above in the chain (hop3 accepts spiffe://retrychain/hop2); the
+    /// edge: any caller, with or without a certificate].
+    #[arg(long, env = "RETRYCHAIN_TLS_ACCEPT")]
+    pub tls_accept: Option<String>,
 }
 
 impl ServiceArgs {
+    /// Where this service's TLS material is, when it has TLS: `--tls-dir`'s files, each
+    /// replaced by its own flag when given. Without `--tls-dir`, all three files must be
+    /// named.
+    pub fn tls_files(&self) -> anyhow::Result<Option<retrychain_tls::TlsFiles>> {
+        let (cert, key, ca) = (&self.tls_cert, &self.tls_key, &self.tls_ca);
+        let base = match (&self.tls_dir, cert, key, ca) {
+            (None, None, None, None) => return Ok(None),
+            (Some(dir), ..) => retrychain_tls::TlsFiles::in_dir(dir),
+            (None, Some(cert), Some(key), Some(ca)) => retrychain_tls::TlsFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+                ca: ca.clone(),
+            },
+            _ => anyhow::bail!(
+                "TLS needs --tls-dir, or all three of --tls-cert, --tls-key and --tls-ca"
+            ),
+        };
+        Ok(Some(retrychain_tls::TlsFiles {
+            cert: cert.clone().unwrap_or(base.cert),
+            key: key.clone().unwrap_or(base.key),
+            ca: ca.clone().unwrap_or(base.ca),
+        }))
+    }
+
+    /// Who may call the Payments of the service named `name` over TLS: `--tls-accept`,
+    /// else the tier above it in the chain, else (the edge) anyone.
+    pub fn tls_accept(
+        &self,
+        name: &str,
+        edge: bool,
+    ) -> anyhow::Result<retrychain_node::authz::Accept> {
+        use retrychain_node::authz::Accept;
+        match self.tls_accept.as_deref().map(str::trim) {
+            Some("any") => Ok(Accept::Anyone),
+            Some(list) => {
+                let identities = list
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|id| !id.is_empty())
+                    .map(|id| retrychain_tls::Identity::parse(id).map_err(anyhow::Error::from))
+                    .collect::<anyhow::Result<Vec<_>>>()
+                    .map_err(|error| anyhow::anyhow!("--tls-accept: {error}"))?;
+                anyhow::ensure!(
+                    !identities.is_empty(),
+                    "--tls-accept names no identity (use `any` for anyone)"
+                );
+                Ok(Accept::Only(identities))
+            }
+            None if edge => Ok(Accept::Anyone),
+            None => match retrychain_tls::caller_of(name) {
+                Some(caller) => Ok(Accept::Only(vec![caller])),
+                None => anyhow::bail!(
+                    "--tls-accept is needed: {name:?} is not one of the chain's tiers ({}), so the tier that calls it is not known",
+                    retrychain_tls::CHAIN.join(", ")
+                ),
+            },
+        }
+    }
+
+    /// The adaptive concurrency limit the flags describe: the floor and the starting
+    /// point kept under the ceiling (`--max-in-flight 4` alone is a fixed limit of 4).
+    pub fn admission(
+        &self,
+    ) -> Result<resilience::AdmissionSettings, resilience::admission::InvalidAdmission> {
+        let max = self.max_in_flight as usize;
+        let min = (self.min_concurrency as usize).min(max);
+        resilience::AdmissionSettings {
+            min_limit: min,
+            max_limit: max,
+            initial_limit: (self.initial_concurrency as usize).clamp(min, max.max(min)),
+            ..resilience::AdmissionSettings::default()
+        }
+        .validated()
+    }
+
     /// The backoff the flags describe.
     pub fn backoff(&self) -> Backoff {
         Backoff::new(
@@ -225,9 +333,16 @@ pub struct HopArgs {
     /// [default: http://127.0.0.1:50052 for the edge; required for a relay].
     #[arg(long, env = "RETRYCHAIN_DOWNSTREAM")]
     pub downstream: Option<String>,
+    /// TLS: the identity the service below must present [default: the tier below in the
+    /// chain (the edge expects spiffe://retrychain/hop2)].
+    #[arg(long, env = "RETRYCHAIN_TLS_DOWNSTREAM_IDENTITY")]
+    pub tls_downstream_identity: Option<String>,
     /// The longest one attempt may take at one replica, in ms; past it the attempt fails
-    /// UNAVAILABLE and may be retried at another (Envoy's per_try_timeout). Unset: each
-    /// attempt may take the call's whole remaining deadline.
+    /// UNAVAILABLE and may be retried at another (Envoy's per_try_timeout). Unset: 1000 ms
+    /// when --downstream names several replicas or a dns:/// name (one frozen replica then
+    /// costs a call about a second, not its whole deadline), else each attempt may take
+    /// the call's whole remaining deadline. The 1 s default does not apply in every-layer
+    /// mode, where one attempt holds every retry below it.
     #[arg(long, env = "RETRYCHAIN_PER_TRY_TIMEOUT_MS", value_parser = clap::value_parser!(u64).range(1..))]
     pub per_try_timeout_ms: Option<u64>,
     /// A replica below is ejected after this many failures of its own in a row (gRFC A50's
@@ -269,13 +384,42 @@ pub struct HopArgs {
     pub ejection_interval_ms: u64,
 }
 
+/// The per-attempt timeout a hop takes over replicas when none is given: long enough for
+/// a healthy chain below (milliseconds) and a slowish processor, short enough that a
+/// frozen replica costs a call about a second of its 5 s default deadline.
+pub const REPLICATED_PER_TRY_TIMEOUT_MS: u64 = 1000;
+
 impl HopArgs {
+    /// The identity the service below the hop named `name` must present over TLS:
+    /// `--tls-downstream-identity`, else the tier below it in the chain.
+    pub fn tls_downstream_identity(&self, name: &str) -> anyhow::Result<retrychain_tls::Identity> {
+        match &self.tls_downstream_identity {
+            Some(id) => retrychain_tls::Identity::parse(id.trim())
+                .map_err(|error| anyhow::anyhow!("--tls-downstream-identity: {error}")),
+            None => retrychain_tls::callee_of(name).ok_or_else(|| {
+                anyhow::anyhow!(
+                    "--tls-downstream-identity is needed: {name:?} is not one of the chain's tiers ({}), so the tier below it is not known",
+                    retrychain_tls::CHAIN.join(", ")
+                )
+            }),
+        }
+    }
+
+    /// Whether `--downstream` names replicas (several URLs, or a DNS name that may resolve
+    /// to several).
+    pub fn replicated(&self) -> bool {
+        self.downstream
+            .as_deref()
+            .is_some_and(|d| d.contains(',') || d.trim().starts_with("dns:"))
+    }
+
     /// How the hop's balancer bounds attempts and ejects replicas.
     pub fn balance(&self) -> resilience::balance::BalanceSettings {
+        let per_try = self
+            .per_try_timeout_ms
+            .or_else(|| self.replicated().then_some(REPLICATED_PER_TRY_TIMEOUT_MS));
         resilience::balance::BalanceSettings {
-            per_try_timeout: self
-                .per_try_timeout_ms
-                .map(std::time::Duration::from_millis),
+            per_try_timeout: per_try.map(std::time::Duration::from_millis),
             consecutive_failures: self.eject_after_failures,
             base_ejection: std::time::Duration::from_millis(self.ejection_base_ms),
             max_ejection: std::time::Duration::from_millis(self.ejection_max_ms),
@@ -310,14 +454,24 @@ pub struct LedgerArgs {
     /// answers UNAVAILABLE at once instead of holding the chain until its deadline.
     #[arg(long, env = "RETRYCHAIN_DB_ACQUIRE_TIMEOUT_MS", default_value_t = 250, value_parser = clap::value_parser!(u64).range(1..))]
     pub db_acquire_timeout_ms: u64,
+    /// Longest one opening of a database connection may take, in ms. The pool opens
+    /// connections on its own clock, never a caller's: a caller that stops waiting does
+    /// not cut an opening short, so the pool refills under load.
+    #[arg(long, env = "RETRYCHAIN_DB_CONNECT_TIMEOUT_MS", default_value_t = 5000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub db_connect_timeout_ms: u64,
     /// Longest wait for one database round trip (a statement, BEGIN, COMMIT), in ms, by the
     /// ledger's own clock: past it the charge answers UNAVAILABLE, its connection is closed
     /// and never reused, and the key is left for a retry to resolve. A frozen or
     /// unreachable database cannot enforce its own statement_timeout; this bound holds
     /// anyway. Too low, and a slow but live database fails charges it would have committed
-    /// (RELIABILITY.md).
+    /// (docs/reliability.md).
     #[arg(long, env = "RETRYCHAIN_DB_ROUND_TRIP_TIMEOUT_MS", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..))]
     pub db_round_trip_timeout_ms: u64,
+    /// Testing only, and wrong on purpose (hidden): every charge first forgets what its
+    /// key recorded, so a retry charges again. `retrychain chaos` must catch a ledger
+    /// started this way; its own test does.
+    #[arg(long, hide = true, env = "RETRYCHAIN_TEST_SKIP_KEY_CLAIM", value_parser = clap::builder::BoolishValueParser::new())]
+    pub test_skip_key_claim: bool,
 }
 
 /// The flags of one service as a command line: the way a service's typed settings cross a
@@ -342,6 +496,11 @@ impl ServiceCommand {
                 );
                 hop.service.push_args(&mut args);
                 push(&mut args, "--downstream", hop.downstream.as_ref());
+                push(
+                    &mut args,
+                    "--tls-downstream-identity",
+                    hop.tls_downstream_identity.as_ref(),
+                );
                 push(&mut args, "--per-try-timeout-ms", hop.per_try_timeout_ms);
                 push(
                     &mut args,
@@ -397,9 +556,17 @@ impl ServiceCommand {
                 );
                 push(
                     &mut args,
+                    "--db-connect-timeout-ms",
+                    Some(ledger.db_connect_timeout_ms),
+                );
+                push(
+                    &mut args,
                     "--db-round-trip-timeout-ms",
                     Some(ledger.db_round_trip_timeout_ms),
                 );
+                if ledger.test_skip_key_claim {
+                    args.push("--test-skip-key-claim".to_owned());
+                }
             }
         }
         args
@@ -475,6 +642,29 @@ impl ServiceArgs {
             Some(self.max_connections_per_peer),
         );
         push(args, "--max-in-flight", Some(self.max_in_flight));
+        push(args, "--min-concurrency", Some(self.min_concurrency));
+        push(
+            args,
+            "--initial-concurrency",
+            Some(self.initial_concurrency),
+        );
+        push(
+            args,
+            "--tls-dir",
+            self.tls_dir.as_ref().map(|p| p.display()),
+        );
+        push(
+            args,
+            "--tls-cert",
+            self.tls_cert.as_ref().map(|p| p.display()),
+        );
+        push(
+            args,
+            "--tls-key",
+            self.tls_key.as_ref().map(|p| p.display()),
+        );
+        push(args, "--tls-ca", self.tls_ca.as_ref().map(|p| p.display()));
+        push(args, "--tls-accept", self.tls_accept.as_ref());
     }
 }
 
@@ -515,6 +705,7 @@ mod tests {
         args.key_retention = Duration::from_secs(5400);
         args.db_pool_size = 7;
         args.db_acquire_timeout_ms = 99;
+        args.db_connect_timeout_ms = 999;
         args.db_round_trip_timeout_ms = 1234;
         let s = &mut args.service;
         s.listen = Some("127.0.0.1:1".parse().expect("addr"));
@@ -542,6 +733,8 @@ mod tests {
         s.max_connections = 10;
         s.max_connections_per_peer = 3;
         s.max_in_flight = 12;
+        s.min_concurrency = 5;
+        s.initial_concurrency = 6;
         let mut argv = ledger.to_args();
         assert!(!argv.iter().any(|a| a.contains("postgres://")), "{argv:?}");
         argv.extend(["--database-url".to_owned(), "postgres://x@h/db".to_owned()]);

@@ -7,8 +7,11 @@ use std::{net::SocketAddr, pin::Pin, sync::Arc, time::Duration};
 use anyhow::Context;
 use resilience::{AdaptiveThrottle, Balancer, Downstream, RetryBudget, ServiceConfig, Throttle};
 use retrychain_hop::{Hop, HopSettings, Role};
-use retrychain_ledger::{InFlight, KeyStore, Ledger, StoreOptions, run_retention};
-use retrychain_node::{Listeners, Node, NodeConfig, ReadyAddrs, default_admin_addr, telemetry};
+use retrychain_ledger::{InFlight, KeyStore, Ledger, StoreOptions, run_completer, run_retention};
+use retrychain_node::{
+    Listeners, Node, NodeConfig, ReadyAddrs, authz::ServerTls, default_admin_addr, telemetry,
+};
+use retrychain_tls::{ClientAuth, Tls};
 
 use crate::args::{HopArgs, InFlightArg, LedgerArgs, ServiceArgs, ServiceCommand};
 
@@ -77,9 +80,11 @@ async fn hop(
     } else {
         "0.0.0.0:50052"
     };
+    let tls = server_tls(service, &name, edge)?;
+    let scheme = if tls.is_some() { "https" } else { "http" };
     let downstream = match (&args.downstream, edge) {
         (Some(url), _) => url.clone(),
-        (None, true) => "http://127.0.0.1:50052".to_owned(),
+        (None, true) => format!("{scheme}://127.0.0.1:50052"),
         (None, false) => anyhow::bail!("a relay needs --downstream (or RETRYCHAIN_DOWNSTREAM)"),
     };
     let policies = Policies::from_args(service)?;
@@ -90,11 +95,35 @@ async fn hop(
     } else {
         None
     };
-    let node = node(service, name, budget, policies.config);
     // Replicas connect lazily: services may start in any order, and a downstream that is
     // not up yet is an UNAVAILABLE attempt like any other.
     let downstream = Downstream::parse(&downstream)?;
-    let replicas = Balancer::start(downstream.clone(), args.balance()).await;
+    let replicas = match &tls {
+        Some(server) => {
+            if let Downstream::Urls(urls) = &downstream {
+                let plain = urls.iter().find(|url| !url.starts_with("https://"));
+                anyhow::ensure!(
+                    plain.is_none(),
+                    "--downstream {}: with TLS every downstream URL is https://",
+                    plain.map(String::as_str).unwrap_or_default()
+                );
+            }
+            let expected = args.tls_downstream_identity(&name)?;
+            let connector = retrychain_tls::Connector::new(server.tls.clone(), expected);
+            Balancer::start_tls(downstream.clone(), args.balance(), connector).await
+        }
+        None => {
+            if let Downstream::Urls(urls) = &downstream
+                && let Some(secure) = urls.iter().find(|url| url.starts_with("https://"))
+            {
+                anyhow::bail!(
+                    "--downstream {secure}: an https:// downstream needs this service's TLS material (--tls-dir, or --tls-cert, --tls-key and --tls-ca)"
+                );
+            }
+            Balancer::start(downstream.clone(), args.balance()).await
+        }
+    };
+    let node = node(service, name, budget, policies.config, tls)?;
     let _ = node.downstream.set(replicas.clone());
     let hop = Hop::new(
         Arc::clone(&node),
@@ -103,6 +132,7 @@ async fn hop(
             mode: service.retry_mode,
             margin: service.margin(),
             min_attempt: service.min_attempt(),
+            every_layer_per_try: args.per_try_timeout_ms.map(Duration::from_millis),
         },
         replicas.clone(),
     );
@@ -146,12 +176,15 @@ async fn ledger(
         StoreOptions {
             pool_size: args.db_pool_size,
             acquire_timeout: Duration::from_millis(args.db_acquire_timeout_ms),
+            connect_timeout: Duration::from_millis(args.db_connect_timeout_ms),
             round_trip_timeout: Duration::from_millis(args.db_round_trip_timeout_ms),
+            skip_key_claim: args.test_skip_key_claim,
         },
     )
     .await?;
+    let tls = server_tls(service, &name, false)?;
     let listeners = bind(service, "0.0.0.0:50055").await?;
-    let node = node(service, name, None, policies.config);
+    let node = node(service, name, None, policies.config, tls)?;
     let in_flight = match args.in_flight {
         InFlightArg::Wait => InFlight::Wait,
         InFlightArg::Reject => InFlight::Reject,
@@ -169,13 +202,16 @@ async fn ledger(
     let retention = args.key_retention;
     tracing::info!(?retention, in_flight = ?args.in_flight, "ledger ready");
     let addrs = listeners.addrs();
+    let completing = ledger.clone();
     let serving = retrychain_node::serve(listeners, node, ledger, service.reserve(), shutdown);
     Ok(Started {
         addrs,
         serving: Box::pin(async move {
             let purging = tokio::spawn(run_retention(store, retention, every));
+            let completer = tokio::spawn(run_completer(completing));
             let served = serving.await;
             purging.abort();
+            completer.abort();
             Ok(served?)
         }),
     })
@@ -242,13 +278,39 @@ impl Policies {
     }
 }
 
+/// The service's TLS, from its flags: the material read (and watched for changes from now
+/// on) and who may call. The edge asks callers for a certificate but does not require
+/// one; every tier below requires one from the authorities it trusts.
+fn server_tls(service: &ServiceArgs, name: &str, edge: bool) -> anyhow::Result<Option<ServerTls>> {
+    let Some(files) = service.tls_files()? else {
+        return Ok(None);
+    };
+    let client_auth = if edge {
+        ClientAuth::Optional
+    } else {
+        ClientAuth::Required
+    };
+    let tls = Tls::load(files, client_auth).context("TLS")?;
+    let accept = service.tls_accept(name, edge)?;
+    tracing::info!(identity = %tls.identity(), ?accept, "TLS 1.3 on the public port and every downstream call");
+    tls.watch(TLS_WATCH_EVERY);
+    Ok(Some(ServerTls { tls, accept }))
+}
+
+/// How often a service looks for new TLS material.
+const TLS_WATCH_EVERY: Duration = Duration::from_secs(1);
+
 fn node(
     service: &ServiceArgs,
     name: String,
     budget: Option<Arc<dyn Throttle>>,
     policy: Arc<ServiceConfig>,
-) -> Arc<Node> {
-    Arc::new(Node::new(NodeConfig {
+    tls: Option<ServerTls>,
+) -> anyhow::Result<Arc<Node>> {
+    let admission = service
+        .admission()
+        .map_err(|error| anyhow::anyhow!("--min-concurrency / --max-in-flight: {error}"))?;
+    Ok(Arc::new(Node::new(NodeConfig {
         name,
         fault_injection: service.fault_injection,
         default_deadline: Duration::from_millis(service.default_deadline_ms),
@@ -259,10 +321,11 @@ fn node(
         connection_limits: retrychain_node::limits::ConnectionLimits {
             max_connections: service.max_connections as usize,
             max_per_peer: service.max_connections_per_peer as usize,
-            max_in_flight: service.max_in_flight as usize,
             ..Default::default()
         },
-    }))
+        admission,
+        tls,
+    })))
 }
 
 /// Binds the public address (`--listen`, else `default`) and the admin address

@@ -23,6 +23,21 @@ pub struct Options {
     pub max_connections: u32,
     /// TCP port on 127.0.0.1; `None` picks a free one.
     pub port: Option<u16>,
+    /// TLS: the server speaks TLS 1.3 with this certificate and accepts TCP connections
+    /// only over TLS (`hostssl` in pg_hba.conf); its URLs ask for `sslmode=verify-full`.
+    pub tls: Option<ServerTls>,
+}
+
+/// The server's TLS material (PEM files; copied into the cluster's directory with the
+/// ownership and mode Postgres demands of a key).
+#[derive(Debug, Clone)]
+pub struct ServerTls {
+    /// The server's certificate; it must name 127.0.0.1 (the URLs' host) for verify-full.
+    pub cert: PathBuf,
+    /// Its private key.
+    pub key: PathBuf,
+    /// The authority a client checks the certificate against (`sslrootcert`).
+    pub ca: PathBuf,
 }
 
 impl Default for Options {
@@ -31,6 +46,7 @@ impl Default for Options {
             fsync: false,
             max_connections: 400,
             port: None,
+            tls: None,
         }
     }
 }
@@ -52,9 +68,47 @@ pub struct TempCluster {
     server_options: Vec<String>,
     /// Our end of the guardian's pipe; closing it starts the clean-up.
     guardian_pipe: Option<ChildStdin>,
+    /// With TLS: the authority clients check the server against.
+    tls_ca: Option<PathBuf>,
 }
 
 const SUPERUSER: &str = "postgres";
+
+/// The server options that turn TLS on with `tls`'s certificate and key, copied into `dir`
+/// (owned by the server's user, the key readable by it alone, as Postgres demands), and a
+/// pg_hba.conf that lets TCP clients in only over TLS (the socket stays for local tools).
+fn server_tls(
+    tls: &ServerTls,
+    dir: &Path,
+    data: &Path,
+    run_as: Option<(u32, u32)>,
+) -> Result<Vec<String>, Error> {
+    use std::os::unix::fs::PermissionsExt;
+    let (cert, key) = (dir.join("server.crt"), dir.join("server.key"));
+    fs::copy(&tls.cert, &cert)?;
+    fs::copy(&tls.key, &key)?;
+    fs::set_permissions(&key, fs::Permissions::from_mode(0o600))?;
+    let hba = data.join("pg_hba.conf");
+    fs::write(
+        &hba,
+        "local all all trust\nhostssl all all 127.0.0.1/32 trust\nhostssl all all ::1/128 trust\n",
+    )?;
+    if let Some((uid, gid)) = run_as {
+        for path in [&cert, &key, &hba] {
+            std::os::unix::fs::chown(path, Some(uid), Some(gid))?;
+        }
+    }
+    Ok(vec![
+        "-c".into(),
+        "ssl=on".into(),
+        "-c".into(),
+        format!("ssl_cert_file={}", cert.display()),
+        "-c".into(),
+        format!("ssl_key_file={}", key.display()),
+        "-c".into(),
+        "ssl_min_protocol_version=TLSv1.3".into(),
+    ])
+}
 
 /// `initdb` into `data`: trust authentication for the superuser, UTF-8, C locale, no sync
 /// (a throwaway cluster).
@@ -116,7 +170,7 @@ impl TempCluster {
         if let Some((uid, gid)) = run_as {
             std::os::unix::fs::chown(&log_path, Some(uid), Some(gid))?;
         }
-        let server_options: Vec<String> = vec![
+        let mut server_options: Vec<String> = vec![
             "-k".into(),
             socket.display().to_string(),
             "-p".into(),
@@ -128,6 +182,9 @@ impl TempCluster {
             "-c".into(),
             format!("fsync={}", if options.fsync { "on" } else { "off" }),
         ];
+        if let Some(tls) = &options.tls {
+            server_options.extend(server_tls(tls, &dir, &data, run_as)?);
+        }
         let mut guardian = command(Path::new("sh"), run_as, &dir);
         guardian
             .arg("-c")
@@ -154,14 +211,23 @@ impl TempCluster {
             run_as,
             server_options,
             guardian_pipe,
+            tls_ca: options.tls.as_ref().map(|tls| tls.ca.clone()),
         };
         cluster.wait_ready(Duration::from_secs(60))?;
         tracing::info!(port, dir = %cluster.dir.display(), "throwaway postgres ready");
         Ok(cluster)
     }
 
-    /// The URL of database `database` as the superuser.
+    /// The URL of database `database` as the superuser (over TLS, checking the server's
+    /// certificate and name, when the cluster has TLS).
     pub fn url(&self, database: &str) -> String {
+        if let Some(ca) = &self.tls_ca {
+            return format!(
+                "postgres://{SUPERUSER}@127.0.0.1:{}/{database}?sslmode=verify-full&sslrootcert={}",
+                self.port,
+                ca.display()
+            );
+        }
         format!("postgres://{SUPERUSER}@127.0.0.1:{}/{database}", self.port)
     }
 
@@ -185,28 +251,7 @@ impl TempCluster {
             .next()
             .and_then(|line| line.trim().parse().ok())
             .ok_or_else(|| Error::Io(std::io::Error::other("postmaster.pid names no pid")))?;
-        let mut pids = vec![postmaster];
-        for entry in fs::read_dir("/proc")?.flatten() {
-            let Some(pid) = entry
-                .file_name()
-                .to_str()
-                .and_then(|n| n.parse::<u32>().ok())
-            else {
-                continue;
-            };
-            // /proc/<pid>/stat: "pid (comm) state ppid …"; comm may hold spaces.
-            let Ok(stat) = fs::read_to_string(entry.path().join("stat")) else {
-                continue;
-            };
-            let parent = stat
-                .rsplit_once(')')
-                .and_then(|(_, rest)| rest.split_whitespace().nth(1))
-                .and_then(|ppid| ppid.parse::<u32>().ok());
-            if parent == Some(postmaster) {
-                pids.push(pid);
-            }
-        }
-        Ok(pids)
+        with_children(postmaster)
     }
 
     /// Stops the server and removes its files, waiting until both are done.
@@ -329,6 +374,33 @@ fn command(program: &Path, run_as: Option<(u32, u32)>, dir: &Path) -> Command {
         command.uid(uid).gid(gid).env("HOME", dir);
     }
     command
+}
+
+/// `postmaster` and its children (backends, background workers), postmaster first: a
+/// server's processes, to freeze it whole.
+pub(crate) fn with_children(postmaster: u32) -> Result<Vec<u32>, Error> {
+    let mut pids = vec![postmaster];
+    for entry in fs::read_dir("/proc")?.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        // /proc/<pid>/stat: "pid (comm) state ppid …"; comm may hold spaces.
+        let Ok(stat) = fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        let parent = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|ppid| ppid.parse::<u32>().ok());
+        if parent == Some(postmaster) {
+            pids.push(pid);
+        }
+    }
+    Ok(pids)
 }
 
 #[cfg(test)]

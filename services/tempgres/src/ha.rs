@@ -258,6 +258,15 @@ impl HaFormation {
         Ok(())
     }
 
+    /// The processes of node `i`'s Postgres server (0 or 1), postmaster first — to freeze
+    /// it whole, as a stalled host would be; empty when it is not running.
+    pub fn server_pids(&self, i: usize) -> Result<Vec<u32>, Error> {
+        match postmaster_of(&self.dir.join(format!("node{}", i + 1))) {
+            Some(pid) => crate::cluster::with_children(pid),
+            None => Ok(Vec::new()),
+        }
+    }
+
     /// `pg_autoctl perform switchover`: the primary hands over to the standby, in order.
     pub fn switchover(&self) -> Result<(), Error> {
         self.perform("switchover")
@@ -290,9 +299,16 @@ impl HaFormation {
             self.pg_autoctl(&["create", "monitor", "--pgdata"])
                 .arg(&pgdata)
                 .args(["--pgport", &self.monitor_port.to_string()])
-                // `create monitor` has no --listen: its server listens on every address,
-                // but its pg_hba.conf admits only 127.0.0.0/8.
                 .args(["--hostname", "127.0.0.1", "--auth", "trust", "--no-ssl"]),
+        )?;
+        // `create monitor` has no --listen, and its server would listen on every address
+        // (listen_addresses '*', kept in pg_autoctl's own configuration, which `run` starts
+        // Postgres with): nothing a playground starts may listen beyond the loopback.
+        self.created(
+            "monitor",
+            self.pg_autoctl(&["config", "set", "--pgdata"])
+                .arg(&pgdata)
+                .args(["postgresql.listen_addresses", "127.0.0.1"]),
         )?;
         let keeper = self.run("monitor")?;
         self.keepers.push(("monitor".into(), Some(keeper)));

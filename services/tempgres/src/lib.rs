@@ -28,7 +28,7 @@ mod error;
 pub mod ha;
 mod host;
 
-pub use cluster::{Options, TempCluster};
+pub use cluster::{Options, ServerTls, TempCluster};
 pub use error::Error;
 pub use ha::HaFormation;
 pub use host::{find_bindir, find_bindir_in};

@@ -68,7 +68,11 @@ async fn main() -> anyhow::Result<()> {
                 // Every request waits for a connection as long as it takes.
                 "--db-acquire-timeout-ms",
                 "120000",
+                // A fixed concurrency limit as high: the point is memory per call in
+                // flight, not what the adaptive limit would admit.
                 "--max-in-flight",
+                "100000",
+                "--min-concurrency",
                 "100000",
             ]
             .map(String::from)

@@ -27,7 +27,8 @@
 //!   replica whose own failures — connection errors, per-attempt timeouts, UNAVAILABLE,
 //!   INTERNAL, UNKNOWN or DATA_LOSS it answers itself — reach 5 in a row is taken out of
 //!   rotation for 30 s × the times it has been ejected (at most 300 s), then re-admitted;
-//!   never more than 10% of the replicas at once, but always one may be. A failure a
+//!   never more than 10% of the replicas at once, but always one may be — and never the
+//!   last one in rotation (ejecting it would help nobody: calls would go to it anyway). A failure a
 //!   replica *relays* from below (marked [`wire::RELAYED`] by the hop that relays it) is
 //!   not held against it: a ledger outage ejects no healthy hop3. An ejected replica is
 //!   still used when every other one has been tried or is ejected too. gRFC A50's
@@ -42,6 +43,28 @@
 //! tried, and its endpoints must be polled ready one by one; tonic's own balanced channel
 //! evicts a failed endpoint for good. The estimate itself is the one `tower::load::PeakEwma`
 //! keeps, kept here per replica so that it can be read without owning the service.
+//!
+//! # Layout
+//!
+//! - [`settings`]: [`BalanceSettings`], the per-attempt timeout and ejection's thresholds.
+//! - [`resolve`]: where the calls go — `--downstream` read, names resolved, channels.
+//! - [`replica`]: one replica as the balancer knows it — its load estimate, its health,
+//!   a call in flight to it.
+//! - [`ejection`]: outlier ejection over the replicas, and who is spared it.
+//! - here: the balancer itself — picking a replica (power of two choices over peak-EWMA,
+//!   a retry elsewhere), following a DNS name, the per-attempt timeout, and the tower
+//!   service.
+
+mod ejection;
+mod replica;
+mod resolve;
+mod settings;
+
+use ejection::Ejector;
+use replica::{Health, InFlight, Load, Outcome, Replica};
+pub use resolve::{Downstream, DownstreamError, RESOLVE_EVERY};
+use resolve::{channel, resolve};
+pub use settings::{BalanceSettings, PerTryTimeout};
 
 use std::{
     sync::{Arc, Mutex, RwLock, Weak},
@@ -51,164 +74,13 @@ use std::{
 
 use rand::{RngExt, rngs::SmallRng};
 use tokio::time::Instant;
-use tonic::{
-    Code, Status,
-    body::Body,
-    transport::{Channel, Endpoint},
-};
+use tonic::{Code, Status, body::Body};
 use tower::{Service, ServiceExt};
 
 use crate::wire;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type BoxFuture<T> = std::pin::Pin<Box<dyn Future<Output = T> + Send>>;
-
-/// How often a DNS name is resolved again.
-pub const RESOLVE_EVERY: Duration = Duration::from_secs(5);
-
-/// The response time a replica is assumed to have before its first answer: optimistic, so
-/// that a replica that joins (or comes back) is tried at once and its real time learnt.
-const DEFAULT_RTT: Duration = Duration::from_millis(1);
-
-/// How fast the estimate forgets a slow answer: a sample's weight halves in about 7 s.
-const DECAY: Duration = Duration::from_secs(10);
-
-/// How a [`Balancer`] bounds attempts and ejects replicas; see the module docs.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct BalanceSettings {
-    /// The longest one attempt may take at one replica (`None`: until the call's
-    /// deadline).
-    pub per_try_timeout: Option<Duration>,
-    /// Own failures in a row that eject a replica (0: never eject).
-    pub consecutive_failures: u32,
-    /// How long a first ejection lasts; the n-th lasts n times as long.
-    pub base_ejection: Duration,
-    /// The longest an ejection lasts (or the base, if longer).
-    pub max_ejection: Duration,
-    /// The most replicas ejected at once, in percent of them (at least one may be, unless
-    /// it is 0: then none is).
-    pub max_ejection_percent: u32,
-    /// Failure-percentage detection: a replica whose own failures exceed this percentage
-    /// of its attempts in an interval is ejected (above 100: never).
-    pub failure_percentage_threshold: u32,
-    /// ... only when at least this many replicas had enough attempts in the interval to
-    /// be judged (a replica is an outlier only beside others).
-    pub failure_percentage_minimum_hosts: u32,
-    /// ... and only replicas with at least this many attempts in the interval are judged.
-    pub failure_percentage_request_volume: u32,
-    /// How often failure percentages are judged (and their counts started again).
-    pub interval: Duration,
-}
-
-impl Default for BalanceSettings {
-    /// gRFC A50's defaults; no per-attempt timeout.
-    fn default() -> Self {
-        Self {
-            per_try_timeout: None,
-            consecutive_failures: 5,
-            base_ejection: Duration::from_secs(30),
-            max_ejection: Duration::from_secs(300),
-            max_ejection_percent: 10,
-            failure_percentage_threshold: 85,
-            failure_percentage_minimum_hosts: 5,
-            failure_percentage_request_volume: 50,
-            interval: Duration::from_secs(10),
-        }
-    }
-}
-
-/// A call's own per-attempt timeout (a method config's `retrychainPerTryTimeout`, put on
-/// the request by the retry layer), which the balancer takes over its own setting.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PerTryTimeout(pub Duration);
-
-/// Where a hop's calls go: its `--downstream`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Downstream {
-    /// One URL or several, each a replica.
-    Urls(Vec<String>),
-    /// Every address `host` resolves to, on `port`, resolved again every
-    /// [`RESOLVE_EVERY`].
-    Dns {
-        /// The name.
-        host: String,
-        /// The port of every replica.
-        port: u16,
-    },
-}
-
-/// Why a `--downstream` value was refused.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum DownstreamError {
-    /// Nothing was given.
-    #[error("--downstream is empty")]
-    Empty,
-    /// A URL was not `http://host:port` (or https).
-    #[error("--downstream {0:?} is not a URL such as http://hop3:50053")]
-    BadUrl(String),
-    /// A `dns:` target without a port, or with a bad one.
-    #[error("--downstream {0:?}: a DNS target is dns:///host:port, e.g. dns:///hop3:50053")]
-    BadDns(String),
-}
-
-impl Downstream {
-    /// Reads `--downstream`: `dns:///host:port` (gRPC's name syntax; `dns:host:port` too),
-    /// or one or more comma-separated `http(s)://host:port` URLs.
-    pub fn parse(spec: &str) -> Result<Self, DownstreamError> {
-        let spec = spec.trim();
-        if spec.is_empty() {
-            return Err(DownstreamError::Empty);
-        }
-        if let Some(target) = spec.strip_prefix("dns:") {
-            // dns:///host:port (empty authority) or dns:host:port; an authority (a DNS
-            // server of its own choosing, dns://8.8.8.8/host:port) is not supported.
-            let target = target.strip_prefix("///").unwrap_or(target);
-            let bad = || DownstreamError::BadDns(spec.to_owned());
-            let (host, port) = target.rsplit_once(':').ok_or_else(bad)?;
-            let host = host.trim_start_matches('[').trim_end_matches(']');
-            if host.is_empty() || host.contains('/') {
-                return Err(bad());
-            }
-            let port = port
-                .parse::<u16>()
-                .ok()
-                .filter(|p| *p != 0)
-                .ok_or_else(bad)?;
-            return Ok(Self::Dns {
-                host: host.to_owned(),
-                port,
-            });
-        }
-        let urls = spec
-            .split(',')
-            .map(str::trim)
-            .filter(|url| !url.is_empty())
-            .map(|url| {
-                let uri: http::Uri = url
-                    .parse()
-                    .map_err(|_| DownstreamError::BadUrl(url.to_owned()))?;
-                let scheme_ok = matches!(uri.scheme_str(), Some("http" | "https"));
-                if !scheme_ok || uri.host().is_none() {
-                    return Err(DownstreamError::BadUrl(url.to_owned()));
-                }
-                Ok(url.trim_end_matches('/').to_owned())
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        if urls.is_empty() {
-            return Err(DownstreamError::Empty);
-        }
-        Ok(Self::Urls(urls))
-    }
-}
-
-impl std::fmt::Display for Downstream {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::Urls(urls) => f.write_str(&urls.join(",")),
-            Self::Dns { host, port } => write!(f, "dns:///{host}:{port}"),
-        }
-    }
-}
 
 /// The replicas one call has been sent to, shared by its attempts (the retry engine puts
 /// one in every call it drives; see the module docs).
@@ -237,43 +109,6 @@ impl Tried {
     }
 }
 
-/// One replica: its channel and what the balancer has seen of it.
-#[derive(Debug)]
-struct Replica {
-    /// Unique for the life of the process: a replica that leaves and comes back at the same
-    /// address is a new one, its history not inherited.
-    id: u64,
-    /// `http://host:port`.
-    url: String,
-    /// Connected on first use, reconnected as needed.
-    channel: Channel,
-    /// The load estimate.
-    load: Mutex<Load>,
-    /// Outlier ejection's view of it.
-    health: Mutex<Health>,
-}
-
-/// A replica's own failures in a row, and its ejection.
-#[derive(Debug, Default)]
-struct Health {
-    /// Own failures since its last good answer.
-    consecutive: u32,
-    /// Out of rotation until then.
-    ejected_until: Option<Instant>,
-    /// How many times it has been ejected (the ejection time's multiplier); one is
-    /// forgiven for each base ejection time it then goes without one.
-    ejections: u32,
-    /// When it was last re-admitted.
-    readmitted: Option<Instant>,
-    /// Attempts and own failures in the current interval (failure-percentage detection).
-    interval_calls: u32,
-    interval_failures: u32,
-    /// Since it joined: attempts, own failures, ejections (for `/metrics`).
-    calls_total: u64,
-    failures_total: u64,
-    ejections_total: u64,
-}
-
 /// One replica as `/metrics` and `retrychain top` show it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EndpointStats {
@@ -293,59 +128,6 @@ pub struct EndpointStats {
     pub rtt_seconds: f64,
 }
 
-/// How an attempt at a replica ended, for its health.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Outcome {
-    /// It answered, well or with a failure of its own making not held against it.
-    Answered,
-    /// A failure of its own: no connection, no answer in time, or a server failure it
-    /// did not relay.
-    Failed,
-}
-
-/// A replica's calls in flight and its peak-EWMA response time.
-#[derive(Debug)]
-struct Load {
-    pending: u32,
-    /// Nanoseconds.
-    rtt_ns: f64,
-    updated: Instant,
-}
-
-impl Load {
-    fn new() -> Self {
-        Self {
-            pending: 0,
-            rtt_ns: DEFAULT_RTT.as_nanos() as f64,
-            updated: Instant::now(),
-        }
-    }
-
-    /// The cost of sending one more call here, `now`: the estimate decayed for the time
-    /// since its last sample (as `tower::load::PeakEwma` does), so that a replica not
-    /// chosen for a while — its last answers slow, or its first one slowed by the
-    /// connection's set-up — looks cheaper until it is tried again and measured afresh.
-    fn cost(&self, now: Instant) -> f64 {
-        let idle = now.saturating_duration_since(self.updated).as_secs_f64();
-        let estimate = self.rtt_ns * (-idle / DECAY.as_secs_f64()).exp();
-        estimate * f64::from(self.pending + 1)
-    }
-
-    /// A new sample: taken at once if slower (the peak), else averaged in with a weight
-    /// that grows with the time since the last sample.
-    fn observe(&mut self, rtt: Duration, now: Instant) {
-        let sample = rtt.as_nanos() as f64;
-        if sample > self.rtt_ns {
-            self.rtt_ns = sample;
-        } else {
-            let elapsed = now.saturating_duration_since(self.updated).as_secs_f64();
-            let keep = (-elapsed / DECAY.as_secs_f64()).exp();
-            self.rtt_ns = self.rtt_ns * keep + sample * (1.0 - keep);
-        }
-        self.updated = now;
-    }
-}
-
 /// Which replicas a draw may take.
 type Eligible<'a> = &'a dyn Fn(&Arc<Replica>) -> bool;
 
@@ -354,16 +136,16 @@ type Eligible<'a> = &'a dyn Fn(&Arc<Replica>) -> bool;
 struct Shared {
     /// What `--downstream` said, for messages.
     downstream: Downstream,
+    /// The connector of a TLS downstream; `None`: plaintext.
+    tls: Option<retrychain_tls::Connector>,
     /// The replicas now; replaced whole when the set changes.
     replicas: RwLock<Arc<Vec<Arc<Replica>>>>,
     /// Ids for new replicas.
     next_id: std::sync::atomic::AtomicU64,
     /// The random draws of the two choices.
     rng: Mutex<SmallRng>,
-    /// Per-attempt timeout and ejection.
-    settings: BalanceSettings,
-    /// When failure percentages were last judged.
-    swept: Mutex<Instant>,
+    /// Outlier ejection, with the settings (the per-attempt timeout among them).
+    ejector: Ejector,
 }
 
 /// The bottom of a hop's downstream stack; see the module docs.
@@ -378,11 +160,30 @@ impl Balancer {
     /// its calls then answer UNAVAILABLE until it does), then again every
     /// [`RESOLVE_EVERY`] for as long as a clone of the balancer lives.
     pub async fn start(downstream: Downstream, settings: BalanceSettings) -> Self {
-        let balancer = Self::with_urls(downstream.clone(), &[], settings);
+        Self::start_with(downstream, settings, None).await
+    }
+
+    /// [`Balancer::start`] over TLS: every replica's connections are opened by `tls`,
+    /// which presents this service's certificate and accepts only the tier below's
+    /// identity; a DNS name's addresses become `https://` URLs.
+    pub async fn start_tls(
+        downstream: Downstream,
+        settings: BalanceSettings,
+        tls: retrychain_tls::Connector,
+    ) -> Self {
+        Self::start_with(downstream, settings, Some(tls)).await
+    }
+
+    async fn start_with(
+        downstream: Downstream,
+        settings: BalanceSettings,
+        tls: Option<retrychain_tls::Connector>,
+    ) -> Self {
+        let balancer = Self::new(downstream.clone(), &[], settings, tls);
         match &downstream {
             Downstream::Urls(urls) => balancer.shared.update(urls),
             Downstream::Dns { host, port } => {
-                if let Some(urls) = resolve(host, *port).await {
+                if let Some(urls) = resolve(host, *port, balancer.shared.scheme()).await {
                     balancer.shared.update(&urls);
                 }
                 tokio::spawn(follow(
@@ -395,14 +196,24 @@ impl Balancer {
         balancer
     }
 
+    #[cfg(test)]
     fn with_urls(downstream: Downstream, urls: &[String], settings: BalanceSettings) -> Self {
+        Self::new(downstream, urls, settings, None)
+    }
+
+    fn new(
+        downstream: Downstream,
+        urls: &[String],
+        settings: BalanceSettings,
+        tls: Option<retrychain_tls::Connector>,
+    ) -> Self {
         let shared = Arc::new(Shared {
-            downstream,
+            tls,
             replicas: RwLock::new(Arc::new(Vec::new())),
             next_id: std::sync::atomic::AtomicU64::new(1),
             rng: Mutex::new(rand::make_rng()),
-            settings,
-            swept: Mutex::new(Instant::now()),
+            ejector: Ejector::new(settings, downstream.to_string()),
+            downstream,
         });
         shared.update(urls);
         Self { shared }
@@ -457,6 +268,11 @@ impl Balancer {
 }
 
 impl Shared {
+    /// The scheme of a resolved replica's URL.
+    fn scheme(&self) -> &'static str {
+        if self.tls.is_some() { "https" } else { "http" }
+    }
+
     fn current(&self) -> Arc<Vec<Arc<Replica>>> {
         match self.replicas.read() {
             Ok(replicas) => Arc::clone(&replicas),
@@ -479,7 +295,7 @@ impl Shared {
             }
             match current.iter().find(|r| &r.url == url) {
                 Some(known) => next.push(Arc::clone(known)),
-                None => match channel(url) {
+                None => match channel(url, self.tls.as_ref()) {
                     Ok(channel) => next.push(Arc::new(Replica {
                         id: self
                             .next_id
@@ -517,13 +333,18 @@ impl Shared {
         }
     }
 
+    /// Records how an attempt at `replica` ended, for outlier ejection.
+    fn record(&self, replica: &Replica, outcome: Outcome, now: Instant) {
+        self.ejector.record(&self.current(), replica, outcome, now);
+    }
+
     /// The replica for the next attempt of a call that has tried `tried`: two drawn at
     /// random among those in rotation the call has not tried, the cheaper taken. With none
     /// such, among those in rotation; then among the untried; then among all.
     fn pick(&self, tried: Option<&Tried>) -> Option<Arc<Replica>> {
         let replicas = self.current();
         let now = Instant::now();
-        self.readmit(&replicas, now);
+        self.ejector.readmit(&replicas, now);
         let untried = |r: &Arc<Replica>| tried.is_none_or(|t| !t.contains(r.id));
         let in_rotation = |r: &Arc<Replica>| {
             r.health
@@ -555,229 +376,22 @@ impl Shared {
         let cost = |r: &Replica| r.load.lock().map(|l| l.cost(now)).unwrap_or(f64::MAX);
         Some(if cost(&b) < cost(&a) { b } else { a })
     }
-
-    /// Puts back into rotation every replica whose ejection is over.
-    fn readmit(&self, replicas: &[Arc<Replica>], now: Instant) {
-        for replica in replicas {
-            let Ok(mut health) = replica.health.lock() else {
-                continue;
-            };
-            if health.ejected_until.is_some_and(|until| until <= now) {
-                health.ejected_until = None;
-                health.consecutive = 0;
-                health.readmitted = Some(now);
-                // A fresh start: the slow answers that led to the ejection are not held
-                // against it once more by the load estimate.
-                if let Ok(mut load) = replica.load.lock() {
-                    load.rtt_ns = DEFAULT_RTT.as_nanos() as f64;
-                    load.updated = now;
-                }
-                tracing::info!(
-                    downstream = %self.downstream,
-                    replica = %replica.url,
-                    "replica re-admitted after its ejection"
-                );
-            }
-        }
-    }
-
-    /// Records how an attempt at `replica` ended; ejects it after too many own failures
-    /// in a row, and judges failure percentages once an interval is over.
-    fn record(&self, replica: &Replica, outcome: Outcome, now: Instant) {
-        let settings = &self.settings;
-        let Ok(mut health) = replica.health.lock() else {
-            return;
-        };
-        health.calls_total += 1;
-        health.interval_calls = health.interval_calls.saturating_add(1);
-        match outcome {
-            Outcome::Answered => {
-                health.consecutive = 0;
-                // One ejection forgiven per base time gone by without one.
-                if let Some(readmitted) = health.readmitted
-                    && now.saturating_duration_since(readmitted) >= settings.base_ejection
-                {
-                    health.ejections = health.ejections.saturating_sub(1);
-                    health.readmitted = (health.ejections > 0).then_some(now);
-                }
-                drop(health);
-            }
-            Outcome::Failed => {
-                health.consecutive += 1;
-                health.failures_total += 1;
-                health.interval_failures = health.interval_failures.saturating_add(1);
-                let due = settings.consecutive_failures > 0
-                    && health.consecutive >= settings.consecutive_failures
-                    && health.ejected_until.is_none();
-                let failures = health.consecutive;
-                drop(health);
-                if due {
-                    self.eject(
-                        replica,
-                        now,
-                        &format!("{failures} failures of its own in a row"),
-                    );
-                }
-            }
-        }
-        self.sweep(now);
-    }
-
-    /// gRFC A50's failure-percentage detection, once per interval: among the replicas
-    /// with enough attempts, when there are enough of them, those whose own failures
-    /// exceed the threshold are ejected; then every replica's interval counts restart.
-    fn sweep(&self, now: Instant) {
-        let settings = &self.settings;
-        {
-            // Whoever holds it is judging this interval already.
-            let Ok(mut swept) = self.swept.try_lock() else {
-                return;
-            };
-            if now.saturating_duration_since(*swept) < settings.interval {
-                return;
-            }
-            *swept = now;
-        }
-        let replicas = self.current();
-        let counts: Vec<(u32, u32)> = replicas
-            .iter()
-            .map(|r| {
-                r.health.lock().map_or((0, 0), |mut h| {
-                    let counts = (h.interval_calls, h.interval_failures);
-                    (h.interval_calls, h.interval_failures) = (0, 0);
-                    counts
-                })
-            })
-            .collect();
-        let judged = counts
-            .iter()
-            .filter(|(calls, _)| *calls >= settings.failure_percentage_request_volume)
-            .count();
-        if settings.failure_percentage_threshold > 100
-            || judged < settings.failure_percentage_minimum_hosts as usize
-        {
-            return;
-        }
-        for (replica, (calls, failures)) in replicas.iter().zip(counts) {
-            let over = calls >= settings.failure_percentage_request_volume
-                && u64::from(failures) * 100
-                    > u64::from(settings.failure_percentage_threshold) * u64::from(calls);
-            if over {
-                self.eject(
-                    replica,
-                    now,
-                    &format!("{failures} of its {calls} attempts failed on its own"),
-                );
-            }
-        }
-    }
-
-    /// Takes `replica` out of rotation for its next ejection time, unless it is out
-    /// already or the limit on ejected replicas is reached.
-    fn eject(&self, replica: &Replica, now: Instant, why: &str) {
-        let settings = &self.settings;
-        let replicas = self.current();
-        let ejected = replicas
-            .iter()
-            .filter(|r| r.health.lock().is_ok_and(|h| h.ejected_until.is_some()))
-            .count();
-        // At least one may be ejected, unless the percentage is 0 (ejection off, as A50).
-        let allowed = match replicas.len() * settings.max_ejection_percent as usize / 100 {
-            0 if settings.max_ejection_percent > 0 => 1,
-            allowed => allowed,
-        };
-        if ejected >= allowed || !replicas.iter().any(|r| r.id == replica.id) {
-            return; // at the limit, or the replica has left the set
-        }
-        let Ok(mut health) = replica.health.lock() else {
-            return;
-        };
-        if health.ejected_until.is_some() {
-            return;
-        }
-        health.ejections += 1;
-        health.ejections_total += 1;
-        let longest = settings.max_ejection.max(settings.base_ejection);
-        let time = (settings.base_ejection * health.ejections).min(longest);
-        health.ejected_until = Some(now + time);
-        tracing::warn!(
-            downstream = %self.downstream,
-            replica = %replica.url,
-            why,
-            ejected_for_s = time.as_secs_f64(),
-            "replica ejected"
-        );
-    }
-}
-
-/// A lazily connected channel to `url`, with the settings every hop uses.
-fn channel(url: &str) -> Result<Channel, tonic::transport::Error> {
-    Ok(Endpoint::from_shared(url.to_owned())?
-        .tcp_nodelay(true)
-        .connect_timeout(Duration::from_secs(2))
-        .connect_lazy())
-}
-
-/// The replicas' URLs for `host:port`, or `None` when the name does not resolve now.
-async fn resolve(host: &str, port: u16) -> Option<Vec<String>> {
-    match tokio::net::lookup_host((host, port)).await {
-        Ok(addrs) => {
-            let mut urls: Vec<String> = addrs.map(|addr| format!("http://{addr}")).collect();
-            urls.sort();
-            urls.dedup();
-            Some(urls)
-        }
-        Err(error) => {
-            tracing::warn!(%host, port, %error, "could not resolve the downstream's name; keeping its replicas as they were");
-            None
-        }
-    }
 }
 
 /// Resolves `host` again every [`RESOLVE_EVERY`] while the balancer lives.
 async fn follow(shared: Weak<Shared>, host: String, port: u16) {
     loop {
         tokio::time::sleep(RESOLVE_EVERY).await;
-        let urls = resolve(&host, port).await;
+        let scheme = match shared.upgrade() {
+            Some(shared) => shared.scheme(),
+            None => return,
+        };
+        let urls = resolve(&host, port, scheme).await;
         let Some(shared) = shared.upgrade() else {
             return;
         };
         if let Some(urls) = urls {
             shared.update(&urls);
-        }
-    }
-}
-
-/// A call in flight to a replica: counted in its load until dropped.
-struct InFlight {
-    replica: Arc<Replica>,
-    sent: Instant,
-}
-
-impl InFlight {
-    fn start(replica: Arc<Replica>) -> Self {
-        if let Ok(mut load) = replica.load.lock() {
-            load.pending += 1;
-        }
-        Self {
-            replica,
-            sent: Instant::now(),
-        }
-    }
-
-    /// The answer came: its time is a sample.
-    fn answered(&self) {
-        let now = Instant::now();
-        if let Ok(mut load) = self.replica.load.lock() {
-            load.observe(now - self.sent, now);
-        }
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        if let Ok(mut load) = self.replica.load.lock() {
-            load.pending = load.pending.saturating_sub(1);
         }
     }
 }
@@ -809,8 +423,7 @@ impl Service<http::Request<Body>> for Balancer {
         let per_try = request
             .extensions()
             .get::<PerTryTimeout>()
-            .map(|p| p.0)
-            .or(self.shared.settings.per_try_timeout);
+            .map_or(self.shared.ejector.settings.per_try_timeout, |p| p.0);
         // The per-attempt timeout, when it is shorter than the call's own time left.
         let mut capped = None;
         if let Some(per_try) = per_try {
@@ -826,14 +439,18 @@ impl Service<http::Request<Body>> for Balancer {
         let in_flight = InFlight::start(Arc::clone(&replica));
         Box::pin(async move {
             let sent = channel.oneshot(request);
+            let mut timed_out = false;
             let mut answer = match per_try {
                 Some(per_try) => match tokio::time::timeout(per_try, sent).await {
                     Ok(answer) => answer.map_err(BoxError::from),
-                    Err(_) => Err(Box::new(Status::unavailable(format!(
-                        "{} did not answer within the per-attempt timeout ({} ms)",
-                        replica.url,
-                        per_try.as_millis()
-                    ))) as BoxError),
+                    Err(_) => Err({
+                        timed_out = true;
+                        Box::new(Status::unavailable(format!(
+                            "{} did not answer within the per-attempt timeout ({} ms)",
+                            replica.url,
+                            per_try.as_millis()
+                        ))) as BoxError
+                    }),
                 },
                 None => sent.await.map_err(BoxError::from),
             };
@@ -843,8 +460,14 @@ impl Service<http::Request<Body>> for Balancer {
             let outcome = outcome(&answer);
             // Only an answer is a sample of its time: a refused connection, answered in
             // microseconds, must not make a dead replica look cheap.
-            if outcome == Outcome::Answered {
-                in_flight.answered();
+            // A per-attempt timeout is a sample too: "at least this slow". A frozen
+            // replica then costs more than the others at once, and the next calls go
+            // elsewhere before its failures eject it.
+            match outcome {
+                Outcome::Answered => in_flight.answered(),
+                Outcome::Shed => in_flight.shed(),
+                Outcome::Failed if timed_out => in_flight.answered(),
+                Outcome::Failed => {}
             }
             shared.record(&replica, outcome, Instant::now());
             answer
@@ -876,13 +499,20 @@ fn outcome(answer: &Result<http::Response<Body>, BoxError>) -> Outcome {
     let Ok(response) = answer else {
         return Outcome::Failed; // no connection, a broken one, no answer in time
     };
-    let own_failure = Status::from_header_map(response.headers()).is_some_and(|status| {
-        matches!(
-            status.code(),
-            Code::Unavailable | Code::Internal | Code::Unknown | Code::DataLoss
-        ) && !wire::is_relayed(response.headers())
-    });
-    if own_failure {
+    let headers = response.headers();
+    let Some(status) = Status::from_header_map(headers) else {
+        return Outcome::Answered;
+    };
+    if wire::is_relayed(headers) {
+        return Outcome::Answered;
+    }
+    if wire::is_overloaded(headers) {
+        return Outcome::Shed;
+    }
+    if matches!(
+        status.code(),
+        Code::Unavailable | Code::Internal | Code::Unknown | Code::DataLoss
+    ) {
         Outcome::Failed
     } else {
         Outcome::Answered
@@ -967,6 +597,46 @@ mod tests {
             // Every one tried: the fourth may go anywhere.
             assert!(balancer.shared.pick(Some(&tried)).is_some());
         }
+    }
+
+    /// A replica nobody has measured yet takes one call at a time until its first answer:
+    /// its 1 ms default is a guess, and a slow replica would otherwise take a third of the
+    /// calls until that answer came.
+    #[tokio::test]
+    async fn an_unmeasured_replica_takes_one_call_until_its_first_answer() {
+        let urls: Vec<String> = (1..=3).map(|i| format!("http://127.0.0.1:{i}")).collect();
+        let balancer = Balancer::with_urls(
+            Downstream::Urls(urls.clone()),
+            &urls,
+            BalanceSettings::default(),
+        );
+        let replicas = balancer.shared.current();
+        let now = Instant::now();
+        for replica in &replicas[..2] {
+            replica
+                .load
+                .lock()
+                .unwrap()
+                .observe(Duration::from_millis(5), now);
+        }
+        // The third took one call and has not answered: it takes no other.
+        let _probe = InFlight::start(Arc::clone(&replicas[2]));
+        let mut held = Vec::new();
+        for _ in 0..60 {
+            let picked = balancer.shared.pick(None).expect("a replica");
+            assert_ne!(
+                picked.id, replicas[2].id,
+                "the unmeasured one waits for its answer"
+            );
+            held.push(InFlight::start(picked));
+        }
+        // Its first answer replaces the default, whatever it was.
+        replicas[2]
+            .load
+            .lock()
+            .unwrap()
+            .observe(Duration::from_micros(200), Instant::now());
+        assert!(replicas[2].load.lock().unwrap().rtt_ns < 300_000.0);
     }
 
     #[tokio::test]
@@ -1057,6 +727,49 @@ mod tests {
             Duration::from_secs(2),
             "the second ejection lasts twice as long"
         );
+    }
+
+    /// With one replica (a lone ledger whose database is down), or the last one in
+    /// rotation, nothing is ejected: an ejected last replica would be called anyway.
+    #[tokio::test(start_paused = true)]
+    async fn the_last_replica_in_rotation_is_never_ejected() {
+        let one = vec!["http://127.0.0.1:1".to_owned()];
+        let balancer = Balancer::with_urls(
+            Downstream::Urls(one.clone()),
+            &one,
+            BalanceSettings::default(),
+        );
+        let replica = balancer.shared.current()[0].clone();
+        for _ in 0..20 {
+            balancer
+                .shared
+                .record(&replica, Outcome::Failed, Instant::now());
+        }
+        assert!(replica.health.lock().unwrap().ejected_until.is_none());
+        assert!(
+            replica.health.lock().unwrap().spared,
+            "the decision was made (and logged)"
+        );
+
+        let two: Vec<String> = (1..=2).map(|i| format!("http://127.0.0.1:{i}")).collect();
+        let settings = BalanceSettings {
+            max_ejection_percent: 100,
+            ..BalanceSettings::default()
+        };
+        let balancer = Balancer::with_urls(Downstream::Urls(two.clone()), &two, settings);
+        let replicas = balancer.shared.current();
+        for replica in replicas.iter() {
+            for _ in 0..5 {
+                balancer
+                    .shared
+                    .record(replica, Outcome::Failed, Instant::now());
+            }
+        }
+        let ejected = replicas
+            .iter()
+            .filter(|r| r.health.lock().unwrap().ejected_until.is_some())
+            .count();
+        assert_eq!(ejected, 1, "the second is the last in rotation");
     }
 
     #[tokio::test(start_paused = true)]

@@ -1,0 +1,55 @@
+//! How a hop's balancer bounds attempts and ejects replicas.
+
+use std::time::Duration;
+
+/// How a [`Balancer`] bounds attempts and ejects replicas; see the module docs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BalanceSettings {
+    /// The longest one attempt may take at one replica (`None`: until the call's
+    /// deadline).
+    pub per_try_timeout: Option<Duration>,
+    /// Own failures in a row that eject a replica (0: never eject).
+    pub consecutive_failures: u32,
+    /// How long a first ejection lasts; the n-th lasts n times as long.
+    pub base_ejection: Duration,
+    /// The longest an ejection lasts (or the base, if longer).
+    pub max_ejection: Duration,
+    /// The most replicas ejected at once, in percent of them (at least one may be, unless
+    /// it is 0: then none is).
+    pub max_ejection_percent: u32,
+    /// Failure-percentage detection: a replica whose own failures exceed this percentage
+    /// of its attempts in an interval is ejected (above 100: never).
+    pub failure_percentage_threshold: u32,
+    /// ... only when at least this many replicas had enough attempts in the interval to
+    /// be judged (a replica is an outlier only beside others).
+    pub failure_percentage_minimum_hosts: u32,
+    /// ... and only replicas with at least this many attempts in the interval are judged.
+    pub failure_percentage_request_volume: u32,
+    /// How often failure percentages are judged (and their counts started again).
+    pub interval: Duration,
+}
+
+impl Default for BalanceSettings {
+    /// gRFC A50's defaults; no per-attempt timeout.
+    fn default() -> Self {
+        Self {
+            per_try_timeout: None,
+            consecutive_failures: 5,
+            base_ejection: Duration::from_secs(30),
+            max_ejection: Duration::from_secs(300),
+            max_ejection_percent: 10,
+            failure_percentage_threshold: 85,
+            failure_percentage_minimum_hosts: 5,
+            failure_percentage_request_volume: 50,
+            interval: Duration::from_secs(10),
+        }
+    }
+}
+
+/// A call's own per-attempt timeout, which the balancer takes over its own setting: a
+/// method config's `retrychainPerTryTimeout` (put on the request by the retry layer), or
+/// `None` where the caller knows an attempt may legitimately take the call's whole time —
+/// in every-layer mode one attempt holds every retry below it, so a per-attempt cut sized
+/// for one call would cut the storm short.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PerTryTimeout(pub Option<Duration>);

@@ -1,0 +1,25 @@
+//! TLS for the chain, and who is on the other end of each connection.
+//!
+//! - **TLS 1.3 only** (rustls, ring's algorithms), ALPN `h2`: every gRPC listener and every
+//!   downstream call of a service started with TLS material ([`TlsFiles`]).
+//! - **Identities**: each tier's certificate names it with one URI SAN,
+//!   `spiffe://retrychain/<tier>` ([`Identity`]); replicas of a tier share it. A client
+//!   checks the server's chain to a trusted authority and that it is the tier it meant to
+//!   call ([`verify`]); a server learns the caller's identity from its certificate
+//!   ([`accept`]) and decides what it may do (the node's authorization layer).
+//! - **Rotation without a restart** ([`Tls::watch`]): the files are read again when they
+//!   change; new connections use the new material, open ones finish on the old; a bad
+//!   file is logged and ignored.
+//! - **Throwaway authorities** ([`issue`]) for `up --tls` and the tests.
+
+mod connect;
+mod identity;
+pub mod issue;
+mod material;
+pub mod verify;
+
+pub use connect::{Connector, accept, accept_with};
+pub use identity::{
+    BadIdentity, CHAIN, Identity, OPERATOR, TRUST_DOMAIN, callee_of, caller_of, tier,
+};
+pub use material::{ClientAuth, Reload, Tls, TlsError, TlsFiles};

@@ -1,0 +1,549 @@
+//! TLS with identities, through real processes and real handshakes: a chain started as
+//! `up --tls` starts it (a throwaway CA, every tier's certificate), called as the operator
+//! would call it — and as an intruder would: without a certificate, with one from another
+//! authority, with the right authority but the wrong identity, in plaintext. Then the
+//! certificates and the authority itself are rotated under load, and a bad file is
+//! dropped in, without a failed call.
+
+use std::{
+    path::Path,
+    process::Command,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use crate::support::*;
+use retrychain_harness::{ChainSpec, ChainTls, LocalChain};
+use retrychain_proto::v1::{
+    GetAccountRequest, GetStatsRequest, control_client::ControlClient,
+    payments_client::PaymentsClient,
+};
+use retrychain_tls::{ClientAuth, Connector, Identity, Tls, TlsFiles, issue::Authority};
+use tonic::{Code, transport::Endpoint};
+
+/// A chain over TLS, as processes, on its own database; the certificates in `dir`.
+async fn tls_chain(dir: &Path) -> (LocalChain, ChainTls) {
+    let tls = ChainTls::create(dir).unwrap();
+    let options = Options::processes();
+    let spec = ChainSpec {
+        database_url: Some(database().await),
+        tls: Some(tls.clone()),
+        ..options.spec
+    };
+    (LocalChain::start(spec).await.unwrap(), tls)
+}
+
+/// A channel to `url` presenting `files`' certificate, to a server that must be `expected`.
+async fn channel_as(
+    files: TlsFiles,
+    url: &str,
+    expected: &str,
+) -> Result<tonic::transport::Channel, tonic::transport::Error> {
+    let tls = Tls::load(files, ClientAuth::Optional).unwrap();
+    Endpoint::from_shared(url.to_owned())
+        .unwrap()
+        .connect_timeout(Duration::from_secs(5))
+        .connect_with_connector(Connector::new(tls, Identity::of_service(expected)))
+        .await
+}
+
+/// Requests hop3 has handled, from its Control, asked over TLS as the operator.
+async fn handled(tls: &ChainTls, admin_url: &str) -> u64 {
+    let mut control = ControlClient::new(tls.connect(admin_url, "hop3").await.unwrap());
+    let stats = control.get_stats(GetStatsRequest {}).await.unwrap();
+    stats.into_inner().requests_received
+}
+
+#[tokio::test]
+async fn a_chain_over_mutual_tls_charges_and_each_tier_accepts_only_the_one_above() {
+    let dir = tempfile::tempdir().unwrap();
+    let (chain, tls) = tls_chain(dir.path()).await;
+    let addrs = chain.addrs();
+    assert!(addrs.edge.url.starts_with("https://"), "{}", addrs.edge.url);
+
+    // The operator, over TLS: a charge, and its repeat replayed.
+    let edge = tls.connect(&addrs.edge.url, "edge").await.unwrap();
+    let mut payments = PaymentsClient::new(edge);
+    let account = new_account();
+    let first = payments
+        .charge(charge(
+            &account,
+            500,
+            Some("tls-1"),
+            Duration::from_secs(5),
+            &[],
+        ))
+        .await
+        .unwrap();
+    assert_eq!(first.get_ref().balance_cents, 500);
+    let again = payments
+        .charge(charge(
+            &account,
+            500,
+            Some("tls-1"),
+            Duration::from_secs(5),
+            &[],
+        ))
+        .await
+        .unwrap();
+    assert_eq!(again.metadata().get("idempotent-replayed").unwrap(), "true");
+    let balance = payments
+        .get_account(GetAccountRequest {
+            account_id: account.clone(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(balance.get_ref().balance_cents, 500);
+
+    // Plaintext to the edge's TLS port: no answer of any kind.
+    let plain = addrs.edge.url.replacen("https://", "http://", 1);
+    let mut plaintext = PaymentsClient::new(Endpoint::from_shared(plain).unwrap().connect_lazy());
+    let refused = plaintext
+        .charge(charge(
+            &account,
+            1,
+            Some("tls-plain"),
+            Duration::from_secs(5),
+            &[],
+        ))
+        .await
+        .unwrap_err();
+    println!("plaintext to the edge: {refused:?}");
+    assert_ne!(refused.code(), Code::Ok);
+
+    // hop3, reached directly with a certificate of the right authority but the wrong
+    // identity (the operator's): PERMISSION_DENIED, naming it, before any work.
+    let before = handled(&tls, &addrs.hop3.admin_url).await;
+    let hop3 = tls.connect(&addrs.hop3.url, "hop3").await.unwrap();
+    let denied = PaymentsClient::new(hop3)
+        .charge(charge(
+            &account,
+            1,
+            Some("tls-bypass"),
+            Duration::from_secs(5),
+            &[],
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(denied.code(), Code::PermissionDenied, "{denied:?}");
+    assert!(
+        denied
+            .message()
+            .contains("spiffe://retrychain/operator may not call")
+            && denied.message().contains("spiffe://retrychain/hop2"),
+        "{denied:?}"
+    );
+    assert_eq!(
+        handled(&tls, &addrs.hop3.admin_url).await,
+        before,
+        "no work done"
+    );
+
+    // A certificate naming hop2 from another authority (its client trusts ours): the
+    // handshake is refused.
+    let elsewhere = tempfile::tempdir().unwrap();
+    let other = ChainTls::create(elsewhere.path()).unwrap();
+    let forged = TlsFiles {
+        ca: tls.files_of("operator").ca,
+        ..other.files_of("hop2")
+    };
+    // (In TLS 1.3 the client's side of the handshake may finish before the server has
+    // judged its certificate: then the first call fails instead.)
+    match channel_as(forged, &addrs.hop3.url, "hop3").await {
+        Err(error) => println!("hop2's name from another CA: {error:?}"),
+        Ok(channel) => {
+            let status = PaymentsClient::new(channel)
+                .charge(charge(
+                    &account,
+                    1,
+                    Some("tls-forged"),
+                    Duration::from_secs(5),
+                    &[],
+                ))
+                .await
+                .unwrap_err();
+            println!("hop2's name from another CA: {status:?}");
+            assert!(
+                !matches!(status.code(), Code::Ok | Code::PermissionDenied),
+                "the handshake was not refused: {status:?}"
+            );
+        }
+    }
+    assert_eq!(
+        handled(&tls, &addrs.hop3.admin_url).await,
+        before,
+        "no work done"
+    );
+
+    // Control on the admin port, over TLS too: the operator steers, a tier may not; Prometheus
+    // (the CA alone, no client certificate, HTTP/1.1) still reads /metrics.
+    let as_hop2 = channel_as(tls.files_of("hop2"), &addrs.hop3.admin_url, "hop3")
+        .await
+        .unwrap();
+    let steered = ControlClient::new(as_hop2)
+        .get_stats(GetStatsRequest {})
+        .await
+        .unwrap_err();
+    assert_eq!(steered.code(), Code::PermissionDenied, "{steered:?}");
+    assert!(
+        steered
+            .message()
+            .contains("spiffe://retrychain/hop2 may not call"),
+        "{steered:?}"
+    );
+    let metrics_url = format!("{}/metrics", addrs.hop3.admin_url);
+    let metrics = Command::new("curl")
+        .args(["-sf", "--http1.1", "--cacert"])
+        .arg(tls.files_of("operator").ca)
+        .arg(&metrics_url)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&metrics.stdout);
+    assert!(
+        metrics.status.success() && text.contains("retrychain_"),
+        "{metrics_url}: {text}{}",
+        String::from_utf8_lossy(&metrics.stderr)
+    );
+    let plain_admin = addrs.hop3.admin_url.replacen("https://", "http://", 1);
+    let plain = Command::new("curl")
+        .args(["-sf", "--max-time", "5"])
+        .arg(format!("{plain_admin}/metrics"))
+        .output()
+        .unwrap();
+    assert!(
+        !plain.status.success(),
+        "plaintext /metrics answered on a TLS admin port"
+    );
+
+    // A client that means to call hop2 but reaches hop3: its own check refuses the server.
+    let mistaken = channel_as(tls.files_of("operator"), &addrs.hop3.url, "hop2").await;
+    let error = mistaken.expect_err("hop3 is not hop2");
+    let chain_of_errors = format!("{error:?}");
+    assert!(
+        chain_of_errors.contains("spiffe://retrychain/hop3, not spiffe://retrychain/hop2"),
+        "{chain_of_errors}"
+    );
+
+    // grpcurl, as users meet it: with the printed flags it charges; with only the CA (no
+    // client certificate) hop3 refuses the handshake.
+    let operator = tls.files_of("operator");
+    let (ca, cert, key) = (
+        operator.ca.display().to_string(),
+        operator.cert.display().to_string(),
+        operator.key.display().to_string(),
+    );
+    let edge = addrs.edge.host_port().replace("127.0.0.1", "localhost");
+    let body = format!(r#"{{"account_id":"{account}","amount_cents":7}}"#);
+    let output = Command::new(grpcurl())
+        .args(["-cacert", &ca, "-cert", &cert, "-key", &key])
+        .args(["-H", "idempotency-key: tls-grpcurl", "-d", &body, &edge])
+        .arg("retrychain.v1.Payments/Charge")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(text.contains("\"balanceCents\": \"507\""), "{text}");
+    let hop3 = addrs.hop3.host_port().replace("127.0.0.1", "localhost");
+    let output = Command::new(grpcurl())
+        .args(["-cacert", &ca, "-d", &body, &hop3])
+        .arg("retrychain.v1.Payments/Charge")
+        .output()
+        .unwrap();
+    assert!(
+        !output.status.success(),
+        "hop3 answered a caller without a certificate"
+    );
+    println!(
+        "grpcurl to hop3 without a certificate: {}",
+        String::from_utf8_lossy(&output.stderr).trim()
+    );
+
+    chain.stop().await;
+}
+
+/// Under load: every tier's authority rotated (the new CA trusted beside the old, new
+/// certificates issued by it, the old CA dropped), then a bad certificate file dropped in.
+/// No call fails; new connections use the new material (a restarted hop3 is reached over
+/// it, and a client that trusts only the new CA is served).
+#[tokio::test]
+async fn certificates_and_the_authority_rotate_under_load_without_a_failed_call() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut chain, tls) = tls_chain(dir.path()).await;
+    let addrs = chain.addrs();
+    let edge = tls.connect(&addrs.edge.url, "edge").await.unwrap();
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let (ok, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let mut load = Vec::new();
+    for worker in 0..4 {
+        let (stop, ok, failed) = (stop.clone(), ok.clone(), failed.clone());
+        // A client as gRPC's own are: a call that never left (caught between a GOAWAY and
+        // the new connection) is sent again — gRFC A6's transparent retry, which tonic's bare
+        // client lacks (it answers such a call CANCELLED). One attempt otherwise.
+        let transparent = tower::ServiceBuilder::new()
+            .layer(resilience::RetryLayer::new(resilience::ServiceConfig::default()).unary())
+            .service(edge.clone());
+        let mut payments = PaymentsClient::new(transparent);
+        load.push(tokio::spawn(async move {
+            let account = new_account();
+            let mut i = 0;
+            while !stop.load(Ordering::Relaxed) {
+                i += 1;
+                let key = format!("rotate-{worker}-{i}");
+                match payments
+                    .charge(charge(&account, 1, Some(&key), Duration::from_secs(5), &[]))
+                    .await
+                {
+                    Ok(_) => ok.fetch_add(1, Ordering::Relaxed),
+                    Err(status) => {
+                        println!("failed during rotation: {status:?}");
+                        failed.fetch_add(1, Ordering::Relaxed)
+                    }
+                };
+            }
+        }));
+    }
+    let names = ["edge", "hop2", "hop3", "hop4", "ledger", "operator"];
+    let settle = || tokio::time::sleep(Duration::from_millis(2500));
+    settle().await;
+
+    // 1. The new authority trusted beside the old (everyone's ca.crt holds both).
+    let new_ca = Authority::new("retrychain rotated CA").unwrap();
+    let old_ca_pem = std::fs::read_to_string(tls.files_of("operator").ca).unwrap();
+    for name in names {
+        let files = tls.files_of(name);
+        let both = format!("{old_ca_pem}{}", new_ca.cert_pem());
+        std::fs::write(files.ca.with_extension("crt.new"), both).unwrap();
+        std::fs::rename(files.ca.with_extension("crt.new"), &files.ca).unwrap();
+    }
+    settle().await;
+    // 2. Every certificate re-issued by the new authority, still trusting both.
+    for name in names {
+        let issued = new_ca.issue(&Identity::named(name)).unwrap();
+        let files = tls.files_of(name);
+        std::fs::write(files.key.with_extension("key.new"), &issued.key_pem).unwrap();
+        std::fs::write(files.cert.with_extension("crt.new"), &issued.cert_pem).unwrap();
+        std::fs::rename(files.key.with_extension("key.new"), &files.key).unwrap();
+        std::fs::rename(files.cert.with_extension("crt.new"), &files.cert).unwrap();
+    }
+    settle().await;
+    // 3. The old authority dropped.
+    for name in names {
+        tls.issue(&new_ca, name, &[&new_ca]).unwrap();
+    }
+    settle().await;
+    // 4. A bad certificate for the edge: logged and ignored, the edge keeps serving.
+    std::fs::write(tls.files_of("edge").cert, "not a certificate").unwrap();
+    settle().await;
+
+    stop.store(true, Ordering::Relaxed);
+    for worker in load {
+        worker.await.unwrap();
+    }
+    let (ok, failed) = (ok.load(Ordering::Relaxed), failed.load(Ordering::Relaxed));
+    println!("{ok} charges succeeded and {failed} failed across the rotation");
+    assert!(ok > 100, "{ok}");
+    assert_eq!(failed, 0);
+
+    // Every service took every step's material into use (and closed the connections made
+    // with the old, so the steps were crossed by new handshakes between tiers).
+    for service in &chain.services {
+        let log = service.log();
+        let renewals = log
+            .matches("TLS material changed: new connections use it")
+            .count();
+        println!("{}: {renewals} renewals", service.name);
+        assert!(
+            renewals >= 2,
+            "{} took new material {renewals} times",
+            service.name
+        );
+    }
+
+    // A new connection that trusts only the new authority is served by the edge (on the
+    // material it last read well), and hop3 restarted reads the new material and is
+    // reached by hop2 over a new connection.
+    let fresh = tls.connect(&addrs.edge.url, "edge").await.unwrap();
+    let account = new_account();
+    PaymentsClient::new(fresh.clone())
+        .charge(charge(
+            &account,
+            3,
+            Some("after-rotation"),
+            Duration::from_secs(5),
+            &[],
+        ))
+        .await
+        .unwrap();
+    let hop3 = chain
+        .services
+        .iter_mut()
+        .find(|s| s.name == "hop3")
+        .unwrap();
+    hop3.restart().await.unwrap();
+    let mut payments = PaymentsClient::new(fresh);
+    for i in 0..20 {
+        payments
+            .charge(charge(
+                &account,
+                1,
+                Some(&format!("after-restart-{i}")),
+                Duration::from_secs(5),
+                &[],
+            ))
+            .await
+            .unwrap();
+    }
+    let logs = chain.services[0].log();
+    assert!(
+        logs.contains("TLS material changed but cannot be used"),
+        "the edge said nothing of the bad file:\n{logs}"
+    );
+    chain.stop().await;
+}
+
+/// `up --tls` as a user meets it: the grpcurl lines it prints are run as printed — the
+/// charge over TLS succeeds, the call straight to hop3 is PERMISSION_DENIED — and the
+/// certificates are gone once it stops.
+#[tokio::test]
+async fn up_tls_prints_grpcurl_lines_that_work_as_printed() {
+    let base = free_base_port();
+    let database_url = database().await;
+    let (mut up, lines) = start_up(&["--tls", "--base-port", &base.to_string()], |command| {
+        command.env("DATABASE_URL", &database_url);
+    });
+    let mut printed = Vec::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    while !printed.iter().any(|l: &String| l.starts_with("Ctrl-C")) {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        printed.push(lines.recv_timeout(left).expect("up printed its hints"));
+    }
+    let dir = printed
+        .iter()
+        .find_map(|l| l.strip_prefix("TLS: ").and_then(|l| l.rsplit_once(" in ")))
+        .map(|(_, dir)| dir.to_owned())
+        .expect("up says where the certificates are");
+    // Runs a printed grpcurl line through the shell, as a user pastes it.
+    let run = |line: &str| {
+        let output = Command::new("bash")
+            .arg("-c")
+            .arg(line.trim().replacen("grpcurl", &grpcurl(), 1))
+            .output()
+            .unwrap();
+        (
+            output.status.success(),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            ),
+        )
+    };
+    let charge = printed
+        .iter()
+        .find(|l| l.contains("-cacert") && l.contains("idempotency-key: order-1"))
+        .expect("a charge line over TLS");
+    let (ok, said) = run(charge);
+    assert!(ok && said.contains("\"balanceCents\": \"500\""), "{said}");
+    let (ok, said) = run(charge);
+    assert!(
+        ok && said.contains("\"balanceCents\": \"500\""),
+        "replayed: {said}"
+    );
+    let to_hop3 = printed
+        .iter()
+        .find(|l| l.contains(&format!("localhost:{}", base + 2)))
+        .expect("a line calling hop3 directly");
+    let (ok, said) = run(to_hop3);
+    assert!(!ok && said.contains("PermissionDenied"), "{said}");
+    assert!(
+        said.contains("spiffe://retrychain/operator may not call"),
+        "{said}"
+    );
+    let stats = printed
+        .iter()
+        .find(|l| l.contains("-cacert") && l.contains("Control/GetStats"))
+        .expect("a Control line over TLS");
+    let (ok, said) = run(stats);
+    assert!(ok && said.contains("\"service\": \"ledger\""), "{said}");
+
+    Command::new("kill")
+        .args(["-TERM", &up.0.id().to_string()])
+        .status()
+        .unwrap();
+    let status = up.0.wait().unwrap();
+    assert!(status.success(), "up exited with {status}");
+    assert!(!Path::new(&dir).exists(), "{dir} was left behind");
+}
+
+/// A chain over TLS on a Postgres of its own (as `up --tls` starts it): the ledger's
+/// sessions are TLS 1.3 with the server's certificate and name checked (verify-full), and
+/// a client that asks for no TLS is refused by the server.
+#[tokio::test]
+async fn the_ledger_reaches_its_own_postgres_over_verified_tls() {
+    use sqlx::Connection;
+    let dir = tempfile::tempdir().unwrap();
+    let tls = ChainTls::create(dir.path()).unwrap();
+    let options = Options::processes();
+    let spec = ChainSpec {
+        database_url: None,
+        tls: Some(tls.clone()),
+        ..options.spec
+    };
+    let chain = LocalChain::start(spec).await.unwrap();
+    let url = chain.own_database().unwrap().url();
+    assert!(url.contains("sslmode=verify-full"), "{url}");
+    let edge = tls.connect(&chain.addrs().edge.url, "edge").await.unwrap();
+    PaymentsClient::new(edge)
+        .charge(charge(
+            &new_account(),
+            5,
+            Some("pg-tls"),
+            Duration::from_secs(5),
+            &[],
+        ))
+        .await
+        .unwrap();
+
+    // The ledger's sessions, as the server sees them.
+    let mut probe = sqlx::PgConnection::connect(&url).await.unwrap();
+    let (sessions, all_tls, version): (i64, bool, Option<String>) = sqlx::query_as(
+        "SELECT count(*), coalesce(bool_and(s.ssl), false), max(s.version)
+           FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid)
+          WHERE a.backend_type = 'client backend' AND a.pid <> pg_backend_pid()",
+    )
+    .fetch_one(&mut probe)
+    .await
+    .unwrap();
+    println!("the ledger's sessions: {sessions}, all over TLS: {all_tls}, {version:?}");
+    assert!(
+        sessions >= 1 && all_tls,
+        "{sessions} sessions, all TLS: {all_tls}"
+    );
+    assert_eq!(version.as_deref(), Some("TLSv1.3"));
+
+    // No TLS: the server lets no TCP client in without it.
+    let plain = url.replace("sslmode=verify-full", "sslmode=disable");
+    let refused = sqlx::PgConnection::connect(&plain).await.unwrap_err();
+    println!("without TLS: {refused}");
+    assert!(
+        refused.to_string().contains("no pg_hba.conf entry"),
+        "{refused}"
+    );
+    // Another authority: the server's certificate is not trusted.
+    let elsewhere = tempfile::tempdir().unwrap();
+    let other = ChainTls::create(elsewhere.path()).unwrap();
+    let untrusted = url.replace(
+        &tls.files_of("postgres").ca.display().to_string(),
+        &other.files_of("postgres").ca.display().to_string(),
+    );
+    assert!(sqlx::PgConnection::connect(&untrusted).await.is_err());
+    chain.stop().await;
+}
