@@ -333,6 +333,7 @@ async fn charges_cut_off_at_any_point_leak_no_transaction() {
     let url = database().await;
     let store = key_store(&url, 2).await;
     let account = AccountId::parse(&new_account()).unwrap();
+    let anonymous = retrychain_node::Caller::anonymous();
     let deadline = || resilience::Deadline::after(Duration::from_secs(5));
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
     let mut cut = 0;
@@ -345,6 +346,7 @@ async fn charges_cut_off_at_any_point_leak_no_transaction() {
         let polls = i % 24;
         let mut charge = Box::pin(store.charge(
             retrychain_ledger::KeyedCharge {
+                caller: &anonymous,
                 account: &account,
                 key: &key,
                 amount,
@@ -386,6 +388,7 @@ async fn charges_cut_off_at_any_point_leak_no_transaction() {
         store
             .charge(
                 retrychain_ledger::KeyedCharge {
+                    caller: &retrychain_node::Caller::anonymous(),
                     account: &account,
                     key: &key,
                     amount: AmountCents::parse(1).unwrap(),
@@ -444,6 +447,7 @@ async fn after_a_restart_only_the_first_charge_meets_a_broken_connection() {
             store
                 .charge(
                     retrychain_ledger::KeyedCharge {
+                        caller: &retrychain_node::Caller::anonymous(),
                         account: &account,
                         key: &IdempotencyKey::parse(&new_key()).unwrap(),
                         amount: AmountCents::parse(100).unwrap(),
@@ -514,6 +518,7 @@ async fn giving_a_connection_back_sends_postgres_nothing() {
         store
             .charge(
                 retrychain_ledger::KeyedCharge {
+                    caller: &retrychain_node::Caller::anonymous(),
                     account: &account,
                     key: &key,
                     amount: AmountCents::parse(100).unwrap(),

@@ -547,3 +547,237 @@ async fn the_ledger_reaches_its_own_postgres_over_verified_tls() {
     assert!(sqlx::PgConnection::connect(&untrusted).await.is_err());
     chain.stop().await;
 }
+
+/// A Charge request as `caller`'s bearer token (`None`: no credentials) carries it.
+fn charge_as(
+    token: Option<&str>,
+    account: &str,
+    amount: i64,
+    key: &str,
+    extra: &[(&'static str, &str)],
+) -> tonic::Request<retrychain_proto::v1::ChargeRequest> {
+    let bearer = token.map(|token| format!("Bearer {token}"));
+    let mut metadata: Vec<(&'static str, &str)> = extra.to_vec();
+    if let Some(bearer) = &bearer {
+        metadata.push(("authorization", bearer));
+    }
+    charge(
+        account,
+        amount,
+        Some(key),
+        Duration::from_secs(5),
+        &metadata,
+    )
+}
+
+/// Callers at the edge of a TLS chain: without credentials or with a bad token
+/// UNAUTHENTICATED before any work; a token's subject or a certificate's identity is the
+/// caller; an account is its creator's — another caller's Charge under the same key is
+/// PERMISSION_DENIED (never the first caller's reply replayed), its GetAccount too — while
+/// the same key on the second caller's own account is a second key; a caller cannot name
+/// itself with `x-caller`; one caller over its in-flight limit is refused at once while
+/// another is served; and the JWKS rotates without a restart.
+#[tokio::test]
+async fn callers_are_authenticated_own_their_accounts_and_are_limited_apart() {
+    let dir = tempfile::tempdir().unwrap();
+    let tls = ChainTls::create(dir.path()).unwrap();
+    let mut spec = ChainSpec {
+        database_url: Some(database().await),
+        tls: Some(tls.clone()),
+        ..Options::processes().spec
+    };
+    spec.edge().caller_max_in_flight = 2;
+    let chain = LocalChain::start(spec).await.unwrap();
+    let addrs = chain.addrs();
+    let client = retrychain_harness::ChainClient::connect_tls(&addrs, &tls)
+        .await
+        .unwrap();
+    let anonymous = PaymentsClient::new(
+        tls.connect_without_certificate(&addrs.edge.url)
+            .await
+            .unwrap(),
+    );
+    let alice = tls.token("alice", Duration::from_secs(600)).unwrap();
+    let bob = tls.token("bob", Duration::from_secs(600)).unwrap();
+    let (mine, theirs) = (new_account(), new_account());
+    let hop2_handled = || async {
+        let stats = client.control(1).get_stats(GetStatsRequest {}).await;
+        stats.unwrap().into_inner().requests_received
+    };
+    let before = hop2_handled().await;
+
+    // No credentials at all; a token that is not one; a token from a key the JWKS does not
+    // hold: UNAUTHENTICATED, and nothing reaches hop2.
+    let stranger = retrychain_tls::issue::TokenIssuer::new("not-ours")
+        .unwrap()
+        .token("mallory", None, None, Duration::from_secs(600));
+    for (token, says) in [
+        (None, "credentials are required"),
+        (Some("not.a.jwt"), "not a JWT"),
+        (Some(stranger.as_str()), "no key \"not-ours\""),
+    ] {
+        let refused = anonymous
+            .clone()
+            .charge(charge_as(token, &mine, 100, "k-1", &[]))
+            .await
+            .unwrap_err();
+        assert_eq!(refused.code(), Code::Unauthenticated, "{refused:?}");
+        assert!(refused.message().contains(says), "{refused:?}");
+    }
+    assert_eq!(hop2_handled().await, before, "no work done");
+
+    // Alice's charge makes the account hers.
+    let first = anonymous
+        .clone()
+        .charge(charge_as(Some(&alice), &mine, 100, "k-1", &[]))
+        .await
+        .unwrap();
+    assert_eq!(first.get_ref().balance_cents, 100);
+
+    // Bob under the same key, on her account: refused, not replayed; nor may he read it,
+    // nor claim to be her.
+    for extra in [&[][..], &[("x-caller", "jwt:alice")][..]] {
+        let denied = anonymous
+            .clone()
+            .charge(charge_as(Some(&bob), &mine, 100, "k-1", extra))
+            .await
+            .unwrap_err();
+        assert_eq!(denied.code(), Code::PermissionDenied, "{denied:?}");
+        assert!(
+            denied.metadata().get("idempotent-replayed").is_none(),
+            "{denied:?}"
+        );
+    }
+    let mut read = tonic::Request::new(GetAccountRequest {
+        account_id: mine.clone(),
+    });
+    read.metadata_mut()
+        .insert("authorization", format!("Bearer {bob}").parse().unwrap());
+    let denied = anonymous.clone().get_account(read).await.unwrap_err();
+    assert_eq!(denied.code(), Code::PermissionDenied, "{denied:?}");
+    // The operator (its certificate) is a caller of its own too.
+    let as_operator = client
+        .payments(0)
+        .get_account(GetAccountRequest {
+            account_id: mine.clone(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        as_operator.code(),
+        Code::PermissionDenied,
+        "{as_operator:?}"
+    );
+
+    // The same key on Bob's own account is his key: a charge, not a replay.
+    let his = anonymous
+        .clone()
+        .charge(charge_as(Some(&bob), &theirs, 100, "k-1", &[]))
+        .await
+        .unwrap();
+    assert!(his.metadata().get("idempotent-replayed").is_none());
+    assert_eq!(his.get_ref().balance_cents, 100);
+    // Alice's balance is hers alone: one charge.
+    let mut read = tonic::Request::new(GetAccountRequest {
+        account_id: mine.clone(),
+    });
+    read.metadata_mut()
+        .insert("authorization", format!("Bearer {alice}").parse().unwrap());
+    let account = anonymous.clone().get_account(read).await.unwrap();
+    assert_eq!(
+        (account.get_ref().balance_cents, account.get_ref().charges),
+        (100, 1)
+    );
+
+    // Per-caller limits: each charge held 600 ms at the ledger; Alice sends six at once
+    // (her limit is 2), Bob one beside them.
+    client
+        .set_faults(
+            4,
+            retrychain_proto::v1::Faults {
+                delay_ms: 600,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    let hers = (0..6).map(|i| {
+        let (anonymous, alice, mine) = (anonymous.clone(), alice.clone(), mine.clone());
+        async move {
+            tokio::time::sleep(Duration::from_millis(20 * i)).await;
+            let started = std::time::Instant::now();
+            let answer = anonymous
+                .clone()
+                .charge(charge_as(
+                    Some(&alice),
+                    &mine,
+                    1,
+                    &format!("burst-{i}"),
+                    &[],
+                ))
+                .await;
+            (answer.map(|_| ()).map_err(|s| s.code()), started.elapsed())
+        }
+    });
+    let mut his_client = anonymous.clone();
+    let bobs = his_client.charge(charge_as(Some(&bob), &theirs, 1, "burst-b", &[]));
+    let (hers, bobs) = tokio::join!(futures::future::join_all(hers), bobs);
+    client.clear_faults(4).await.unwrap();
+    assert!(bobs.is_ok(), "Bob was not served: {bobs:?}");
+    let refused: Vec<_> = hers
+        .iter()
+        .filter(|(answer, _)| *answer == Err(Code::ResourceExhausted))
+        .collect();
+    let served = hers.iter().filter(|(answer, _)| answer.is_ok()).count();
+    println!("alice's burst: {hers:?}");
+    assert!(served >= 2, "{hers:?}");
+    assert!(refused.len() >= 3, "{hers:?}");
+    assert!(
+        refused
+            .iter()
+            .all(|(_, took)| *took < Duration::from_millis(300)),
+        "refused at once: {hers:?}"
+    );
+
+    // The JWKS rotates: a new key published beside the old, then alone. Old tokens work
+    // until their key is gone; new ones as soon as theirs is published.
+    let old = tls.token_issuer().unwrap();
+    let new = retrychain_tls::issue::TokenIssuer::new("callers-2").unwrap();
+    retrychain_tls::issue::write_jwks(&tls.jwks(), &[&old, &new]).unwrap();
+    let fresh = new.token("alice", None, None, Duration::from_secs(600));
+    let answers = |token: String| {
+        let (anonymous, mine) = (anonymous.clone(), mine.clone());
+        async move {
+            let mut read = tonic::Request::new(GetAccountRequest { account_id: mine });
+            read.metadata_mut()
+                .insert("authorization", format!("Bearer {token}").parse().unwrap());
+            anonymous.clone().get_account(read).await.map(|_| ())
+        }
+    };
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while answers(fresh.clone()).await.is_err() {
+        assert!(
+            std::time::Instant::now() < until,
+            "the new key was never taken"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    answers(alice.clone())
+        .await
+        .expect("the old key still holds");
+    // A broken JWKS is ignored: both keys keep working.
+    std::fs::write(tls.jwks(), b"{\"keys\": [").unwrap();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    answers(fresh.clone()).await.expect("the keys in use stay");
+    answers(alice.clone()).await.expect("the keys in use stay");
+    retrychain_tls::issue::write_jwks(&tls.jwks(), &[&new]).unwrap();
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match answers(alice.clone()).await {
+            Err(status) if status.code() == Code::Unauthenticated => break,
+            _ => assert!(std::time::Instant::now() < until, "the old key stayed"),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    answers(fresh).await.expect("the new key holds");
+}

@@ -19,6 +19,8 @@ pub struct Cli {
 }
 
 /// The subcommands.
+// Parsed once, at start-up, and never moved around: a variant's size costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// edge, relay, ledger: one service (`retrychain-serve`).

@@ -128,10 +128,23 @@ fn hints(base: u16, replicas: usize, tls: Option<&ChainTls>) -> String {
     };
     let secured = match tls {
         None => String::new(),
-        Some(_) => format!(
-            "\nTLS 1.3 everywhere, Control for the operator alone; mutual TLS between tiers, each accepting only the tier above (a call to hop3 as the operator: PERMISSION_DENIED):\n  grpcurl {credentials} -d '{{\"account_id\":\"alice\",\"amount_cents\":1}}' localhost:{} retrychain.v1.Payments/Charge",
-            base + 2
-        ),
+        Some(tls) => {
+            let ca = tls.files_of(retrychain_tls::OPERATOR).ca;
+            let token = |caller: &str| {
+                format!(
+                    "grpcurl -cacert {} -H \"authorization: Bearer $(cat {})\"",
+                    ca.display(),
+                    tls.token_file(caller).display()
+                )
+            };
+            format!(
+                "\nTLS 1.3 everywhere, Control for the operator alone; mutual TLS between tiers, each accepting only the tier above (a call to hop3 as the operator: PERMISSION_DENIED):\n  grpcurl {credentials} -d '{{\"account_id\":\"alice\",\"amount_cents\":1}}' localhost:{} retrychain.v1.Payments/Charge\nCallers: a client certificate (the operator's, above) or a bearer token checked against {}; an account is its creator's (another caller: PERMISSION_DENIED), no credentials: UNAUTHENTICATED:\n  {} -H 'idempotency-key: order-7' -d '{{\"account_id\":\"wallet-a\",\"amount_cents\":700}}' {edge} retrychain.v1.Payments/Charge\n  {} -d '{{\"account_id\":\"wallet-a\"}}' {edge} retrychain.v1.Payments/GetAccount",
+                base + 2,
+                tls.jwks().display(),
+                token("alice"),
+                token("bob"),
+            )
+        }
     };
     let ledger = format!("localhost:{}", base + 1004);
     let tier = |i: u16| {

@@ -137,7 +137,15 @@ impl ChainSpec {
             service.tls_dir = Some(tls.dir.join(NAMES[i]));
         }
         match &mut command {
-            ServiceCommand::Edge(args) | ServiceCommand::Relay(args) => {
+            ServiceCommand::Edge(args) => {
+                args.downstream = Some(downstream.to_owned());
+                if let Some(tls) = &self.tls
+                    && args.jwks.is_none()
+                {
+                    args.jwks = Some(tls.jwks());
+                }
+            }
+            ServiceCommand::Relay(args) => {
                 args.downstream = Some(downstream.to_owned());
             }
             ServiceCommand::Ledger(args) => args.database_url = database_url.to_owned(),

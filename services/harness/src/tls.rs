@@ -1,14 +1,14 @@
 //! A chain over TLS, as `up --tls` and the tests run it: a throwaway authority, one
 //! directory of certificates per tier (`<dir>/hop3/tls.crt`, `tls.key`, `ca.crt`, the way
-//! a Kubernetes TLS secret is mounted) and one for the operator, and channels that speak
-//! it.
+//! a Kubernetes TLS secret is mounted) and one for the operator, a token issuer whose
+//! JWKS the edge checks callers' bearer tokens against, and channels that speak it.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use retrychain_tls::{
     CHAIN, ClientAuth, Connector, Identity, OPERATOR, Tls, TlsFiles,
-    issue::{Authority, write_files},
+    issue::{Authority, TokenIssuer, write_files, write_jwks},
 };
 use tonic::transport::{Channel, Endpoint};
 
@@ -16,6 +16,13 @@ use tonic::transport::{Channel, Endpoint};
 /// Postgres serves TLS with; it also names localhost and 127.0.0.1, which the ledger's
 /// `sslmode=verify-full` checks.
 pub const POSTGRES: &str = "postgres";
+
+/// The directory of the callers' token material: the issuer's key, the edge's JWKS and a
+/// token for each sample caller.
+const CALLERS: &str = "callers";
+
+/// How long the sample callers' tokens last.
+const TOKENS_FOR: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
 
 /// The certificates of a chain: `<dir>/<tier>/` for each of the five tiers,
 /// `<dir>/operator/` for whoever runs it (grpcurl, the tests, `up`'s health checks) and
@@ -37,7 +44,57 @@ impl ChainTls {
         for name in CHAIN.iter().chain([&OPERATOR, &POSTGRES]) {
             chain.issue(&authority, name, &[&authority])?;
         }
+        // Callers' bearer tokens: an issuer's key, its JWKS for the edge, and a token for
+        // each of two callers (alice and bob) for a day.
+        let issuer = TokenIssuer::new("callers-1").context("making a token issuer")?;
+        chain.use_token_issuer(&issuer)?;
+        for caller in ["alice", "bob"] {
+            let path = chain.dir.join(CALLERS).join(format!("{caller}.jwt"));
+            std::fs::write(&path, chain.token(caller, TOKENS_FOR)?)
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
         Ok(chain)
+    }
+
+    /// The JWKS file the edge checks callers' bearer tokens against.
+    pub fn jwks(&self) -> PathBuf {
+        self.dir.join(CALLERS).join("jwks.json")
+    }
+
+    /// A file holding a bearer token for `caller` (`alice` or `bob`), as `up --tls`
+    /// prints it.
+    pub fn token_file(&self, caller: &str) -> PathBuf {
+        self.dir.join(CALLERS).join(format!("{caller}.jwt"))
+    }
+
+    /// Makes `issuer` the one that signs [`ChainTls::token`]s from now on and writes a JWKS
+    /// holding its key alone — how a test rotates the callers' signing key (publish the new
+    /// key beside the old with [`retrychain_tls::issue::write_jwks`] first, to keep old
+    /// tokens valid).
+    pub fn use_token_issuer(&self, issuer: &TokenIssuer) -> anyhow::Result<()> {
+        let dir = self.dir.join(CALLERS);
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let key = dir.join("issuer.key");
+        std::fs::write(&key, format!("{}\n{}", issuer.kid(), issuer.key_pem()))
+            .with_context(|| format!("writing {}", key.display()))?;
+        write_jwks(&self.jwks(), &[issuer]).context("writing the JWKS")
+    }
+
+    /// The issuer in use (see [`ChainTls::use_token_issuer`]).
+    pub fn token_issuer(&self) -> anyhow::Result<TokenIssuer> {
+        let path = self.dir.join(CALLERS).join("issuer.key");
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("reading {}", path.display()))?;
+        let (kid, pem) = text
+            .split_once('\n')
+            .context("an issuer file: kid, then the key")?;
+        TokenIssuer::from_pem(kid, pem).context("the issuer's key")
+    }
+
+    /// A bearer token for `caller` (its subject; the edge names the caller `jwt:<caller>`)
+    /// valid for `valid_for`.
+    pub fn token(&self, caller: &str, valid_for: std::time::Duration) -> anyhow::Result<String> {
+        Ok(self.token_issuer()?.token(caller, None, None, valid_for))
     }
 
     /// Writes a certificate for `name` (spiffe://retrychain/<name>) signed by `authority`
@@ -74,7 +131,22 @@ impl ChainTls {
     /// A channel to `url` over TLS as the operator, to a server that must be the tier of
     /// `service` (`hop3.2` is hop3).
     pub async fn connect(&self, url: &str, service: &str) -> anyhow::Result<Channel> {
-        let connector = Connector::new(self.operator()?, Identity::of_service(service));
+        self.connect_with(
+            url,
+            Connector::new(self.operator()?, Identity::of_service(service)),
+        )
+        .await
+    }
+
+    /// A channel to the edge at `url` over TLS that presents no certificate: a caller that
+    /// trusts the CA and authenticates with a bearer token, or not at all.
+    pub async fn connect_without_certificate(&self, url: &str) -> anyhow::Result<Channel> {
+        let connector = Connector::new(self.operator()?, Identity::named("edge"));
+        self.connect_with(url, connector.without_certificate())
+            .await
+    }
+
+    async fn connect_with(&self, url: &str, connector: Connector) -> anyhow::Result<Channel> {
         Endpoint::from_shared(url.to_owned())
             .with_context(|| format!("URL {url:?}"))?
             .connect_with_connector(connector)

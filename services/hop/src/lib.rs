@@ -33,7 +33,7 @@ use resilience::{
 use retrychain_node::{
     AccountId, AmountCents, IdempotencyKey, Node, RetryMode, RpcScope,
     faults::{FaultLayer, Faulty},
-    metadata::{self, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, RETRY_MODE, TRACE_ID},
+    metadata::{self, CALLER, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, RETRY_MODE, TRACE_ID},
     telemetry::{InjectTrace, InjectTraceLayer},
 };
 use retrychain_proto::v1::{
@@ -226,7 +226,7 @@ impl Hop {
 
     /// The downstream call for `message`, and everything it carries that the wire must
     /// say — written here, once: the idempotency key (the caller's, or at the edge one it
-    /// makes), the retry mode where honoured (edge-only for a caller that retries on its
+    /// makes), the caller's identity (`x-caller`), the retry mode where honoured (edge-only for a caller that retries on its
     /// own), the request's [`Plan`], and this hop's trace context (written per attempt by
     /// the stack).
     fn outgoing<U>(
@@ -263,6 +263,13 @@ impl Hop {
                     .metadata_mut()
                     .insert(MetadataKey::from_static(IDEMPOTENCY_KEY), value);
             }
+        }
+        // Who called, as the edge authenticated it (the edge's `callers` layer wrote it and
+        // dropped any a client sent): the ledger scopes accounts by it.
+        if let Some(caller) = incoming.get(CALLER) {
+            outgoing
+                .metadata_mut()
+                .insert(MetadataKey::from_static(CALLER), caller.clone());
         }
         let caller_retries = self.role == Role::Edge && scope.caller_previous_attempts > 0;
         // A service without the override neither reads the header nor passes it on.

@@ -6,7 +6,7 @@ use std::{sync::Arc, time::Duration};
 
 use resilience::{AttemptRequest, CallRequest, Deadline, RetryCalls, RetryLayer, ServiceConfig};
 use retrychain_node::{
-    AccountId, AmountCents, IdempotencyKey, Node, RetryMode, RpcScope,
+    AccountId, AmountCents, Caller, IdempotencyKey, Node, RetryMode, RpcScope,
     faults::lost_reply,
     metadata::{self, IDEMPOTENT_REPLAYED},
     stats::Counters,
@@ -104,6 +104,7 @@ impl Ledger {
     /// less the margin, which leaves phase 2 its time before this service must answer.
     async fn charge_once(
         &self,
+        caller: Caller,
         account: AccountId,
         key: IdempotencyKey,
         amount: AmountCents,
@@ -121,6 +122,7 @@ impl Ledger {
             .store
             .charge(
                 KeyedCharge {
+                    caller: &caller,
                     account: &account,
                     key: &key,
                     amount,
@@ -187,6 +189,7 @@ impl From<StoreError> for Status {
         let message = error.to_string();
         match error {
             StoreError::KeyReused { .. } => Status::failed_precondition(message),
+            StoreError::NotOwner => Status::permission_denied(message),
             StoreError::InFlight => Status::aborted(message),
             StoreError::DeadlineWhileWaiting(_) => Status::deadline_exceeded(message),
             StoreError::BalanceOverflow => Status::out_of_range(message),
@@ -248,6 +251,7 @@ impl Payments for Ledger {
                 scope.record_key(&key);
                 scope.echo_key(&key);
                 let mode = self.mode_of(&request)?;
+                let caller = metadata::caller(request.metadata())?;
                 let message = request.into_inner();
                 let account = AccountId::parse(&message.account_id)?;
                 let amount = AmountCents::parse(message.amount_cents)?;
@@ -259,7 +263,9 @@ impl Payments for Ledger {
                 let ledger = self.clone();
                 let answer_by = scope.answer_by;
                 let transaction = async move {
-                    ledger.charge_once(account, key, amount, mode, answer_by).await
+                    ledger
+                        .charge_once(caller, account, key, amount, mode, answer_by)
+                        .await
                 };
                 let (saved, replayed) = tokio::spawn(transaction.instrument(scope.span.clone()))
                     .await
@@ -290,8 +296,12 @@ impl Payments for Ledger {
         scope
             .run(async {
                 let account = AccountId::parse(&request.get_ref().account_id)?;
+                let caller = metadata::caller(request.metadata())?;
                 // A plain read: if the scope's deadline guard drops it, nothing is half-done.
-                let found = self.store.account(&account, scope.answer_by).await?;
+                let found = self
+                    .store
+                    .account(&caller, &account, scope.answer_by)
+                    .await?;
                 let (balance_cents, charges) = found.ok_or_else(|| {
                     Status::not_found(format!("account {account} has never been charged"))
                 })?;

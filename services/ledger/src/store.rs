@@ -90,7 +90,7 @@ use std::{
 
 use prometheus_client::metrics::histogram::Histogram;
 use resilience::Deadline;
-use retrychain_node::{AccountId, AmountCents, IdempotencyKey};
+use retrychain_node::{AccountId, AmountCents, Caller, IdempotencyKey};
 use sqlx::{AssertSqlSafe, Connection, PgConnection, Row, postgres::PgRow};
 use tonic::Code;
 use tracing::Instrument;
@@ -138,15 +138,26 @@ const POLL_MIN: Duration = Duration::from_millis(5);
 /// The longest pause between two looks.
 const POLL_MAX: Duration = Duration::from_millis(50);
 
-/// Phase 1, and every later look at a key: one statement. A new key is inserted as
-/// started under our lease; an existing one is returned as it is, except that a started
-/// key whose lease passed is taken over (if the parameters match) and a settled one has its
-/// replay counted (if they match: the write makes the commit wait for the synchronous
-/// standby). `inserted` tells a fresh claim from a conflict.
+/// Phase 1, and every later look at a key: one statement. First the account: created
+/// for the caller (`$7`) with nothing charged if it is new, else locked (the row, no new
+/// version) and, only if another caller owns it, returned — and then nothing else
+/// happens: no row comes back, and the request is refused before the key is looked at, so
+/// one caller can neither claim a key on another's account nor be replayed its reply.
+/// Then the key: a new one is inserted as started under our lease; an existing one is
+/// returned as it is, except that a started key whose lease passed is taken over (if the
+/// parameters match) and a settled one has its replay counted (if they match: the write
+/// makes the commit wait for the synchronous standby). `inserted` tells a fresh claim from
+/// a conflict.
 pub const CLAIM: &str = "\
+WITH account AS ( \
+    INSERT INTO accounts (account_id, owner, balance_cents, charges) VALUES ($1, $7, 0, 0) \
+    ON CONFLICT (account_id) DO UPDATE SET owner = accounts.owner \
+    WHERE accounts.owner <> EXCLUDED.owner \
+    RETURNING owner) \
 INSERT INTO idempotency_keys AS k \
     (account_id, idempotency_key, request_amount_cents, state, lease_owner, lease_expires_at, processor_key) \
-VALUES ($1, $2, $3, 'started', $4, now() + make_interval(secs => $5), $6) \
+SELECT $1, $2, $3, 'started', $4, now() + make_interval(secs => $5), $6 \
+WHERE NOT EXISTS (SELECT 1 FROM account WHERE account.owner <> $7) \
 ON CONFLICT (account_id, idempotency_key) DO UPDATE SET \
     lease_owner = CASE WHEN k.state = 'started' AND k.lease_expires_at <= now() \
         AND k.request_amount_cents = EXCLUDED.request_amount_cents \
@@ -284,6 +295,10 @@ pub enum StoreError {
         /// The amount this request carried.
         requested: i64,
     },
+    /// The account belongs to another caller: its keys, replies and balance are not this
+    /// caller's to use or see.
+    #[error("the account belongs to another caller")]
+    NotOwner,
     /// `--in-flight reject`: a request with this key is still running.
     #[error("a request with this idempotency key is still in flight; retry after it finishes")]
     InFlight,
@@ -536,6 +551,8 @@ impl retrychain_node::metrics::DatabaseGauges for KeyStore {
 /// A charge as the ledger asks the store for it: the request's values, parsed.
 #[derive(Debug, Clone, Copy)]
 pub struct KeyedCharge<'a> {
+    /// Who asks (the account must be theirs, or new).
+    pub caller: &'a Caller,
     /// The account charged.
     pub account: &'a AccountId,
     /// The client's idempotency key, scoped to the account.
@@ -553,6 +570,8 @@ pub struct KeyedCharge<'a> {
 /// One charge as the store runs it: the request's values, parsed, and its lease owner.
 #[derive(Clone, Copy)]
 struct Charge<'a> {
+    /// Who asks: phase 1 creates the account for it, or refuses another's.
+    caller: &'a Caller,
     account: &'a AccountId,
     key: &'a IdempotencyKey,
     amount: AmountCents,
@@ -806,6 +825,7 @@ impl KeyStore {
         Fut: Future<Output = Result<(), tonic::Status>>,
     {
         let KeyedCharge {
+            caller,
             account,
             key,
             amount,
@@ -834,6 +854,7 @@ impl KeyStore {
             }
         };
         let charge = Charge {
+            caller,
             account,
             key,
             amount,
@@ -918,16 +939,20 @@ impl KeyStore {
                             .bind(charge.owner)
                             .bind(LEASE.as_secs_f64())
                             .bind(charge.processor_key)
-                            .fetch_one(conn)
+                            .bind(charge.caller.as_str())
+                            .fetch_optional(conn)
                             .instrument(
                                 tracing::info_span!(target: resilience::TRACE_ONLY, "claim_key"),
                             ),
                     )
                     .await?;
-                Ok(KeyRow::read(&row)?)
+                Ok(row.as_ref().map(KeyRow::read).transpose()?)
             })
             .await?;
-        Ok(judge(charge, row))
+        match row {
+            Some(row) => Ok(judge(charge, row)),
+            None => Err(StoreError::NotOwner),
+        }
     }
 
     /// `call` (the processor's), while this request renews its lease on the key every
@@ -1193,7 +1218,11 @@ impl KeyStore {
                 continue;
             };
             let processor_key = processor_key.unwrap_or_default();
+            // The completer never claims (the key is claimed, so its account is settled):
+            // the caller is not asked for.
+            let nobody = Caller::anonymous();
             let charge = Charge {
+                caller: &nobody,
                 account: &account,
                 key: &key,
                 amount,
@@ -1224,28 +1253,43 @@ impl KeyStore {
         Ok(taken)
     }
 
-    /// An account's balance and number of charges; `None` if it was never charged.
+    /// An account's balance and number of charges; `None` if it was never charged (an
+    /// account is made by its first charge's claim, so it may exist with none yet); for
+    /// another caller's account, [`StoreError::NotOwner`].
     pub async fn account(
         &self,
+        caller: &Caller,
         account: &AccountId,
         deadline: Deadline,
     ) -> Result<Option<(i64, i64)>, StoreError> {
-        self.with_connection(deadline, async |conn, rt| {
-            let row = rt
-                .bound(
-                    "reading the account",
-                    sqlx::query(
-                        "SELECT balance_cents, charges FROM accounts WHERE account_id = $1",
+        let row = self
+            .with_connection(deadline, async |conn, rt| {
+                let row = rt
+                    .bound(
+                        "reading the account",
+                        sqlx::query(
+                            "SELECT balance_cents, charges, owner FROM accounts WHERE account_id = $1",
+                        )
+                        .bind(account.as_str())
+                        .fetch_optional(conn),
                     )
-                    .bind(account.as_str())
-                    .fetch_optional(conn),
-                )
-                .await?;
-            Ok(row
-                .map(|row| Ok::<_, sqlx::Error>((row.try_get(0)?, row.try_get(1)?)))
-                .transpose()?)
-        })
-        .await
+                    .await?;
+                Ok(row
+                    .map(|row| {
+                        Ok::<_, sqlx::Error>((
+                            row.try_get::<i64, _>(0)?,
+                            row.try_get::<i64, _>(1)?,
+                            row.try_get::<String, _>(2)?,
+                        ))
+                    })
+                    .transpose()?)
+            })
+            .await?;
+        match row {
+            Some((_, _, owner)) if owner != caller.as_str() => Err(StoreError::NotOwner),
+            Some((_, 0, _)) | None => Ok(None),
+            Some((balance, charges, _)) => Ok(Some((balance, charges))),
+        }
     }
 
     /// What the simulated processor keeps (see `processor.rs`): its record of a call under

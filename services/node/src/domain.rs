@@ -71,6 +71,65 @@ impl fmt::Display for IdempotencyKey {
     }
 }
 
+/// Who asks: the identity the edge authenticated for a call — a client certificate's
+/// (`spiffe://…`), or `jwt:` and a bearer token's subject — or nobody (the anonymous
+/// caller, on an edge that lets callers in without credentials). An account belongs to
+/// the caller that created it, so keys, which are scoped by account, are scoped by caller
+/// too: another caller's Charge or GetAccount on it is PERMISSION_DENIED, never a replay of
+/// someone else's saved reply.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct Caller(String);
+
+impl Caller {
+    /// Longest identity accepted, in bytes.
+    pub const MAX_LEN: usize = 255;
+
+    /// 1 to 255 visible ASCII characters (0x21..=0x7E), as a key: an identity is logged and
+    /// stored, and two that look alike must be the same.
+    pub fn parse(raw: &str) -> Result<Self, InvalidCaller> {
+        if raw.is_empty() || raw.len() > Self::MAX_LEN {
+            return Err(InvalidCaller("must be 1 to 255 characters"));
+        }
+        if !raw.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(InvalidCaller(
+                "must be visible ASCII characters only (no spaces or control characters)",
+            ));
+        }
+        Ok(Self(raw.to_owned()))
+    }
+
+    /// The caller of an edge that lets callers in without credentials (plaintext, `up`'s
+    /// default): every such call is the same caller.
+    pub fn anonymous() -> Self {
+        Self(String::new())
+    }
+
+    /// Whether this is [`Caller::anonymous`].
+    pub fn is_anonymous(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The identity as stored (empty for the anonymous caller).
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for Caller {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.is_anonymous() {
+            f.write_str("(anonymous)")
+        } else {
+            f.write_str(&self.0)
+        }
+    }
+}
+
+/// Why a caller identity was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("caller identity {0}")]
+pub struct InvalidCaller(pub &'static str);
+
 /// An account's identifier.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct AccountId(String);

@@ -22,6 +22,7 @@
 
 pub mod admin_tls;
 pub mod authz;
+pub mod callers;
 pub mod control;
 pub mod domain;
 pub mod faults;
@@ -36,7 +37,7 @@ pub mod server;
 pub mod stats;
 pub mod telemetry;
 
-pub use domain::{AccountId, AmountCents, IdempotencyKey, InvalidInput};
+pub use domain::{AccountId, AmountCents, Caller, IdempotencyKey, InvalidCaller, InvalidInput};
 pub use faults::FaultSwitch;
 pub use metadata::{RetryMode, TraceContext};
 pub use node::{Node, NodeConfig};

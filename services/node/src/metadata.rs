@@ -6,10 +6,10 @@ use std::{fmt, str::FromStr};
 use rand::RngExt;
 use tonic::{Status, metadata::MetadataMap};
 
-use crate::IdempotencyKey;
+use crate::{Caller, IdempotencyKey};
 
 pub use resilience::wire::{
-    IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, RETRY_MODE, TRACE_ID, TRACEPARENT,
+    AUTHORIZATION, CALLER, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, RETRY_MODE, TRACE_ID, TRACEPARENT,
 };
 
 /// Where retries happen. With the `clap` feature, also a `--retry-mode` value.
@@ -75,6 +75,23 @@ pub fn idempotency_key(metadata: &MetadataMap) -> Result<Option<IdempotencyKey>,
         Status::invalid_argument("idempotency-key must be visible ASCII characters")
     })?;
     Ok(Some(IdempotencyKey::parse(text)?))
+}
+
+/// The caller the edge authenticated, from `x-caller` (see [`CALLER`]): absent means the
+/// anonymous caller; a value sent twice or not an identity is INVALID_ARGUMENT. Only the
+/// edge writes it (dropping a client's), so below the edge it is the edge's word.
+pub fn caller(metadata: &MetadataMap) -> Result<Caller, Status> {
+    let mut values = metadata.get_all(CALLER).iter();
+    let Some(raw) = values.next() else {
+        return Ok(Caller::anonymous());
+    };
+    if values.next().is_some() {
+        return Err(Status::invalid_argument("x-caller was sent more than once"));
+    }
+    raw.to_str()
+        .ok()
+        .and_then(|text| Caller::parse(text).ok())
+        .ok_or_else(|| Status::invalid_argument("x-caller is not a caller identity"))
 }
 
 /// The request's `x-retry-mode`, parsed; `None` when absent, INVALID_ARGUMENT when bad,

@@ -50,6 +50,10 @@ pub struct Node {
     pub admission: Arc<ConcurrencyLimit>,
     /// The public port's TLS and who may call; `None`: plaintext.
     pub tls: Option<crate::authz::ServerTls>,
+    /// The edge's callers: who each call is from, and each one's limit
+    /// ([`crate::callers`]); `None` below the edge, where the caller is the edge's word
+    /// (`x-caller`).
+    pub callers: Option<Arc<crate::callers::Callers>>,
     /// The limit's refusals (first attempts, retries) at the last `ResetStats`.
     shed_baseline: std::sync::Mutex<(u64, u64)>,
 }
@@ -77,6 +81,8 @@ pub struct NodeConfig {
     pub admission: AdmissionSettings,
     /// See [`Node::tls`].
     pub tls: Option<crate::authz::ServerTls>,
+    /// See [`Node::callers`].
+    pub callers: Option<crate::callers::CallersSettings>,
 }
 
 impl Node {
@@ -101,6 +107,9 @@ impl Node {
             })),
             counters,
             tls: config.tls,
+            callers: config
+                .callers
+                .map(|settings| Arc::new(crate::callers::Callers::new(settings))),
             shed_baseline: std::sync::Mutex::new((0, 0)),
         }
     }

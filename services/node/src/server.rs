@@ -30,6 +30,7 @@ use tower::ServiceBuilder;
 use crate::{
     Node,
     authz::{Accept, AuthorizeLayer, PeerIdentity},
+    callers::CallersLayer,
     control::ControlService,
     h2::{Dispatch, Http2Settings},
     limits,
@@ -168,6 +169,9 @@ pub enum ServeError {
 ///    gRPC answer.
 ///    `Authorize` ([`crate::authz`]): over TLS, a Payments call from a caller the
 ///    service does not accept is UNAUTHENTICATED or PERMISSION_DENIED before any work.
+///    `Identify` ([`crate::callers`], the edge only): the caller, from its bearer token or
+///    certificate, written into `x-caller` for the chain; bad or missing credentials
+///    UNAUTHENTICATED, a caller over its own limit RESOURCE_EXHAUSTED.
 /// 2. `Admission` (`resilience::admission`): a Payments call over the adaptive
 ///    concurrency limit is answered UNAVAILABLE (overloaded, with a pushback) at once —
 ///    retries and hedges before first attempts; health and reflection are not limited.
@@ -286,6 +290,8 @@ where
         .layer(RecoverErrorLayer::new())
         // Over TLS, a caller this service does not accept is refused before any work.
         .layer(AuthorizeLayer::new(accept, PAYMENTS))
+        // At the edge: who the caller is (credentials refused here), and its own limit.
+        .layer(CallersLayer::new(node.callers.clone(), PAYMENTS))
         // Refuses, at once, a call over the concurrency limit (retries first) ...
         .layer(AdmissionLayer::new(Arc::clone(&node.admission)).only_service(PAYMENTS))
         // ... or with too much metadata.

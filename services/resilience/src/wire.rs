@@ -12,6 +12,8 @@
 //! | [`PUSHBACK`] | by the retry engine, on each failed attempt | by a server (or a layer that gives up) on its failure |
 //! | [`IDEMPOTENCY_KEY`], [`RETRY_MODE`], [`TRACEPARENT`] | by a service's handler | by a hop's handler, on its downstream call; [`TRACEPARENT`] per attempt while exporting traces |
 //! | [`TRACE_ID`], [`IDEMPOTENT_REPLAYED`] | by the caller | by the service that answers |
+//! | [`AUTHORIZATION`] | by the edge (`node::callers`) | by a client |
+//! | [`CALLER`] | by the ledger's handler | by the edge (`node::callers`), passed on by each hop |
 
 use std::time::Duration;
 
@@ -35,6 +37,12 @@ pub const TRACEPARENT: &str = "traceparent";
 pub const TRACE_ID: &str = "trace-id";
 /// Response: `true` when the ledger replayed a saved reply instead of charging.
 pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
+/// Request, inside the chain: the caller the edge authenticated (its certificate's
+/// identity, or `jwt:` and its token's subject), passed on by every hop to the ledger,
+/// which scopes accounts — and so keys — by it. The edge drops any value a client sends.
+pub const CALLER: &str = "x-caller";
+/// Request, at the edge: `Bearer <JWT>`, a caller's credentials (RFC 6750).
+pub const AUTHORIZATION: &str = "authorization";
 /// On a failure a service passes on from the service below it (its own downstream call
 /// failed), not one of its own: the caller's balancer does not hold it against the
 /// replica that relayed it (outlier ejection, `balance`).

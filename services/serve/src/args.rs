@@ -337,6 +337,28 @@ pub struct HopArgs {
     /// chain (the edge expects spiffe://retrychain/hop2)].
     #[arg(long, env = "RETRYCHAIN_TLS_DOWNSTREAM_IDENTITY")]
     pub tls_downstream_identity: Option<String>,
+    /// The edge: a JWKS file (public keys only) against which callers' bearer tokens
+    /// (`authorization: Bearer <JWT>`) are checked; read again when it changes. A token's
+    /// caller is `jwt:<sub>`.
+    #[arg(long, env = "RETRYCHAIN_JWKS")]
+    pub jwks: Option<std::path::PathBuf>,
+    /// The edge: the issuer (`iss`) a bearer token must name [default: any].
+    #[arg(long, env = "RETRYCHAIN_JWT_ISSUER")]
+    pub jwt_issuer: Option<String>,
+    /// The edge: the audience (`aud`) a bearer token must name [default: none; a token
+    /// that names one is refused].
+    #[arg(long, env = "RETRYCHAIN_JWT_AUDIENCE")]
+    pub jwt_audience: Option<String>,
+    /// The edge: who may call — `authenticated` (a client certificate or a bearer token,
+    /// else UNAUTHENTICATED) or `anyone` (a call without credentials is the anonymous
+    /// caller's) [default: authenticated with TLS or --jwks, else anyone].
+    #[arg(long, env = "RETRYCHAIN_CALLERS", value_enum)]
+    pub callers: Option<CallersArg>,
+    /// The edge: the most calls one identified caller may hold at once; past it,
+    /// RESOURCE_EXHAUSTED with a pushback. Keep it under the edge's adaptive limit so
+    /// that one caller cannot hold all of it.
+    #[arg(long, env = "RETRYCHAIN_CALLER_MAX_IN_FLIGHT", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
+    pub caller_max_in_flight: u32,
     /// The longest one attempt may take at one replica, in ms; past it the attempt fails
     /// UNAVAILABLE and may be retried at another (Envoy's per_try_timeout). Unset: 1000 ms
     /// when --downstream names several replicas or a dns:/// name (one frozen replica then
@@ -384,6 +406,15 @@ pub struct HopArgs {
     pub ejection_interval_ms: u64,
 }
 
+/// `--callers`: who the edge lets call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum CallersArg {
+    /// Only callers with a valid client certificate or bearer token.
+    Authenticated,
+    /// Anyone; a call without credentials is the anonymous caller's.
+    Anyone,
+}
+
 /// The per-attempt timeout a hop takes over replicas when none is given: long enough for
 /// a healthy chain below (milliseconds) and a slowish processor, short enough that a
 /// frozen replica costs a call about a second of its 5 s default deadline.
@@ -403,6 +434,57 @@ impl HopArgs {
                 )
             }),
         }
+    }
+
+    /// How the edge tells its callers apart (`tls`: whether it speaks TLS); an error for
+    /// a relay given any of the edge's caller flags, or for a JWKS that cannot be read.
+    pub fn callers(
+        &self,
+        edge: bool,
+        tls: bool,
+    ) -> anyhow::Result<Option<retrychain_node::callers::CallersSettings>> {
+        if !edge {
+            anyhow::ensure!(
+                self.jwks.is_none()
+                    && self.jwt_issuer.is_none()
+                    && self.jwt_audience.is_none()
+                    && self.callers.is_none(),
+                "--jwks, --jwt-issuer, --jwt-audience and --callers are the edge's: a relay takes the caller the edge names"
+            );
+            return Ok(None);
+        }
+        let tokens = match &self.jwks {
+            Some(path) => {
+                let tokens = retrychain_tls::Tokens::load(retrychain_tls::TokenRules {
+                    jwks: path.clone(),
+                    issuer: self.jwt_issuer.clone(),
+                    audience: self.jwt_audience.clone(),
+                })
+                .map_err(|error| anyhow::anyhow!("--jwks: {error}"))?;
+                Some(tokens)
+            }
+            None => {
+                anyhow::ensure!(
+                    self.jwt_issuer.is_none() && self.jwt_audience.is_none(),
+                    "--jwt-issuer and --jwt-audience need --jwks"
+                );
+                None
+            }
+        };
+        let require = match self.callers {
+            Some(CallersArg::Authenticated) => true,
+            Some(CallersArg::Anyone) => false,
+            None => tls || tokens.is_some(),
+        };
+        anyhow::ensure!(
+            !require || tls || tokens.is_some(),
+            "--callers authenticated needs a way to authenticate: TLS (client certificates) or --jwks (bearer tokens)"
+        );
+        Ok(Some(retrychain_node::callers::CallersSettings {
+            tokens,
+            require,
+            max_in_flight: self.caller_max_in_flight as usize,
+        }))
     }
 
     /// Whether `--downstream` names replicas (several URLs, or a DNS name that may resolve
@@ -502,6 +584,15 @@ impl ServiceCommand {
                     hop.tls_downstream_identity.as_ref(),
                 );
                 push(&mut args, "--per-try-timeout-ms", hop.per_try_timeout_ms);
+                push(&mut args, "--jwks", hop.jwks.as_ref().map(|p| p.display()));
+                push(&mut args, "--jwt-issuer", hop.jwt_issuer.as_ref());
+                push(&mut args, "--jwt-audience", hop.jwt_audience.as_ref());
+                push(&mut args, "--callers", hop.callers.as_ref().map(value_name));
+                push(
+                    &mut args,
+                    "--caller-max-in-flight",
+                    Some(hop.caller_max_in_flight),
+                );
                 push(
                     &mut args,
                     "--eject-after-failures",
@@ -755,6 +846,11 @@ mod tests {
             args.failure_percentage_minimum_hosts = 2;
             args.failure_percentage_request_volume = 20;
             args.ejection_interval_ms = 3000;
+            args.jwks = Some("/tmp/jwks.json".into());
+            args.jwt_issuer = Some("https://issuer.example".into());
+            args.jwt_audience = Some("retrychain".into());
+            args.callers = Some(CallersArg::Anyone);
+            args.caller_max_in_flight = 17;
         }
         let back = ServiceCli::try_parse_from(edge.to_args())
             .expect("reads back")

@@ -123,7 +123,19 @@ async fn hop(
             Balancer::start(downstream.clone(), args.balance()).await
         }
     };
-    let node = node(service, name, budget, policies.config, tls)?;
+    let callers = args.callers(edge, tls.is_some())?;
+    if let Some(callers) = &callers {
+        if let Some(tokens) = &callers.tokens {
+            tokens.watch(TLS_WATCH_EVERY);
+        }
+        tracing::info!(
+            require = callers.require,
+            tokens = callers.tokens.is_some(),
+            max_in_flight = callers.max_in_flight,
+            "callers"
+        );
+    }
+    let node = node(service, name, budget, policies.config, tls, callers)?;
     let _ = node.downstream.set(replicas.clone());
     let hop = Hop::new(
         Arc::clone(&node),
@@ -184,7 +196,7 @@ async fn ledger(
     .await?;
     let tls = server_tls(service, &name, false)?;
     let listeners = bind(service, "0.0.0.0:50055").await?;
-    let node = node(service, name, None, policies.config, tls)?;
+    let node = node(service, name, None, policies.config, tls, None)?;
     let in_flight = match args.in_flight {
         InFlightArg::Wait => InFlight::Wait,
         InFlightArg::Reject => InFlight::Reject,
@@ -306,6 +318,7 @@ fn node(
     budget: Option<Arc<dyn Throttle>>,
     policy: Arc<ServiceConfig>,
     tls: Option<ServerTls>,
+    callers: Option<retrychain_node::callers::CallersSettings>,
 ) -> anyhow::Result<Arc<Node>> {
     let admission = service
         .admission()
@@ -325,6 +338,7 @@ fn node(
         },
         admission,
         tls,
+        callers,
     })))
 }
 

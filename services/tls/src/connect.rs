@@ -26,12 +26,24 @@ use crate::{Identity, Tls};
 pub struct Connector {
     tls: Tls,
     expected: Identity,
+    present: bool,
 }
 
 impl Connector {
     /// Connections that present this service's certificate and accept only `expected`.
     pub fn new(tls: Tls, expected: Identity) -> Self {
-        Self { tls, expected }
+        Self {
+            tls,
+            expected,
+            present: true,
+        }
+    }
+
+    /// Connections that present no certificate (a caller with only the CA, and perhaps a
+    /// bearer token), still accepting only `expected`.
+    pub fn without_certificate(mut self) -> Self {
+        self.present = false;
+        self
     }
 }
 
@@ -45,7 +57,9 @@ impl tower::Service<http::Uri> for Connector {
     }
 
     fn call(&mut self, uri: http::Uri) -> Self::Future {
-        let config = self.tls.client_config(&self.expected);
+        let config = self
+            .tls
+            .client_config_presenting(&self.expected, self.present);
         Box::pin(async move {
             let bad = || {
                 io::Error::new(

@@ -120,3 +120,118 @@ fn replace(path: &Path, contents: &[u8], mode: u32) -> io::Result<()> {
     file.sync_all()?;
     std::fs::rename(&temporary, path)
 }
+
+/// A throwaway token issuer, as an identity provider would be: a fresh P-256 key that
+/// signs callers' bearer tokens (ES256), and its public half as a JWK for the edge's JWKS
+/// file. For `up --tls` and the tests; a deployment uses its own identity provider.
+pub struct TokenIssuer {
+    kid: String,
+    key_pem: String,
+    key: jsonwebtoken::EncodingKey,
+    jwk: serde_json::Value,
+}
+
+impl std::fmt::Debug for TokenIssuer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TokenIssuer")
+            .field("kid", &self.kid)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TokenIssuer {
+    /// A new key, named `kid` in its tokens and in the JWKS.
+    pub fn new(kid: &str) -> Result<Self, rcgen::Error> {
+        Self::from_pem(
+            kid,
+            &KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?.serialize_pem(),
+        )
+    }
+
+    /// The issuer whose P-256 private key is `key_pem` (PKCS#8, as [`TokenIssuer::key_pem`]
+    /// gives it), named `kid`.
+    pub fn from_pem(kid: &str, key_pem: &str) -> Result<Self, rcgen::Error> {
+        use base64::Engine;
+        let pair = KeyPair::from_pem(key_pem)?;
+        if !pair.is_compatible(&rcgen::PKCS_ECDSA_P256_SHA256) {
+            return Err(rcgen::Error::KeyGenerationUnavailable);
+        }
+        let key = jsonwebtoken::EncodingKey::from_ec_pem(key_pem.as_bytes())
+            .map_err(|_| rcgen::Error::CouldNotParseKeyPair)?;
+        // An uncompressed P-256 point: 0x04, then x and y, 32 bytes each.
+        let point = pair.public_key_raw();
+        let coordinate =
+            |bytes: &[u8]| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes);
+        let jwk = serde_json::json!({
+            "kty": "EC",
+            "crv": "P-256",
+            "x": coordinate(&point[1..33]),
+            "y": coordinate(&point[33..65]),
+            "kid": kid,
+            "alg": "ES256",
+            "use": "sig",
+        });
+        Ok(Self {
+            kid: kid.to_owned(),
+            key_pem: key_pem.to_owned(),
+            key,
+            jwk,
+        })
+    }
+
+    /// The private key, PEM: what an identity provider keeps to itself.
+    pub fn key_pem(&self) -> &str {
+        &self.key_pem
+    }
+
+    /// The key's name.
+    pub fn kid(&self) -> &str {
+        &self.kid
+    }
+
+    /// The public key, as a JWK.
+    pub fn jwk(&self) -> &serde_json::Value {
+        &self.jwk
+    }
+
+    /// A token for `subject`, valid for `valid_for` from now, naming `issuer` and
+    /// `audience` when given.
+    pub fn token(
+        &self,
+        subject: &str,
+        issuer: Option<&str>,
+        audience: Option<&str>,
+        valid_for: std::time::Duration,
+    ) -> String {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs();
+        let mut claims = serde_json::json!({
+            "sub": subject,
+            "iat": now,
+            "nbf": now,
+            "exp": now + valid_for.as_secs(),
+        });
+        if let Some(issuer) = issuer {
+            claims["iss"] = issuer.into();
+        }
+        if let Some(audience) = audience {
+            claims["aud"] = audience.into();
+        }
+        let mut header = jsonwebtoken::Header::new(jsonwebtoken::Algorithm::ES256);
+        header.kid = Some(self.kid.clone());
+        jsonwebtoken::encode(&header, &claims, &self.key).expect("an ES256 key signs")
+    }
+}
+
+/// Writes a JWKS file holding the public keys of `issuers` (several during a rotation), by
+/// a rename, as [`write_files`] does.
+pub fn write_jwks(path: &Path, issuers: &[&TokenIssuer]) -> io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let keys: Vec<_> = issuers.iter().map(|issuer| issuer.jwk().clone()).collect();
+    let text = serde_json::to_vec_pretty(&serde_json::json!({ "keys": keys }))?;
+    replace(path, &text, 0o644)
+}

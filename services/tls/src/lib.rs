@@ -10,12 +10,15 @@
 //! - **Rotation without a restart** ([`Tls::watch`]): the files are read again when they
 //!   change; new connections use the new material, open ones finish on the old; a bad
 //!   file is logged and ignored.
-//! - **Throwaway authorities** ([`issue`]) for `up --tls` and the tests.
+//! - **Callers' bearer tokens** ([`tokens`]): JWTs checked against a JWKS file that is
+//!   read again when it changes.
+//! - **Throwaway authorities and token issuers** ([`issue`]) for `up --tls` and the tests.
 
 mod connect;
 mod identity;
 pub mod issue;
 mod material;
+pub mod tokens;
 pub mod verify;
 
 pub use connect::{Connector, accept, accept_with};
@@ -23,3 +26,4 @@ pub use identity::{
     BadIdentity, CHAIN, Identity, OPERATOR, TRUST_DOMAIN, callee_of, caller_of, tier,
 };
 pub use material::{ClientAuth, Reload, Tls, TlsError, TlsFiles};
+pub use tokens::{TokenError, TokenReload, TokenRules, Tokens};

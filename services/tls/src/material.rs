@@ -195,6 +195,16 @@ impl Tls {
     /// authorities and its identity against `expected` (not its DNS name: replicas are
     /// reached by address, and a tier is one identity whatever its addresses).
     pub fn client_config(&self, expected: &Identity) -> Arc<ClientConfig> {
+        self.client_config_presenting(expected, true)
+    }
+
+    /// [`Tls::client_config`], presenting this service's certificate or (`present`
+    /// false) none: a caller that authenticates with a bearer token, or not at all.
+    pub fn client_config_presenting(
+        &self,
+        expected: &Identity,
+        present: bool,
+    ) -> Arc<ClientConfig> {
         let loaded = self.current();
         let provider = provider();
         let verifier = IdentityVerifier::new(
@@ -202,14 +212,18 @@ impl Tls {
             expected.clone(),
             Arc::clone(&provider),
         );
-        let mut config = ClientConfig::builder_with_provider(provider)
+        let builder = ClientConfig::builder_with_provider(provider)
             .with_protocol_versions(&[&rustls::version::TLS13])
             .expect("ring supports TLS 1.3")
             .dangerous() // the verifier below checks the chain fully, and the identity
-            .with_custom_certificate_verifier(Arc::new(verifier))
-            .with_client_cert_resolver(Arc::new(SingleCertAndKey::from(Arc::clone(
+            .with_custom_certificate_verifier(Arc::new(verifier));
+        let mut config = if present {
+            builder.with_client_cert_resolver(Arc::new(SingleCertAndKey::from(Arc::clone(
                 &loaded.certified,
-            ))));
+            ))))
+        } else {
+            builder.with_no_client_auth()
+        };
         config.alpn_protocols = vec![b"h2".to_vec()];
         Arc::new(config)
     }
