@@ -473,6 +473,19 @@ async fn up_tls_prints_grpcurl_lines_that_work_as_printed() {
         .expect("a Control line over TLS");
     let (ok, said) = run(stats);
     assert!(ok && said.contains("\"service\": \"ledger\""), "{said}");
+    // The callers' lines: alice's token charges her account, bob's may not read it.
+    let hers = printed
+        .iter()
+        .find(|l| l.contains("alice.jwt") && l.contains("Payments/Charge"))
+        .expect("a charge line with alice's token");
+    let (ok, said) = run(hers);
+    assert!(ok && said.contains("\"balanceCents\": \"700\""), "{said}");
+    let his = printed
+        .iter()
+        .find(|l| l.contains("bob.jwt") && l.contains("Payments/GetAccount"))
+        .expect("a GetAccount line with bob's token");
+    let (ok, said) = run(his);
+    assert!(!ok && said.contains("PermissionDenied"), "{said}");
 
     Command::new("kill")
         .args(["-TERM", &up.0.id().to_string()])

@@ -123,6 +123,8 @@ const RETRY_FAILED_READ: Duration = Duration::from_secs(10);
 #[derive(serde::Deserialize)]
 struct Claims {
     sub: String,
+    /// Read only to refuse a token meant for someone else when no audience is configured.
+    aud: Option<serde_json::Value>,
 }
 
 impl Tokens {
@@ -185,6 +187,11 @@ impl Tokens {
         }
         let data = jsonwebtoken::decode::<Claims>(token, &key.key, &validation)
             .map_err(|error| TokenError::refused(error.to_string()))?;
+        if rules.audience.is_none() && data.claims.aud.is_some() {
+            return Err(TokenError::refused(
+                "InvalidAudience: the token names an audience, and this service expects none",
+            ));
+        }
         let subject = data.claims.sub;
         if subject.is_empty() {
             return Err(TokenError::refused("its subject (sub) is empty"));
@@ -337,4 +344,98 @@ fn algorithm_of(jwk: &Jwk) -> Result<Algorithm, String> {
         return Err(format!("alg {named:?} does not fit the key's type"));
     }
     Ok(algorithm)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::issue::{TokenIssuer, write_jwks};
+
+    fn rules(dir: &Path) -> TokenRules {
+        TokenRules {
+            jwks: dir.join("jwks.json"),
+            issuer: Some("https://id.example".into()),
+            audience: None,
+        }
+    }
+
+    #[test]
+    fn a_token_from_a_published_key_names_its_subject_and_every_other_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let ours = TokenIssuer::new("k1").unwrap();
+        write_jwks(&dir.path().join("jwks.json"), &[&ours]).unwrap();
+        let tokens = Tokens::load(rules(dir.path())).unwrap();
+        let hour = Duration::from_secs(3600);
+        let good = ours.token("alice", Some("https://id.example"), None, hour);
+        assert_eq!(tokens.verify(&good).unwrap(), "alice");
+
+        let refused = |token: &str, says: &str| {
+            let error = tokens.verify(token).unwrap_err().to_string();
+            assert!(error.contains(says), "{error} (wanted {says:?})");
+        };
+        // Another issuer's key, even under our kid.
+        let forger = TokenIssuer::new("k1").unwrap();
+        refused(
+            &forger.token("alice", Some("https://id.example"), None, hour),
+            "InvalidSignature",
+        );
+        // The wrong issuer; an audience nobody asked for; not a JWT at all.
+        refused(
+            &ours.token("alice", Some("https://other.example"), None, hour),
+            "InvalidIssuer",
+        );
+        refused(
+            &ours.token("alice", Some("https://id.example"), Some("elsewhere"), hour),
+            "InvalidAudience",
+        );
+        refused("a.b.c", "not a JWT");
+        // `alg: none`, with our kid: refused whatever the claims say.
+        let unsigned = format!(
+            "{}.{}.",
+            base64_url(br#"{"alg":"none","kid":"k1"}"#),
+            base64_url(br#"{"sub":"alice","exp":99999999999}"#)
+        );
+        assert!(tokens.verify(&unsigned).is_err());
+        // HS256 under our kid (the public key as an HMAC secret, the classic confusion).
+        let hs = jsonwebtoken::encode(
+            &jsonwebtoken::Header {
+                kid: Some("k1".into()),
+                ..jsonwebtoken::Header::new(Algorithm::HS256)
+            },
+            &serde_json::json!({"sub": "alice", "exp": 99999999999u64}),
+            &jsonwebtoken::EncodingKey::from_secret(ours.jwk().to_string().as_bytes()),
+        )
+        .unwrap();
+        refused(&hs, "signed with HS256");
+    }
+
+    #[test]
+    fn a_new_key_is_taken_and_a_broken_file_is_ignored() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("jwks.json");
+        let (old, new) = (
+            TokenIssuer::new("old").unwrap(),
+            TokenIssuer::new("new").unwrap(),
+        );
+        write_jwks(&path, &[&old]).unwrap();
+        let tokens = Tokens::load(rules(dir.path())).unwrap();
+        let hour = Duration::from_secs(3600);
+        let issuer = Some("https://id.example");
+        assert!(tokens.verify(&new.token("a", issuer, None, hour)).is_err());
+        write_jwks(&path, &[&old, &new]).unwrap();
+        assert!(matches!(tokens.reload(), TokenReload::Reloaded(2)));
+        assert!(tokens.verify(&new.token("a", issuer, None, hour)).is_ok());
+        std::fs::write(
+            &path,
+            b"{\"keys\": [{\"kty\": \"oct\", \"k\": \"c2VjcmV0\"}]}",
+        )
+        .unwrap();
+        assert!(matches!(tokens.reload(), TokenReload::Refused(_)));
+        assert!(tokens.verify(&old.token("a", issuer, None, hour)).is_ok());
+    }
+
+    fn base64_url(bytes: &[u8]) -> String {
+        use base64::Engine;
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)
+    }
 }
