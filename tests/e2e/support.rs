@@ -468,11 +468,7 @@ pub async fn row_counts(database_url: &str) -> (i64, i64, i64) {
     let mut counts = Vec::new();
     // An account is made by its first claim (for its caller), so one with no charge yet
     // may exist: counted are the accounts charged.
-    for table in [
-        "accounts WHERE charges > 0",
-        "charges",
-        "idempotency_keys",
-    ] {
+    for table in ["accounts WHERE charges > 0", "charges", "idempotency_keys"] {
         let n: i64 =
             sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
                 .fetch_one(&pool)
