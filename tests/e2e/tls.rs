@@ -794,3 +794,84 @@ async fn callers_are_authenticated_own_their_accounts_and_are_limited_apart() {
     }
     answers(fresh).await.expect("the new key holds");
 }
+
+/// The operator's tools against a chain over TLS: `storm` charges through the edge and reads
+/// the edge's and the ledger's counters as the operator; `top --once` scrapes every admin
+/// port over TLS, each service checked as its tier. Without the material, both refuse
+/// the https:// addresses with a message saying what is missing.
+#[tokio::test]
+async fn storm_and_top_reach_a_chain_over_tls_as_the_operator() {
+    let dir = tempfile::tempdir().unwrap();
+    let (chain, tls) = tls_chain(dir.path()).await;
+    let addrs = chain.addrs();
+    let operator = tls.dir.join("operator");
+    let storm = Command::new(BIN)
+        .args(["storm", "--json", "--duration", "2s", "--concurrency", "4"])
+        .args([
+            "--edge",
+            &addrs.edge.url,
+            "--edge-admin",
+            &addrs.edge.admin_url,
+        ])
+        .args([
+            "--ledger",
+            &addrs.ledger.url,
+            "--ledger-admin",
+            &addrs.ledger.admin_url,
+        ])
+        .arg("--tls-dir")
+        .arg(&operator)
+        .output()
+        .unwrap();
+    assert!(
+        storm.status.success(),
+        "{}",
+        String::from_utf8_lossy(&storm.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&storm.stdout).unwrap();
+    println!("storm over TLS: {report}");
+    assert!(report["ok"].as_u64().unwrap() > 10, "{report}");
+    assert_eq!(report["ok"], report["requests"], "{report}");
+    assert_eq!(report["ledgers_read"], 1, "{report}");
+    assert!(report["bottom_calls"].as_u64().unwrap() >= report["ok"].as_u64().unwrap());
+
+    let admins: Vec<String> = addrs.all().iter().map(|a| a.admin_url.clone()).collect();
+    let top = Command::new(BIN)
+        .args([
+            "top",
+            "--once",
+            "--interval-ms",
+            "300",
+            "--admin",
+            &admins.join(","),
+        ])
+        .arg("--tls-dir")
+        .arg(&operator)
+        .output()
+        .unwrap();
+    let frame = String::from_utf8_lossy(&top.stdout);
+    assert!(
+        top.status.success(),
+        "{frame}{}",
+        String::from_utf8_lossy(&top.stderr)
+    );
+    for name in retrychain_harness::NAMES {
+        assert!(
+            frame
+                .lines()
+                .any(|l| l.starts_with(name) && l.split_whitespace().nth(1) == Some("up")),
+            "{name} not up in:\n{frame}"
+        );
+    }
+
+    let without = Command::new(BIN)
+        .args(["top", "--once", "--admin", &admins.join(",")])
+        .output()
+        .unwrap();
+    assert!(!without.status.success());
+    assert!(
+        String::from_utf8_lossy(&without.stderr).contains("--tls-dir"),
+        "{}",
+        String::from_utf8_lossy(&without.stderr)
+    );
+}

@@ -30,7 +30,10 @@ use retrychain_proto::v1::{
 use serde::Serialize;
 use tonic::{Code, transport::Channel};
 
-use retrychain_harness::{ChainAddrs, ChainSpec, ServiceAddr, charge_request, connect, with_chain};
+use retrychain_harness::{
+    ChainAddrs, ChainSpec, ServiceAddr, charge_request, connect_as, with_chain,
+};
+use retrychain_tls::{ClientAuth, Tls, TlsFiles};
 
 use crate::chart::{self as chart, Sample};
 
@@ -104,6 +107,11 @@ pub struct StormArgs {
     /// For a chain started here: the edge's port; the others take the next four.
     #[arg(long, default_value_t = 50071, env = "RETRYCHAIN_STORM_BASE_PORT")]
     pub base_port: u16,
+    /// TLS: the operator's certificate, key and CA — a directory holding tls.crt, tls.key
+    /// and ca.crt, as `up --tls` makes under `operator/` — for an existing chain given by
+    /// https:// addresses (the edge's per-caller limit applies to the operator too).
+    #[arg(long, env = "RETRYCHAIN_STORM_TLS_DIR", requires = "edge")]
+    pub tls_dir: Option<PathBuf>,
     /// Print one JSON object instead of the report.
     #[arg(long, env = "RETRYCHAIN_STORM_JSON", value_parser = clap::builder::BoolishValueParser::new())]
     pub json: bool,
@@ -208,7 +216,9 @@ pub async fn run(args: &StormArgs) -> anyhow::Result<StormReport> {
     .each(|service| service.backoff = args.backoff);
     let report = with_chain(external, spec, |addrs| async move {
         let ledgers = match &args.ledger {
-            Some(ledger) => ledger_addrs(ledger, args.ledger_admin.as_deref()).await?,
+            Some(ledger) => {
+                ledger_addrs(ledger, args.ledger_admin.as_deref(), args.tls_dir.is_some()).await?
+            }
             None => vec![addrs.ledger.clone()],
         };
         storm(args, &addrs.edge, &ledgers).await
@@ -228,8 +238,14 @@ async fn stats(control: &mut ControlClient<Channel>) -> anyhow::Result<Stats> {
     Ok(control.get_stats(GetStatsRequest {}).await?.into_inner())
 }
 
-/// The ledgers named by `--ledger` (a list or a `dns:///` name) and `--ledger-admin`.
-async fn ledger_addrs(ledger: &str, admin: Option<&str>) -> anyhow::Result<Vec<ServiceAddr>> {
+/// The ledgers named by `--ledger` (a list or a `dns:///` name, whose addresses are reached
+/// over TLS when `tls`) and `--ledger-admin`.
+async fn ledger_addrs(
+    ledger: &str,
+    admin: Option<&str>,
+    tls: bool,
+) -> anyhow::Result<Vec<ServiceAddr>> {
+    let scheme = if tls { "https" } else { "http" };
     let urls: Vec<String> = match ledger.trim().strip_prefix("dns:///") {
         Some(target) => {
             let (host, port) = target
@@ -241,7 +257,7 @@ async fn ledger_addrs(ledger: &str, admin: Option<&str>) -> anyhow::Result<Vec<S
             let mut urls: Vec<String> = tokio::net::lookup_host((host, port))
                 .await
                 .with_context(|| format!("resolving {host}"))?
-                .map(|addr| format!("http://{addr}"))
+                .map(|addr| format!("{scheme}://{addr}"))
                 .collect();
             urls.sort();
             urls.dedup();
@@ -281,17 +297,27 @@ async fn storm(
     edge: &ServiceAddr,
     ledgers: &[ServiceAddr],
 ) -> anyhow::Result<StormReport> {
-    let edge_control = ControlClient::new(connect(&edge.admin_url).await?);
+    let tls = match &args.tls_dir {
+        Some(dir) => Some(
+            Tls::load(TlsFiles::in_dir(dir), ClientAuth::Optional)
+                .with_context(|| format!("--tls-dir {}", dir.display()))?,
+        ),
+        None => None,
+    };
+    let tls = tls.as_ref();
+    let edge_control = ControlClient::new(connect_as(&edge.admin_url, "edge", tls).await?);
     let connections = args
         .connections
         .map_or_else(|| args.concurrency.div_ceil(100).max(1), |n| n as usize);
     let mut channels = Vec::with_capacity(connections);
     for _ in 0..connections {
-        channels.push(connect(&edge.url).await?);
+        channels.push(connect_as(&edge.url, "edge", tls).await?);
     }
     let mut controls = Vec::with_capacity(ledgers.len());
     for ledger in ledgers {
-        controls.push(ControlClient::new(connect(&ledger.admin_url).await?));
+        controls.push(ControlClient::new(
+            connect_as(&ledger.admin_url, "ledger", tls).await?,
+        ));
     }
     let faulty = args.fail_rate > 0.0 || args.delay_ms > 0 || args.drop_reply_rate > 0.0;
     let faults = Faults {

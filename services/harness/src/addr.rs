@@ -118,6 +118,31 @@ pub async fn connect(url: &str) -> anyhow::Result<tonic::transport::Channel> {
         .with_context(|| format!("connecting to {url}"))
 }
 
+/// A channel to `url` — over TLS for an `https://` one, presenting `tls`'s certificate
+/// and requiring the server to be the tier of `service` (`hop3.2` is hop3): how a tool
+/// (storm, top) reaches a chain that `up --tls` or a deployment runs, as the operator.
+pub async fn connect_as(
+    url: &str,
+    service: &str,
+    tls: Option<&retrychain_tls::Tls>,
+) -> anyhow::Result<tonic::transport::Channel> {
+    let url = with_scheme(url);
+    if !url.starts_with("https://") {
+        return connect(&url).await;
+    }
+    let tls = tls.with_context(|| {
+        format!("{url} speaks TLS: give the operator's TLS material (--tls-dir)")
+    })?;
+    let connector =
+        retrychain_tls::Connector::new(tls.clone(), retrychain_tls::Identity::of_service(service));
+    tonic::transport::Endpoint::from_shared(url.clone())
+        .with_context(|| format!("URL {url:?}"))?
+        .tcp_nodelay(true)
+        .connect_with_connector(connector)
+        .await
+        .with_context(|| format!("connecting to {url} over TLS"))
+}
+
 /// Whether the service at `addr` reports SERVING for the whole server (""), asked with
 /// the standard gRPC health check within `timeout`.
 pub async fn serving(addr: &str, timeout: Duration) -> anyhow::Result<bool> {

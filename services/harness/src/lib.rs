@@ -30,7 +30,7 @@ pub mod in_process;
 pub mod process;
 pub mod tls;
 
-pub use addr::{ChainAddrs, NAMES, ServiceAddr, connect, serving, serving_tls};
+pub use addr::{ChainAddrs, NAMES, ServiceAddr, connect, connect_as, serving, serving_tls};
 pub use chain::{ChainSpec, InProcessChain, LocalChain, with_chain};
 pub use charge::charge_request;
 pub use client::ChainClient;

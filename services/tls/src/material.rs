@@ -205,6 +205,22 @@ impl Tls {
         expected: &Identity,
         present: bool,
     ) -> Arc<ClientConfig> {
+        self.client_config_with(expected, present, b"h2")
+    }
+
+    /// A client configuration for an HTTP/1.1 reader of an admin port's `/metrics` (what
+    /// Prometheus does): the server checked as [`Tls::client_config`] checks it, no
+    /// certificate presented, ALPN `http/1.1`.
+    pub fn metrics_client_config(&self, expected: &Identity) -> Arc<ClientConfig> {
+        self.client_config_with(expected, false, b"http/1.1")
+    }
+
+    fn client_config_with(
+        &self,
+        expected: &Identity,
+        present: bool,
+        alpn: &[u8],
+    ) -> Arc<ClientConfig> {
         let loaded = self.current();
         let provider = provider();
         let verifier = IdentityVerifier::new(
@@ -224,7 +240,7 @@ impl Tls {
         } else {
             builder.with_no_client_auth()
         };
-        config.alpn_protocols = vec![b"h2".to_vec()];
+        config.alpn_protocols = vec![alpn.to_vec()];
         Arc::new(config)
     }
 

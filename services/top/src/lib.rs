@@ -61,6 +61,11 @@ pub struct TopArgs {
     /// Print one frame as plain text after one interval and exit (no terminal needed).
     #[arg(long)]
     pub once: bool,
+    /// TLS: the operator's material (a directory holding tls.crt, tls.key and ca.crt, as
+    /// `up --tls` makes under `operator/`), for https:// admin addresses: each service is
+    /// checked against the CA and as its tier, as Prometheus would scrape it.
+    #[arg(long, env = "RETRYCHAIN_TOP_TLS_DIR")]
+    pub tls_dir: Option<std::path::PathBuf>,
 }
 
 /// Runs `top` until `q`, Esc or Ctrl-C, or with `--once` prints one frame.
@@ -74,6 +79,17 @@ pub async fn run(args: &TopArgs) -> anyhow::Result<()> {
         .collect();
     anyhow::ensure!(!admins.is_empty(), "--admin names no address");
     let names = names(&admins);
+    let tls = match &args.tls_dir {
+        Some(dir) => Some(
+            retrychain_tls::Tls::load(
+                retrychain_tls::TlsFiles::in_dir(dir),
+                retrychain_tls::ClientAuth::Optional,
+            )
+            .map_err(|error| anyhow::anyhow!("--tls-dir {}: {error}", dir.display()))?,
+        ),
+        None => None,
+    };
+    let admins = scrape::Scraper::new(admins, tls)?;
     let interval = Duration::from_millis(args.interval_ms);
     let timeout = interval.min(Duration::from_secs(2));
     if args.once {
@@ -94,7 +110,7 @@ pub async fn run(args: &TopArgs) -> anyhow::Result<()> {
 /// The screen's loop: a scrape every `interval`, a redraw after each and on resize.
 async fn live(
     terminal: &mut DefaultTerminal,
-    admins: &[String],
+    admins: &scrape::Scraper,
     names: &[String],
     interval: Duration,
     timeout: Duration,
@@ -172,8 +188,8 @@ fn read_keys(sender: &mpsc::UnboundedSender<Input>) {
 }
 
 /// Scrapes every service once, stamped with the time it finished.
-async fn scrape_round(admins: &[String], timeout: Duration) -> Round {
-    let snapshots = scrape::scrape_all(admins, timeout).await;
+async fn scrape_round(admins: &scrape::Scraper, timeout: Duration) -> Round {
+    let snapshots = admins.scrape_all(timeout).await;
     Round {
         at: Instant::now(),
         snapshots,

@@ -9,6 +9,8 @@ use std::{collections::BTreeMap, time::Duration};
 
 use anyhow::Context as _;
 use prometheus_parse::{HistogramCount, Scrape, Value};
+use retrychain_tls::{Identity, Tls};
+use rustls_pki_types::ServerName;
 use tokio::{
     io::{AsyncReadExt as _, AsyncWriteExt as _},
     net::TcpStream,
@@ -118,23 +120,72 @@ pub fn parse(text: &str) -> anyhow::Result<Snapshot> {
     Ok(snapshot)
 }
 
-/// Scrapes the service whose admin address is `admin` (`http://host:port`), giving up
-/// after `timeout` so that one hung service cannot stall the screen.
-pub async fn scrape(admin: &str, timeout: Duration) -> anyhow::Result<Snapshot> {
-    let text = tokio::time::timeout(timeout, get_metrics(admin))
+/// The services' admin addresses and, for `https://` ones, how to check them: the CA of
+/// the operator's TLS material, and each service's identity by its place in the chain.
+#[derive(Debug, Clone)]
+pub struct Scraper {
+    admins: Vec<String>,
+    /// The material and the identity each position must present.
+    tls: Option<(Tls, Vec<Identity>)>,
+}
+
+impl Scraper {
+    /// Scrapes `admins`; `tls` (the operator's material) for `https://` ones, which must
+    /// then be the chain's five services in order, so each is checked as its tier.
+    pub fn new(admins: Vec<String>, tls: Option<Tls>) -> anyhow::Result<Self> {
+        let secure = admins.iter().any(|a| a.starts_with("https://"));
+        let tls = match (tls, secure) {
+            (Some(tls), true) => {
+                anyhow::ensure!(
+                    admins.len() == retrychain_harness::NAMES.len(),
+                    "over TLS, --admin names the five services in chain order (each is checked as its tier)"
+                );
+                let identities = retrychain_harness::NAMES
+                    .iter()
+                    .map(|name| Identity::named(name))
+                    .collect();
+                Some((tls, identities))
+            }
+            (None, true) => anyhow::bail!(
+                "an https:// admin address needs the operator's TLS material (--tls-dir)"
+            ),
+            (_, false) => None,
+        };
+        Ok(Self { admins, tls })
+    }
+
+    /// The addresses, in order.
+    pub fn admins(&self) -> &[String] {
+        &self.admins
+    }
+
+    /// Scrapes every admin address at once; a service that does not answer is `None`
+    /// (down).
+    pub async fn scrape_all(&self, timeout: Duration) -> Vec<Option<Snapshot>> {
+        futures::future::join_all(self.admins.iter().enumerate().map(|(i, admin)| {
+            let tls = self
+                .tls
+                .as_ref()
+                .filter(|_| admin.starts_with("https://"))
+                .map(|(tls, identities)| (tls, &identities[i]));
+            async move { scrape(admin, timeout, tls).await.ok() }
+        }))
+        .await
+    }
+}
+
+/// Scrapes the service whose admin address is `admin` (`http://host:port`, or
+/// `https://host:port` with the material to check it by), giving up after `timeout` so
+/// that one hung service cannot stall the screen.
+pub async fn scrape(
+    admin: &str,
+    timeout: Duration,
+    tls: Option<(&Tls, &Identity)>,
+) -> anyhow::Result<Snapshot> {
+    let text = tokio::time::timeout(timeout, get_metrics(admin, tls))
         .await
         .with_context(|| format!("{admin}: no answer within {timeout:?}"))??;
     parse(&text).with_context(|| format!("{admin}/metrics"))
-}
-
-/// Scrapes every admin address at once; a service that does not answer is `None` (down).
-pub async fn scrape_all(admins: &[String], timeout: Duration) -> Vec<Option<Snapshot>> {
-    futures::future::join_all(
-        admins
-            .iter()
-            .map(|admin| async move { scrape(admin, timeout).await.ok() }),
-    )
-    .await
 }
 
 /// `host:port` of an admin address, with or without `http://` and a trailing `/`.
@@ -143,19 +194,51 @@ pub fn authority(admin: &str) -> &str {
     rest.split('/').next().unwrap_or(rest)
 }
 
-/// `GET /metrics` on `admin`, the body as text.
-async fn get_metrics(admin: &str) -> anyhow::Result<String> {
+/// `GET /metrics` on `admin` (over TLS as Prometheus reads it — the server checked, no
+/// client certificate — when `tls` is given), the body as text.
+async fn get_metrics(admin: &str, tls: Option<(&Tls, &Identity)>) -> anyhow::Result<String> {
     let authority = authority(admin);
-    let mut stream = TcpStream::connect(authority)
+    let tcp = TcpStream::connect(authority)
         .await
         .with_context(|| format!("connecting to {authority}"))?;
     let request = format!(
         "GET /metrics HTTP/1.1\r\nHost: {authority}\r\nAccept: text/plain\r\nConnection: close\r\n\r\n"
     );
+    let response = match tls {
+        None => exchange(tcp, &request).await?,
+        Some((tls, identity)) => {
+            let host = authority
+                .rsplit_once(':')
+                .map_or(authority, |(host, _)| host)
+                .trim_start_matches('[')
+                .trim_end_matches(']');
+            let name = ServerName::try_from(host.to_owned())
+                .with_context(|| format!("{host} is not a server name"))?;
+            let stream = tokio_rustls::TlsConnector::from(tls.metrics_client_config(identity))
+                .connect(name, tcp)
+                .await
+                .with_context(|| format!("TLS with {authority}"))?;
+            exchange(stream, &request).await?
+        }
+    };
+    body_of(&response)
+}
+
+/// Writes `request` and reads the answer to its end (a server that closes without TLS's
+/// close_notify has still said everything: `Connection: close`).
+async fn exchange<S>(mut stream: S, request: &str) -> anyhow::Result<Vec<u8>>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
     stream.write_all(request.as_bytes()).await?;
     let mut response = Vec::new();
-    stream.read_to_end(&mut response).await?;
-    body_of(&response)
+    match stream.read_to_end(&mut response).await {
+        Ok(_) => {}
+        Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof && !response.is_empty() => {
+        }
+        Err(error) => return Err(error.into()),
+    }
+    Ok(response)
 }
 
 /// The body of a whole HTTP/1.1 response, which must be a 200; chunked bodies de-chunked.
