@@ -68,6 +68,16 @@ fn list(identities: &[Identity]) -> String {
         .join(", ")
 }
 
+/// Whether `request` calls a method of `service` (its path is `/<service>/<method>`).
+pub(crate) fn calls_service<B>(request: &http::Request<B>, service: &str) -> bool {
+    request
+        .uri()
+        .path()
+        .strip_prefix('/')
+        .and_then(|path| path.split_once('/'))
+        .is_some_and(|(called, _)| called == service)
+}
+
 /// Refuses, before any other layer sees it, a call to `service` from a caller that
 /// [`Accept`] does not let through (other services — health, reflection — pass).
 #[derive(Debug, Clone)]
@@ -117,13 +127,7 @@ where
     }
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
-        let guarded = request
-            .uri()
-            .path()
-            .strip_prefix('/')
-            .and_then(|path| path.split_once('/'))
-            .is_some_and(|(service, _)| service == self.service);
-        if guarded
+        if calls_service(&request, self.service)
             && let Err(status) = self
                 .accept
                 .check(request.extensions().get::<PeerIdentity>())

@@ -35,7 +35,10 @@ use resilience::wire::{self, AUTHORIZATION, CALLER};
 use retrychain_tls::Tokens;
 use tonic::Status;
 
-use crate::{Caller, authz::PeerIdentity};
+use crate::{
+    Caller,
+    authz::{PeerIdentity, calls_service},
+};
 
 /// How the edge tells callers apart.
 #[derive(Debug, Clone)]
@@ -235,13 +238,7 @@ where
         let headers = request.headers_mut();
         // Whatever a client says about who it is goes no further than here.
         headers.remove(CALLER);
-        let guarded = request
-            .uri()
-            .path()
-            .strip_prefix('/')
-            .and_then(|path| path.split_once('/'))
-            .is_some_and(|(service, _)| service == self.service);
-        if !guarded {
+        if !calls_service(&request, self.service) {
             request.headers_mut().remove(AUTHORIZATION);
             return Either::Left(Held {
                 inner: self.inner.call(request),

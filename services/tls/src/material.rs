@@ -110,7 +110,7 @@ struct Loaded {
 /// Each file's device, inode, change time, modification time and size: when any of them
 /// changes for any of the three files, they are read again (a rename gives a new inode, a
 /// rewrite a new change time, whatever the modification time was set to).
-type Stamp = [Option<(u64, u64, i64, i64, SystemTime, u64)>; 3];
+type Stamp = [Option<FileStamp>; 3];
 
 /// How long after a read that failed the files are read again though they did not change
 /// (a read can fail for a passing reason: out of file descriptors, a swap half done).
@@ -295,42 +295,61 @@ impl Tls {
     /// Checks the files every `every` for as long as any clone of this `Tls` lives, and
     /// logs what each change did.
     pub fn watch(&self, every: Duration) -> tokio::task::JoinHandle<()> {
-        let weak: Weak<Shared> = Arc::downgrade(&self.shared);
-        tokio::spawn(async move {
-            let mut ticks = tokio::time::interval(every);
-            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                ticks.tick().await;
-                let Some(shared) = weak.upgrade() else { return };
-                let tls = Tls { shared };
-                match tls.reload() {
-                    Reload::Unchanged => {}
-                    Reload::Reloaded(identity) => {
-                        tracing::info!(%identity, cert = %tls.shared.files.cert.display(), "TLS material changed: new connections use it");
-                    }
-                    Reload::Refused(error) => {
-                        tracing::warn!(%error, "TLS material changed but cannot be used; keeping the material in use");
-                    }
+        watch_while_held(&self.shared, every, |shared| {
+            let tls = Tls { shared };
+            match tls.reload() {
+                Reload::Unchanged => {}
+                Reload::Reloaded(identity) => {
+                    tracing::info!(%identity, cert = %tls.shared.files.cert.display(), "TLS material changed: new connections use it");
+                }
+                Reload::Refused(error) => {
+                    tracing::warn!(%error, "TLS material changed but cannot be used; keeping the material in use");
                 }
             }
         })
     }
 }
 
-/// The three files' modification times and sizes (following symlinks, as a swapped
-/// Kubernetes `..data` link is followed).
+/// The three files' stamps ([`file_stamp`]).
 fn stamp(files: &TlsFiles) -> Stamp {
+    [&files.cert, &files.key, &files.ca].map(|path| file_stamp(path))
+}
+
+/// A file's device and inode, change time, modification time and size, following symlinks
+/// (as a swapped Kubernetes `..data` link is followed): a change of any of them is a new
+/// file to read.
+pub(crate) type FileStamp = (u64, u64, i64, i64, SystemTime, u64);
+
+/// `path`'s [`FileStamp`]; `None` when it cannot be read.
+pub(crate) fn file_stamp(path: &std::path::Path) -> Option<FileStamp> {
     use std::os::unix::fs::MetadataExt;
-    [&files.cert, &files.key, &files.ca].map(|path| {
-        let meta = std::fs::metadata(path).ok()?;
-        Some((
-            meta.dev(),
-            meta.ino(),
-            meta.ctime(),
-            meta.ctime_nsec(),
-            meta.modified().ok()?,
-            meta.len(),
-        ))
+    let meta = std::fs::metadata(path).ok()?;
+    Some((
+        meta.dev(),
+        meta.ino(),
+        meta.ctime(),
+        meta.ctime_nsec(),
+        meta.modified().ok()?,
+        meta.len(),
+    ))
+}
+
+/// Runs `check` on `shared` every `every` for as long as something else holds it (the
+/// task keeps only a weak reference): how material read from files is watched.
+pub(crate) fn watch_while_held<S: Send + Sync + 'static>(
+    shared: &Arc<S>,
+    every: Duration,
+    check: impl Fn(Arc<S>) + Send + 'static,
+) -> tokio::task::JoinHandle<()> {
+    let weak: Weak<S> = Arc::downgrade(shared);
+    tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(every);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticks.tick().await;
+            let Some(shared) = weak.upgrade() else { return };
+            check(shared);
+        }
     })
 }
 

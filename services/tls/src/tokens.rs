@@ -15,10 +15,11 @@
 use std::{
     collections::HashMap,
     path::{Path, PathBuf},
-    sync::{Arc, Mutex, RwLock, Weak},
+    sync::{Arc, Mutex, RwLock},
     time::{Duration, Instant},
 };
 
+use crate::material::{FileStamp, file_stamp, watch_while_held};
 use jsonwebtoken::{
     Algorithm, DecodingKey, Validation,
     jwk::{AlgorithmParameters, EllipticCurve, Jwk, JwkSet, KeyAlgorithm},
@@ -227,42 +228,19 @@ impl Tokens {
 
     /// Checks the file every `every` for as long as any clone lives, and logs each change.
     pub fn watch(&self, every: Duration) -> tokio::task::JoinHandle<()> {
-        let weak: Weak<Shared> = Arc::downgrade(&self.shared);
-        tokio::spawn(async move {
-            let mut ticks = tokio::time::interval(every);
-            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                ticks.tick().await;
-                let Some(shared) = weak.upgrade() else { return };
-                let tokens = Tokens { shared };
-                match tokens.reload() {
-                    TokenReload::Unchanged => {}
-                    TokenReload::Reloaded(keys) => {
-                        tracing::info!(keys, jwks = %tokens.shared.rules.jwks.display(), "JWKS changed: tokens are checked against its keys");
-                    }
-                    TokenReload::Refused(error) => {
-                        tracing::warn!(%error, "JWKS changed but cannot be used; keeping the keys in use");
-                    }
+        watch_while_held(&self.shared, every, |shared| {
+            let tokens = Tokens { shared };
+            match tokens.reload() {
+                TokenReload::Unchanged => {}
+                TokenReload::Reloaded(keys) => {
+                    tracing::info!(keys, jwks = %tokens.shared.rules.jwks.display(), "JWKS changed: tokens are checked against its keys");
+                }
+                TokenReload::Refused(error) => {
+                    tracing::warn!(%error, "JWKS changed but cannot be used; keeping the keys in use");
                 }
             }
         })
     }
-}
-
-type FileStamp = (u64, u64, i64, i64, std::time::SystemTime, u64);
-
-/// The file's identity, change time, modification time and size (following symlinks).
-fn file_stamp(path: &Path) -> Option<FileStamp> {
-    use std::os::unix::fs::MetadataExt;
-    let meta = std::fs::metadata(path).ok()?;
-    Some((
-        meta.dev(),
-        meta.ino(),
-        meta.ctime(),
-        meta.ctime_nsec(),
-        meta.modified().ok()?,
-        meta.len(),
-    ))
 }
 
 fn read_keys(path: &Path) -> Result<Keys, TokenError> {
