@@ -385,6 +385,55 @@ mod tests {
         )
         .unwrap();
         refused(&hs, "signed with HS256");
+
+        // Our key and kid, but outside its validity or without a claim it must carry.
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        let signed = |claims: serde_json::Value| {
+            jsonwebtoken::encode(
+                &jsonwebtoken::Header {
+                    kid: Some("k1".into()),
+                    ..jsonwebtoken::Header::new(Algorithm::ES256)
+                },
+                &claims,
+                &jsonwebtoken::EncodingKey::from_ec_pem(ours.key_pem().as_bytes()).unwrap(),
+            )
+            .unwrap()
+        };
+        let iss = "https://id.example";
+        refused(
+            &signed(serde_json::json!({"sub": "alice", "iss": iss, "exp": now - 120})),
+            "ExpiredSignature",
+        );
+        refused(
+            &signed(
+                serde_json::json!({"sub": "alice", "iss": iss, "exp": now + 600, "nbf": now + 300}),
+            ),
+            "ImmatureSignature",
+        );
+        refused(
+            &signed(serde_json::json!({"sub": "alice", "iss": iss})),
+            "exp",
+        );
+        refused(
+            &signed(serde_json::json!({"iss": iss, "exp": now + 600})),
+            "sub",
+        );
+        refused(
+            &signed(serde_json::json!({"sub": "", "iss": iss, "exp": now + 600})),
+            "subject (sub) is empty",
+        );
+        // Within the 30 s leeway an expiry is still honoured.
+        assert_eq!(
+            tokens
+                .verify(&signed(
+                    serde_json::json!({"sub": "alice", "iss": iss, "exp": now - 5})
+                ))
+                .unwrap(),
+            "alice"
+        );
     }
 
     #[test]
