@@ -38,7 +38,8 @@ fn section(resolved: &str, service: &str) -> String {
     let mut lines = resolved.lines().skip_while(|l| *l != header);
     assert!(lines.next().is_some(), "{service} missing");
     lines
-        .take_while(|l| l.starts_with("   ") || l.starts_with("  -"))
+        // Blank lines occur inside a multi-line string (an entrypoint script).
+        .take_while(|l| l.is_empty() || l.starts_with("   ") || l.starts_with("  -"))
         .collect::<Vec<_>>()
         .join("\n")
 }
@@ -114,8 +115,8 @@ fn compose_file_is_valid_and_wires_the_chain() {
             "{service} port {port}"
         );
         assert!(
-            resolved.contains(&format!("http://127.0.0.1:{port}")),
-            "{service} health check"
+            section(&resolved, service).contains(&format!("https://127.0.0.1:{port}")),
+            "{service} health check, over TLS"
         );
         let admin = port + 1000;
         assert!(
@@ -145,6 +146,87 @@ fn compose_file_is_valid_and_wires_the_chain() {
             .matches("RETRYCHAIN_ALLOW_RETRY_MODE_OVERRIDE: \"true\"")
             .count();
     assert_eq!(override_on, 5, "the override is a demo setting on all five");
+}
+
+/// TLS by default: every service reads its own certificate from a volume of its own that
+/// no other service mounts (so no tier can present another's identity), the certificates
+/// come from the one-shot `certs` service, the ledger checks Postgres's certificate and
+/// name, Postgres refuses TCP without TLS, and the edge checks callers' tokens.
+#[test]
+fn every_service_has_tls_from_a_volume_of_its_own() {
+    let resolved = config(&[]);
+    let mut mounted_by: std::collections::HashMap<String, Vec<String>> = Default::default();
+    for service in [
+        "certs", "postgres", "edge", "hop2", "hop3", "hop4", "ledger",
+    ] {
+        let section = section(&resolved, service);
+        for line in section.lines().map(str::trim) {
+            let Some(mount) = line.strip_prefix("- ") else {
+                continue;
+            };
+            if let Some(volume) = mount.split(':').next().filter(|v| v.starts_with("tls-")) {
+                mounted_by
+                    .entry(volume.to_owned())
+                    .or_default()
+                    .push(service.to_owned());
+            }
+        }
+    }
+    for (service, volume) in [
+        ("edge", "tls-edge"),
+        ("hop2", "tls-hop2"),
+        ("hop3", "tls-hop3"),
+        ("hop4", "tls-hop4"),
+        ("ledger", "tls-ledger"),
+    ] {
+        let section = section(&resolved, service);
+        assert!(
+            section.contains("RETRYCHAIN_TLS_DIR: /etc/retrychain/tls"),
+            "{service}:\n{section}"
+        );
+        assert!(
+            section.contains(&format!("{volume}:/etc/retrychain/tls:ro")),
+            "{service} mounts {volume}:\n{section}"
+        );
+        assert_eq!(
+            mounted_by.get(volume).map(Vec::as_slice),
+            Some(&["certs".to_owned(), service.to_owned()][..]),
+            "{volume} is {service}'s alone (and the certs service's, which writes it)"
+        );
+    }
+    for volume in ["tls-ca", "tls-callers"] {
+        assert_eq!(
+            mounted_by.get(volume).map(Vec::as_slice),
+            Some(&["certs".to_owned()][..]),
+            "{volume}: the signing keys stay with the certs service"
+        );
+    }
+    let certs = section(&resolved, "certs");
+    assert!(certs.contains("retrychain certs --dir /tls"), "{certs}");
+    let ledger = section(&resolved, "ledger");
+    assert!(
+        ledger.contains("sslmode=verify-full&sslrootcert=/etc/retrychain/tls/ca.crt"),
+        "{ledger}"
+    );
+    let postgres = section(&resolved, "postgres");
+    for setting in [
+        "hostssl all all all scram-sha-256",
+        "-c ssl=on",
+        "hba_file=",
+    ] {
+        assert!(
+            postgres.contains(setting),
+            "Postgres: {setting}:\n{postgres}"
+        );
+    }
+    assert!(
+        !postgres.contains("host all"),
+        "no plaintext TCP entry:\n{postgres}"
+    );
+    assert!(
+        section(&resolved, "edge").contains("RETRYCHAIN_JWKS: /etc/retrychain/tls/jwks.json"),
+        "the edge checks callers' tokens"
+    );
 }
 
 /// A tier can be scaled: with its *_PORT variables empty, its replicas publish on free

@@ -24,6 +24,11 @@ fn grpcurl(args: &[&str]) -> (bool, String) {
     (output.status.success(), text)
 }
 
+/// [`grpcurl`] with owned arguments.
+fn grpcurl_owned(args: &[String]) -> (bool, String) {
+    grpcurl(&args.iter().map(String::as_str).collect::<Vec<_>>())
+}
+
 /// All of them run against an external deployment too (RETRYCHAIN_EDGE … RETRYCHAIN_LEDGER).
 mod deployment {
     use super::*;
@@ -31,8 +36,16 @@ mod deployment {
     #[tokio::test]
     async fn grpcurl_lists_every_service_by_reflection() {
         let chain = Chain::deployment_or(Options::processes()).await;
+        let transport = grpcurl_transport(&chain);
+        let with = |args: &[&str]| -> Vec<String> {
+            transport
+                .iter()
+                .cloned()
+                .chain(args.iter().map(|a| a.to_string()))
+                .collect()
+        };
         for (i, (addr, admin)) in chain.addrs.iter().zip(&chain.admins).enumerate() {
-            let (ok, out) = grpcurl(&["-plaintext", &host_port(addr), "list"]);
+            let (ok, out) = grpcurl_owned(&with(&[&host_port(addr), "list"]));
             assert!(ok, "{}: {out}", NAMES[i]);
             for service in ["retrychain.v1.Payments", "grpc.health.v1.Health"] {
                 assert!(out.contains(service), "{} lacks {service}: {out}", NAMES[i]);
@@ -43,7 +56,7 @@ mod deployment {
                 NAMES[i]
             );
 
-            let (ok, out) = grpcurl(&["-plaintext", &host_port(admin), "list"]);
+            let (ok, out) = grpcurl_owned(&with(&[&host_port(admin), "list"]));
             assert!(ok, "{} admin: {out}", NAMES[i]);
             for service in ["retrychain.v1.Control", "grpc.health.v1.Health"] {
                 assert!(
@@ -66,9 +79,10 @@ mod deployment {
         let edge = host_port(&chain.addrs[EDGE]);
         let key = format!("{IDEMPOTENCY_KEY}: {}", new_key());
         let body = format!(r#"{{"account_id":"{}","amount_cents":500}}"#, new_account());
+        let transport = grpcurl_transport(&chain);
         let call = || {
-            grpcurl(&[
-                "-plaintext",
+            let mut args: Vec<&str> = transport.iter().map(String::as_str).collect();
+            args.extend([
                 "-v",
                 "-max-time",
                 "5",
@@ -78,7 +92,8 @@ mod deployment {
                 &body,
                 &edge,
                 "retrychain.v1.Payments/Charge",
-            ])
+            ]);
+            grpcurl(&args)
         };
         let (ok, first) = call();
         assert!(ok, "{first}");
@@ -115,6 +130,9 @@ mod deployment {
             .nth(1)
             .expect("a fenced block after the marker");
         let suffix = uuid::Uuid::new_v4().simple().to_string();
+        // The lines as the README shows them, over TLS as the operator for a deployment
+        // that speaks it.
+        let transport = grpcurl_transport(&chain).join(" ");
         let mut expect: Option<String> = None;
         let mut ran = 0;
         for line in block.lines().map(str::trim) {
@@ -126,6 +144,7 @@ mod deployment {
                 continue;
             }
             let mut command = line
+                .replace("-plaintext", &transport)
                 .replace("alice", &format!("alice-{suffix}"))
                 .replace("order-1", &format!("order-1-{suffix}"));
             for (i, (addr, admin)) in chain.addrs.iter().zip(&chain.admins).enumerate() {

@@ -10,7 +10,10 @@
 //! `RETRYCHAIN_HOP4` and `RETRYCHAIN_LEDGER` set (e.g. to a `docker compose up` deployment),
 //! [`Chain::deployment`] uses those services instead of spawning, one test at a time. Their
 //! admin ports are `RETRYCHAIN_EDGE_ADMIN` … `RETRYCHAIN_LEDGER_ADMIN` when set, else each
-//! public port + 1000 (the default).
+//! public port + 1000 (the default). A deployment over TLS (docker-compose's default) is
+//! reached with `https://` addresses as the operator: `RETRYCHAIN_DEPLOYMENT_TLS` names a
+//! directory holding `operator/{tls.crt,tls.key,ca.crt}` (what `scripts/compose-credentials`
+//! copies out). Not `RETRYCHAIN_TLS_DIR`: the services these tests start would read that.
 
 use std::{
     sync::{Arc, OnceLock},
@@ -203,10 +206,14 @@ impl Chain {
     }
 
     async fn over(addrs: ChainAddrs, external: Option<tokio::sync::OwnedMutexGuard<()>>) -> Chain {
+        let client = match deployment_tls().filter(|_| external.is_some()) {
+            Some(tls) => ChainClient::connect_tls(&addrs, &tls).await.unwrap(),
+            None => ChainClient::connect(&addrs).await.unwrap(),
+        };
         Chain {
             addrs: addrs.all().map(|a| a.url.clone()).into(),
             admins: addrs.all().map(|a| a.admin_url.clone()).into(),
-            client: ChainClient::connect(&addrs).await.unwrap(),
+            client,
             services: Vec::new(),
             in_process: None,
             database_url: None,
@@ -530,9 +537,37 @@ pub fn grpcurl() -> String {
     std::env::var("GRPCURL").unwrap_or_else(|_| "grpcurl".into())
 }
 
-/// `host:port` of an `http://host:port` address.
+/// The operator's TLS material for an external deployment over TLS
+/// (`RETRYCHAIN_DEPLOYMENT_TLS`), if one is named.
+pub fn deployment_tls() -> Option<retrychain_harness::ChainTls> {
+    let dir = std::env::var_os("RETRYCHAIN_DEPLOYMENT_TLS")?;
+    Some(retrychain_harness::ChainTls { dir: dir.into() })
+}
+
+/// grpcurl's transport flags for `chain`: `-plaintext`, or for an external deployment over
+/// TLS the operator's CA, certificate and key.
+pub fn grpcurl_transport(chain: &Chain) -> Vec<String> {
+    match deployment_tls().filter(|_| chain.addrs[EDGE].starts_with("https://")) {
+        Some(tls) => {
+            let files = tls.files_of("operator");
+            [
+                ("-cacert", files.ca),
+                ("-cert", files.cert),
+                ("-key", files.key),
+            ]
+            .into_iter()
+            .flat_map(|(flag, path)| [flag.to_owned(), path.display().to_string()])
+            .collect()
+        }
+        None => vec!["-plaintext".to_owned()],
+    }
+}
+
+/// `host:port` of an `http://host:port` or `https://host:port` address.
 pub fn host_port(addr: &str) -> String {
-    addr.trim_start_matches("http://").to_owned()
+    addr.trim_start_matches("http://")
+        .trim_start_matches("https://")
+        .to_owned()
 }
 
 /// An experiment's flags (`DemoArgs`, `StormArgs`, …) parsed from `argv` as the binary

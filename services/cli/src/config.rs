@@ -36,6 +36,9 @@ pub enum Command {
     Sim(retrychain_experiments::sim::SimArgs),
     /// Exit 0 when the service at --addr reports SERVING (for container health checks).
     Health(HealthArgs),
+    /// Issue a deployment's certificates into a directory: one per tier, the operator and
+    /// Postgres, from an authority kept there (made the first time), and callers' tokens.
+    Certs(CertsArgs),
     /// A live terminal view of the five services' admin ports: rates, retries, amplification.
     Top(retrychain_top::TopArgs),
     /// Random faults under load against a chain, then a check that every charge happened
@@ -74,6 +77,18 @@ pub struct UpArgs {
     /// above it; the grpcurl lines printed name the files. Removed when `up` stops.
     #[arg(long, env = "RETRYCHAIN_UP_TLS", value_parser = clap::builder::BoolishValueParser::new())]
     pub tls: bool,
+}
+
+/// Flags of `certs`.
+#[derive(Debug, Clone, Args)]
+pub struct CertsArgs {
+    /// Where to write: `<dir>/<name>/` (tls.crt, tls.key, ca.crt) for edge, hop2, hop3,
+    /// hop4, ledger, operator and postgres; `<dir>/ca/` keeps the authority (ca.crt,
+    /// ca.key), `<dir>/callers/` the token issuer's key, the edge's jwks.json and a token
+    /// for alice and bob. Run again, it renews every certificate and token from the kept
+    /// authority and issuer, so what peers trust does not change.
+    #[arg(long, env = "RETRYCHAIN_CERTS_DIR")]
+    pub dir: std::path::PathBuf,
 }
 
 /// Flags of `health`.

@@ -7,7 +7,8 @@
 //!   module. `edge`, `relay` and `ledger` are `retrychain-serve`'s: one way to start a
 //!   service, here or in a test's runtime.
 //! - [`up`]: the whole chain on this machine (`retrychain-harness` starts and supervises it).
-//! - [`health`]: the container health check.
+//! - [`health`]: the container health check; `certs`: a deployment's certificates
+//!   (`retrychain-harness`'s `ChainTls::renew`).
 //!
 //! `demo`, `storm` and `sim` run the experiments of `retrychain-experiments`, which return
 //! typed reports; this crate prints them, or their JSON. `top`, the live view of a chain's
@@ -54,6 +55,19 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
         }
         Command::Top(args) => retrychain_top::run(&args).await?,
+        Command::Certs(args) => {
+            let chain = retrychain_harness::ChainTls::renew(&args.dir)?;
+            println!(
+                "certificates for {} and postgres in {} (authority kept in ca/, tokens in callers/)",
+                retrychain_tls::CHAIN
+                    .iter()
+                    .chain([&retrychain_tls::OPERATOR])
+                    .copied()
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                chain.dir.display()
+            );
+        }
         Command::Chaos(args) => {
             if let Some(report) = retrychain_chaos::run(&args).await? {
                 retrychain_chaos::print_report(&report);

@@ -3,7 +3,11 @@
 //! a Kubernetes TLS secret is mounted) and one for the operator, a token issuer whose
 //! JWKS the edge checks callers' bearer tokens against, and channels that speak it.
 
-use std::path::{Path, PathBuf};
+use std::{
+    io::Write,
+    os::unix::fs::OpenOptionsExt,
+    path::{Path, PathBuf},
+};
 
 use anyhow::Context;
 use retrychain_tls::{
@@ -20,6 +24,12 @@ pub const POSTGRES: &str = "postgres";
 /// The directory of the callers' token material: the issuer's key, the edge's JWKS and a
 /// token for each sample caller.
 const CALLERS: &str = "callers";
+
+/// The file in [`CALLERS`] holding the token issuer's key id and private key.
+const ISSUER: &str = "issuer.key";
+
+/// The directory where [`ChainTls::renew`] keeps the authority's certificate and key.
+const AUTHORITY: &str = "ca";
 
 /// How long the sample callers' tokens last.
 const TOKENS_FOR: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
@@ -38,18 +48,54 @@ impl ChainTls {
     /// (created if needed; files already there are replaced).
     pub fn create(dir: &Path) -> anyhow::Result<Self> {
         let authority = Authority::new("retrychain throwaway CA").context("making a CA")?;
+        let issuer = TokenIssuer::new("callers-1").context("making a token issuer")?;
+        Self::fill(dir, &authority, &issuer)
+    }
+
+    /// Issues fresh certificates for every tier, the operator and Postgres in `dir` from
+    /// the authority kept in `<dir>/ca/` (made there the first time), and fresh tokens for
+    /// the sample callers from the issuer kept in `<dir>/callers/` (likewise): what
+    /// docker-compose's one-shot `certs` service does on every `up`. The certificates are
+    /// renewed; what the peers trust, and the JWKS, stay the same.
+    pub fn renew(dir: &Path) -> anyhow::Result<Self> {
+        let kept = dir.join(AUTHORITY);
+        let authority = match Authority::load(&kept).context("the kept authority")? {
+            Some(authority) => authority,
+            None => {
+                let authority =
+                    Authority::new("retrychain deployment CA").context("making a CA")?;
+                authority
+                    .save(&kept)
+                    .with_context(|| format!("writing {}", kept.display()))?;
+                authority
+            }
+        };
+        let chain = Self {
+            dir: dir.to_owned(),
+        };
+        let issuer = match chain.token_issuer() {
+            Ok(issuer) => issuer,
+            Err(_) if !chain.dir.join(CALLERS).join(ISSUER).exists() => {
+                TokenIssuer::new("callers-1").context("making a token issuer")?
+            }
+            Err(error) => return Err(error.context("the kept token issuer")),
+        };
+        Self::fill(dir, &authority, &issuer)
+    }
+
+    /// Writes a certificate from `authority` for every tier, the operator and Postgres,
+    /// `issuer`'s key and JWKS, and a token for each sample caller (alice and bob, for a
+    /// day) into `dir`.
+    fn fill(dir: &Path, authority: &Authority, issuer: &TokenIssuer) -> anyhow::Result<Self> {
         let chain = Self {
             dir: dir.to_owned(),
         };
         for name in CHAIN.iter().chain([&OPERATOR, &POSTGRES]) {
-            chain.issue(&authority, name, &[&authority])?;
+            chain.issue(authority, name, &[authority])?;
         }
-        // Callers' bearer tokens: an issuer's key, its JWKS for the edge, and a token for
-        // each of two callers (alice and bob) for a day.
-        let issuer = TokenIssuer::new("callers-1").context("making a token issuer")?;
-        chain.use_token_issuer(&issuer)?;
+        chain.use_token_issuer(issuer)?;
         for caller in ["alice", "bob"] {
-            let path = chain.dir.join(CALLERS).join(format!("{caller}.jwt"));
+            let path = chain.token_file(caller);
             std::fs::write(&path, chain.token(caller, TOKENS_FOR)?)
                 .with_context(|| format!("writing {}", path.display()))?;
         }
@@ -74,15 +120,24 @@ impl ChainTls {
     pub fn use_token_issuer(&self, issuer: &TokenIssuer) -> anyhow::Result<()> {
         let dir = self.dir.join(CALLERS);
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-        let key = dir.join("issuer.key");
-        std::fs::write(&key, format!("{}\n{}", issuer.kid(), issuer.key_pem()))
+        let key = dir.join(ISSUER);
+        // The signing key is the issuer's secret: the owner's alone, made afresh.
+        let _ = std::fs::remove_file(&key);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&key)
+            .and_then(|mut file| {
+                file.write_all(format!("{}\n{}", issuer.kid(), issuer.key_pem()).as_bytes())
+            })
             .with_context(|| format!("writing {}", key.display()))?;
         write_jwks(&self.jwks(), &[issuer]).context("writing the JWKS")
     }
 
     /// The issuer in use (see [`ChainTls::use_token_issuer`]).
     pub fn token_issuer(&self) -> anyhow::Result<TokenIssuer> {
-        let path = self.dir.join(CALLERS).join("issuer.key");
+        let path = self.dir.join(CALLERS).join(ISSUER);
         let text = std::fs::read_to_string(&path)
             .with_context(|| format!("reading {}", path.display()))?;
         let (kid, pem) = text
@@ -97,8 +152,9 @@ impl ChainTls {
         Ok(self.token_issuer()?.token(caller, None, None, valid_for))
     }
 
-    /// Writes a certificate for `name` (spiffe://retrychain/<name>) signed by `authority`
-    /// into its directory, trusting `trusted`: how a test rotates one tier's material.
+    /// Writes a certificate for `name` (spiffe://retrychain/<name>, also valid for the host
+    /// name `name`, as a docker-compose service is reached) signed by `authority` into its
+    /// directory, trusting `trusted`: how a test rotates one tier's material.
     pub fn issue(
         &self,
         authority: &Authority,
@@ -106,7 +162,7 @@ impl ChainTls {
         trusted: &[&Authority],
     ) -> anyhow::Result<TlsFiles> {
         let issued = authority
-            .issue(&Identity::named(name))
+            .issue_for(&Identity::named(name), &[name])
             .with_context(|| format!("issuing a certificate for {name}"))?;
         write_files(&self.dir.join(name), &issued, trusted)
             .with_context(|| format!("writing {}", self.dir.join(name).display()))

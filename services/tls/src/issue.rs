@@ -10,21 +10,47 @@ use std::{
 };
 
 use rcgen::{
-    BasicConstraints, CertificateParams, CertifiedIssuer, DistinguishedName, DnType,
-    ExtendedKeyUsagePurpose, IsCa, KeyPair, KeyUsagePurpose, SanType,
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    Issuer, KeyPair, KeyUsagePurpose, SanType,
 };
 
 use crate::{Identity, TlsFiles};
 
 /// A certificate authority made on the spot.
 pub struct Authority {
-    issuer: CertifiedIssuer<'static, KeyPair>,
+    issuer: Issuer<'static, KeyPair>,
+    cert_pem: String,
 }
 
 impl std::fmt::Debug for Authority {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Authority").finish_non_exhaustive()
     }
+}
+
+/// Why a saved authority could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// A file could not be read.
+    #[error("{}: {error}", path.display())]
+    Io {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What reading it gave.
+        error: io::Error,
+    },
+    /// One of `ca.crt` and `ca.key` is there without the other: a half-made authority is
+    /// not replaced silently, since peers may already trust its certificate.
+    #[error("{}: ca.crt and ca.key must both be there, or neither", .0.display())]
+    Incomplete(std::path::PathBuf),
+    /// The files do not make an authority (not PEM, not a certificate, not a key).
+    #[error("{}: {error}", dir.display())]
+    Invalid {
+        /// The directory.
+        dir: std::path::PathBuf,
+        /// What rcgen made of the files.
+        error: rcgen::Error,
+    },
 }
 
 /// A certificate and its key, PEM.
@@ -48,19 +74,84 @@ impl Authority {
             KeyUsagePurpose::CrlSign,
             KeyUsagePurpose::DigitalSignature,
         ];
-        let issuer = CertifiedIssuer::self_signed(params, KeyPair::generate()?)?;
-        Ok(Self { issuer })
+        let key = KeyPair::generate()?;
+        let cert_pem = params.self_signed(&key)?.pem();
+        Ok(Self {
+            issuer: Issuer::new(params, key),
+            cert_pem,
+        })
     }
 
     /// The CA's certificate, PEM: what a peer trusts.
     pub fn cert_pem(&self) -> String {
-        self.issuer.pem()
+        self.cert_pem.clone()
+    }
+
+    /// The CA's private key, PEM (PKCS#8): kept beside its certificate by whoever issues
+    /// again later from the same authority (docker-compose's certificate maker).
+    pub fn key_pem(&self) -> String {
+        self.issuer.key().serialize_pem()
+    }
+
+    /// The authority whose certificate is `cert_pem` and whose key is `key_pem` (as
+    /// [`Authority::cert_pem`] and [`Authority::key_pem`] gave them): what it issues
+    /// chains to the certificate already trusted, so renewing the certificates of a
+    /// deployment does not change what its peers trust.
+    pub fn from_pem(cert_pem: &str, key_pem: &str) -> Result<Self, rcgen::Error> {
+        let issuer = Issuer::from_ca_cert_pem(cert_pem, KeyPair::from_pem(key_pem)?)?;
+        Ok(Self {
+            issuer,
+            cert_pem: cert_pem.to_owned(),
+        })
+    }
+
+    /// Writes the authority's certificate (`ca.crt`) and key (`ca.key`, the owner's alone)
+    /// into `dir`, each by a rename, for [`Authority::load`] to issue from it again later.
+    pub fn save(&self, dir: &Path) -> io::Result<()> {
+        std::fs::create_dir_all(dir)?;
+        replace(&dir.join("ca.key"), self.key_pem().as_bytes(), 0o600)?;
+        replace(&dir.join("ca.crt"), self.cert_pem.as_bytes(), 0o644)
+    }
+
+    /// The authority [`Authority::save`] wrote into `dir`; `Ok(None)` when `dir` holds
+    /// none yet.
+    pub fn load(dir: &Path) -> Result<Option<Self>, LoadError> {
+        let read = |name: &str| match std::fs::read_to_string(dir.join(name)) {
+            Ok(text) => Ok(Some(text)),
+            Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(error) => Err(LoadError::Io {
+                path: dir.join(name),
+                error,
+            }),
+        };
+        match (read("ca.crt")?, read("ca.key")?) {
+            (Some(cert), Some(key)) => {
+                Self::from_pem(&cert, &key)
+                    .map(Some)
+                    .map_err(|error| LoadError::Invalid {
+                        dir: dir.to_owned(),
+                        error,
+                    })
+            }
+            (None, None) => Ok(None),
+            _ => Err(LoadError::Incomplete(dir.to_owned())),
+        }
     }
 
     /// A certificate for `identity` (its one URI SAN), usable by a server and by a client,
     /// also valid for `localhost`, 127.0.0.1 and ::1 — so that grpcurl, which checks a
     /// host name, accepts the edge `up --tls` starts on this machine.
     pub fn issue(&self, identity: &Identity) -> Result<Issued, rcgen::Error> {
+        self.issue_for(identity, &[])
+    }
+
+    /// [`Authority::issue`], also valid for the host names `dns_names`: a server that
+    /// clients reach by name and check it (Postgres under the ledger's `verify-full`).
+    pub fn issue_for(
+        &self,
+        identity: &Identity,
+        dns_names: &[&str],
+    ) -> Result<Issued, rcgen::Error> {
         let mut params = CertificateParams::default();
         params.distinguished_name = DistinguishedName::new();
         params
@@ -72,6 +163,11 @@ impl Authority {
             SanType::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST)),
             SanType::IpAddress(IpAddr::V6(Ipv6Addr::LOCALHOST)),
         ];
+        for name in dns_names {
+            params
+                .subject_alt_names
+                .push(SanType::DnsName((*name).try_into()?));
+        }
         params.extended_key_usages = vec![
             ExtendedKeyUsagePurpose::ServerAuth,
             ExtendedKeyUsagePurpose::ClientAuth,
