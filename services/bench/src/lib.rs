@@ -6,6 +6,8 @@
 //!   message and its metadata passed on as they came, nothing else: no deadline layer or
 //!   arithmetic, no key, mode or trace handling, no retry executor, no counters, no logging.
 //!   It is the baseline a retrychain relay is compared to.
+//! - [`serve_tls`]: tonic's own server behind a rustls handshake (the chain's material),
+//!   so a bare forwarder can be compared with a relay over TLS on both sides too.
 //! - [`cpu_seconds`]: a process's user + system CPU time, from `/proc`.
 
 use std::time::Duration;
@@ -106,6 +108,94 @@ pub async fn serve<P: Payments>(listener: TcpListener, service: P) -> anyhow::Re
     Ok(())
 }
 
+/// [`serve`] over TLS with `tls` (its server configuration: TLS 1.3, a client certificate
+/// required when `tls` was loaded so): each connection's handshake in a task of its own,
+/// then tonic's server on the TLS stream — nothing of retrychain's server in between.
+pub async fn serve_tls<P: Payments>(
+    listener: TcpListener,
+    service: P,
+    tls: retrychain_tls::Tls,
+) -> anyhow::Result<()> {
+    let (handshaken, incoming) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else {
+                continue;
+            };
+            let _ = tcp.set_nodelay(true);
+            let (tls, handshaken) = (tls.clone(), handshaken.clone());
+            tokio::spawn(async move {
+                if let Ok((stream, _)) = retrychain_tls::accept(&tls, tcp).await {
+                    let _ = handshaken
+                        .send(Ok::<_, std::io::Error>(TlsIo(stream)))
+                        .await;
+                }
+            });
+        }
+    });
+    tonic::transport::Server::builder()
+        .add_service(PaymentsServer::new(service))
+        .serve_with_incoming(tokio_stream::wrappers::ReceiverStream::new(incoming))
+        .await?;
+    Ok(())
+}
+
+/// A server's TLS connection as tonic's server takes it (tonic's own impl for rustls
+/// streams is behind its TLS features, which would bring a second TLS set-up).
+struct TlsIo(tokio_rustls::server::TlsStream<tokio::net::TcpStream>);
+
+impl tonic::transport::server::Connected for TlsIo {
+    type ConnectInfo = ();
+
+    fn connect_info(&self) -> Self::ConnectInfo {}
+}
+
+impl tokio::io::AsyncRead for TlsIo {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().0).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for TlsIo {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.get_mut().0).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.get_mut().0).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.0.is_write_vectored()
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().0).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().0).poll_shutdown(cx)
+    }
+}
+
 /// User plus system CPU time a process has used, from `/proc/<pid>/stat`.
 pub fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
@@ -141,13 +231,25 @@ fn clock_ticks_per_second() -> f64 {
 }
 
 /// Sends `requests` Charges to `target`, `concurrency` at a time, each with an idempotency
-/// key and a deadline (what a retrychain relay requires). Returns the wall time.
-pub async fn load(target: &str, requests: u64, concurrency: usize) -> anyhow::Result<Duration> {
+/// key and a deadline (what a retrychain relay requires), over TLS when `tls` is given
+/// (its certificate presented, the server required to be `tls`'s second element). Returns
+/// the wall time.
+pub async fn load(
+    target: &str,
+    tls: Option<&(retrychain_tls::Tls, retrychain_tls::Identity)>,
+    requests: u64,
+    concurrency: usize,
+) -> anyhow::Result<Duration> {
     use futures::StreamExt;
-    let channel = tonic::transport::Endpoint::from_shared(target.to_owned())?
-        .tcp_nodelay(true)
-        .connect()
-        .await?;
+    let endpoint = tonic::transport::Endpoint::from_shared(target.to_owned())?.tcp_nodelay(true);
+    let channel = match tls {
+        Some((tls, server)) => {
+            endpoint
+                .connect_with_connector(retrychain_tls::Connector::new(tls.clone(), server.clone()))
+                .await?
+        }
+        None => endpoint.connect().await?,
+    };
     let client = PaymentsClient::new(channel);
     let start = std::time::Instant::now();
     let failures = futures::stream::iter(0..requests)

@@ -17,7 +17,10 @@
 //!           `trigger_delay`), or failing every call; then its faults are cleared
 //! measure   goodput (answered OK within the deadline, per completion time) in bins
 //! recovery  from the trigger's end, the time until a 1 s rolling goodput is back to
-//!           95% of its level before the trigger
+//!           95% of its level before the trigger — or to the lowest 1 s rolling goodput
+//!           of the healthy seconds before it, when that is lower: on a loaded machine a
+//!           healthy second varies by more than 5%, and "back" means as good as the
+//!           healthy chain was, not better than its own worst second
 //! ```
 
 use std::{
@@ -338,15 +341,21 @@ fn timeline(
     let trigger_end = trigger_start + shape.trigger.as_secs_f64();
     let end = total.as_secs_f64();
     // Before: from 1 s in (the load's start-up) to the trigger.
-    let before = mean(1.0f64.min(trigger_start / 2.0), trigger_start);
+    let healthy_from = 1.0f64.min(trigger_start / 2.0);
+    let before = mean(healthy_from, trigger_start);
     let window = (1.0 / bin).round().max(1.0) as usize;
+    let rolling = |w: &[(f64, f64)]| w.iter().map(|(_, g)| g).sum::<f64>() / w.len() as f64;
+    // The healthy seconds' own worst: "back" asks no more than that (see the module's
+    // documentation).
+    let healthy_worst = goodput
+        .windows(window)
+        .filter(|w| w[0].0 - bin >= healthy_from - 1e-9 && w[w.len() - 1].0 <= trigger_start + 1e-9)
+        .map(rolling)
+        .fold(f64::INFINITY, f64::min);
+    let back = (0.95 * before).min(healthy_worst);
     let recovered_after_s = goodput
         .windows(window)
-        .find(|w| {
-            let from = w[0].0 - bin;
-            from >= trigger_end - 1e-9
-                && w.iter().map(|(_, g)| g).sum::<f64>() / w.len() as f64 >= 0.95 * before
-        })
+        .find(|w| w[0].0 - bin >= trigger_end - 1e-9 && rolling(w) >= back)
         .map(|w| w[0].0 - bin - trigger_end);
     let ok = done.iter().filter(|(_, good, _)| *good).count() as u64;
     Timeline {
@@ -484,6 +493,45 @@ mod tests {
             t.goodput_before_rps
         );
         assert_eq!(t.recovered_after_s, Some(1.5));
+    }
+
+    #[test]
+    fn back_means_as_good_as_the_healthy_seconds_worst_when_they_vary() {
+        // Healthy at 100/s and 60/s by turns (a loaded machine): the mean of the healthy
+        // seconds is 73/s, 95% of it 70/s, and the worst healthy second 60/s. A recovery
+        // to 65/s is back (the old criterion, 95% of the mean, said never); one to 50/s is
+        // not.
+        let healthy = |done: &mut Vec<Done>| {
+            for s in 0..4 {
+                let rate = if s % 2 == 0 { 100.0 } else { 60.0 };
+                steady(done, s as f64, s as f64 + 1.0, rate);
+            }
+        };
+        let mut done = Vec::new();
+        healthy(&mut done);
+        steady(&mut done, 6.0, 12.0, 65.0);
+        let t = timeline(
+            RetryMode::EdgeOnly,
+            &done,
+            0,
+            shape(),
+            Duration::from_secs(12),
+            0,
+        );
+        assert_eq!(t.recovered_after_s, Some(0.0), "{:?}", t.goodput);
+
+        let mut done = Vec::new();
+        healthy(&mut done);
+        steady(&mut done, 6.0, 12.0, 50.0);
+        let t = timeline(
+            RetryMode::EdgeOnly,
+            &done,
+            0,
+            shape(),
+            Duration::from_secs(12),
+            0,
+        );
+        assert_eq!(t.recovered_after_s, None);
     }
 
     #[test]

@@ -10,6 +10,11 @@
 //! `hop-cost forward --listen ADDR --downstream URL`, and `hop-cost otlp-sink --listen ADDR`
 //! (an OTLP trace collector that drops what it gets), for `--otlp-sample`: the relay then
 //! exports its spans, sampled at that ratio.
+//!
+//! `--tls`: every connection — load to forwarder, forwarder to sink — is mutual TLS 1.3
+//! with the chain's own material, as between tiers: the load presents hop2's certificate,
+//! both forwarders hop3's, the sink hop4's. The bare forwarder is then tonic's server and
+//! channel behind the same rustls handshake, and the relay runs with `--tls-dir`.
 
 use std::{
     process::{Child, Command, Stdio},
@@ -18,8 +23,9 @@ use std::{
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use retrychain_bench::{BareForwarder, Sink, cpu_seconds, load, rss_kib, serve};
-use retrychain_harness::{ChildService, Launch, Logs};
+use retrychain_bench::{BareForwarder, Sink, cpu_seconds, load, rss_kib, serve, serve_tls};
+use retrychain_harness::{ChainTls, ChildService, Launch, Logs};
+use retrychain_tls::{ClientAuth, Connector, Identity, Tls, TlsFiles};
 use serde::Serialize;
 use tokio::net::TcpListener;
 
@@ -46,6 +52,9 @@ struct Cli {
     /// ratio of requests (1 = all). Unset: no export, as by default.
     #[arg(long)]
     otlp_sample: Option<f64>,
+    /// Mutual TLS on every connection (see the module's documentation).
+    #[arg(long)]
+    tls: bool,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -57,6 +66,9 @@ enum Role {
     Sink {
         #[arg(long)]
         listen: String,
+        /// Serve TLS with the material here (tls.crt, tls.key, ca.crt).
+        #[arg(long)]
+        tls_dir: Option<std::path::PathBuf>,
     },
     /// Forward every call, with nothing else.
     Forward {
@@ -64,6 +76,9 @@ enum Role {
         listen: String,
         #[arg(long)]
         downstream: String,
+        /// Serve and call over TLS with the material here; the downstream must be hop4.
+        #[arg(long)]
+        tls_dir: Option<std::path::PathBuf>,
     },
     /// Accept OTLP trace exports and drop them.
     OtlpSink {
@@ -98,6 +113,7 @@ impl opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::Tra
 
 #[derive(Debug, Serialize)]
 struct Report {
+    tls: bool,
     requests: u64,
     concurrency: usize,
     relay_cpu_us_per_request: f64,
@@ -113,16 +129,32 @@ struct Report {
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match &cli.command {
-        Some(Role::Sink { listen }) => serve(TcpListener::bind(listen).await?, Sink).await,
-        Some(Role::Forward { listen, downstream }) => {
-            let channel = tonic::transport::Endpoint::from_shared(downstream.clone())?
-                .tcp_nodelay(true)
-                .connect_lazy();
-            serve(
-                TcpListener::bind(listen).await?,
-                BareForwarder::new(channel),
-            )
-            .await
+        Some(Role::Sink { listen, tls_dir }) => {
+            let listener = TcpListener::bind(listen).await?;
+            match tls_dir {
+                Some(dir) => serve_tls(listener, Sink, material(dir)?).await,
+                None => serve(listener, Sink).await,
+            }
+        }
+        Some(Role::Forward {
+            listen,
+            downstream,
+            tls_dir,
+        }) => {
+            let endpoint =
+                tonic::transport::Endpoint::from_shared(downstream.clone())?.tcp_nodelay(true);
+            let listener = TcpListener::bind(listen).await?;
+            match tls_dir {
+                Some(dir) => {
+                    let tls = material(dir)?;
+                    let channel = endpoint.connect_with_connector_lazy(Connector::new(
+                        tls.clone(),
+                        Identity::named("hop4"),
+                    ));
+                    serve_tls(listener, BareForwarder::new(channel), tls).await
+                }
+                None => serve(listener, BareForwarder::new(endpoint.connect_lazy())).await,
+            }
         }
         Some(Role::OtlpSink { listen }) => {
             use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::TraceServiceServer;
@@ -136,6 +168,12 @@ async fn main() -> anyhow::Result<()> {
         }
         None => compare(&cli).await,
     }
+}
+
+/// A tier's material from `dir`, a client certificate required of its callers.
+fn material(dir: &std::path::Path) -> anyhow::Result<Tls> {
+    Tls::load(TlsFiles::in_dir(dir), ClientAuth::Required)
+        .with_context(|| format!("TLS material in {}", dir.display()))
 }
 
 /// A child process killed on drop.
@@ -183,9 +221,31 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
     // The relay takes a port of its own choosing and says which (a port picked here and
     // released could be taken in between); the tool's own processes get distinct ones.
     let [sink_port, bare_port, collector_port] = free_ports()?;
-    let sink_url = format!("http://127.0.0.1:{sink_port}");
-    let _sink =
-        spawn(Command::new(&me).args(["sink", "--listen", &format!("127.0.0.1:{sink_port}")]))?;
+    // With --tls: a throwaway authority and the tiers' material; each process is told its
+    // own directory (`--tls-dir`), as a deployment mounts one.
+    let material_dir = tempfile::tempdir()?;
+    let chain = match cli.tls {
+        true => Some(ChainTls::create(material_dir.path())?),
+        false => None,
+    };
+    let tls_dir = |tier: &str| -> Vec<String> {
+        chain
+            .iter()
+            .flat_map(|chain| {
+                [
+                    "--tls-dir".to_owned(),
+                    chain.dir.join(tier).display().to_string(),
+                ]
+            })
+            .collect()
+    };
+    let scheme = if cli.tls { "https" } else { "http" };
+    let sink_url = format!("{scheme}://127.0.0.1:{sink_port}");
+    let _sink = spawn(
+        Command::new(&me)
+            .args(["sink", "--listen", &format!("127.0.0.1:{sink_port}")])
+            .args(tls_dir("hop4")),
+    )?;
     // The relay is a retrychain service, started as `up` starts one; the sink, the bare
     // forwarder and the collector are this binary's own.
     let mut relay_env = vec![("RUST_LOG".to_owned(), cli.relay_log.clone())];
@@ -199,6 +259,8 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
             program: Some(retrychain.clone()),
             args: [
                 "relay",
+                "--name",
+                "hop3",
                 "--listen",
                 "127.0.0.1:0",
                 "--admin-listen",
@@ -207,7 +269,9 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
                 &sink_url,
             ]
             .map(String::from)
-            .into(),
+            .into_iter()
+            .chain(tls_dir("hop3"))
+            .collect(),
             env: relay_env,
             logs: Logs::Discard,
         },
@@ -215,26 +279,46 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
     .await
     .with_context(|| format!("starting {}", retrychain.display()))?;
     let relay_pid = relay.pid().context("the relay runs")?;
-    let bare = spawn(Command::new(&me).args([
-        "forward",
-        "--listen",
-        &format!("127.0.0.1:{bare_port}"),
-        "--downstream",
-        &sink_url,
-    ]))?;
+    let bare = spawn(
+        Command::new(&me)
+            .args([
+                "forward",
+                "--listen",
+                &format!("127.0.0.1:{bare_port}"),
+                "--downstream",
+                &sink_url,
+            ])
+            .args(tls_dir("hop3")),
+    )?;
     for port in [sink_port, bare_port] {
         wait_listening(port).await?;
     }
     let targets = [
-        (relay.url().to_owned(), relay_pid),
-        (format!("http://127.0.0.1:{bare_port}"), bare.0.id()),
+        (
+            relay.url().replacen("http://", &format!("{scheme}://"), 1),
+            relay_pid,
+        ),
+        (format!("{scheme}://127.0.0.1:{bare_port}"), bare.0.id()),
     ];
-    let report = measure(cli, &targets).await?;
+    // The load is hop2 calling hop3.
+    let client = match &chain {
+        Some(chain) => Some((
+            Tls::load(chain.files_of("hop2"), ClientAuth::Optional)?,
+            Identity::named("hop3"),
+        )),
+        None => None,
+    };
+    let report = measure(cli, &targets, client.as_ref()).await?;
     if cli.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         println!(
-            "relay: {:.1} µs CPU per request ({:.0} req/s, RSS {} KiB)\nbare:  {:.1} µs CPU per request ({:.0} req/s, RSS {} KiB)\nratio relay/bare: {:.2}",
+            "{}relay: {:.1} µs CPU per request ({:.0} req/s, RSS {} KiB)\nbare:  {:.1} µs CPU per request ({:.0} req/s, RSS {} KiB)\nratio relay/bare: {:.2}",
+            if report.tls {
+                "mutual TLS on every connection\n"
+            } else {
+                ""
+            },
             report.relay_cpu_us_per_request,
             report.relay_rps,
             report.relay_rss_kib,
@@ -279,19 +363,23 @@ async fn otlp_collector(
     Ok(collector)
 }
 
-/// Loads the relay and the bare forwarder (`targets`: URL and pid) in alternating rounds
-/// and reports their CPU per request.
-async fn measure(cli: &Cli, targets: &[(String, u32); 2]) -> anyhow::Result<Report> {
+/// Loads the relay and the bare forwarder (`targets`: URL and pid) in alternating rounds,
+/// over `tls` when given, and reports their CPU per request.
+async fn measure(
+    cli: &Cli,
+    targets: &[(String, u32); 2],
+    tls: Option<&(Tls, Identity)>,
+) -> anyhow::Result<Report> {
     // Warm both up, then alternate rounds so drift on a shared machine hits both alike.
     for (url, _) in targets {
-        load(url, cli.requests / 10 + 100, cli.concurrency).await?;
+        load(url, tls, cli.requests / 10 + 100, cli.concurrency).await?;
     }
     let mut cpu = [0.0f64; 2];
     let mut wall = [0.0f64; 2];
     for _ in 0..cli.rounds {
         for (i, (url, pid)) in targets.iter().enumerate() {
             let before = cpu_seconds(*pid)?;
-            wall[i] += load(url, cli.requests, cli.concurrency)
+            wall[i] += load(url, tls, cli.requests, cli.concurrency)
                 .await?
                 .as_secs_f64();
             cpu[i] += cpu_seconds(*pid)? - before;
@@ -299,6 +387,7 @@ async fn measure(cli: &Cli, targets: &[(String, u32); 2]) -> anyhow::Result<Repo
     }
     let total = (cli.requests * u64::from(cli.rounds)) as f64;
     Ok(Report {
+        tls: cli.tls,
         requests: cli.requests * u64::from(cli.rounds),
         concurrency: cli.concurrency,
         relay_cpu_us_per_request: cpu[0] / total * 1e6,
