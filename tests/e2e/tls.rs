@@ -561,6 +561,172 @@ async fn the_ledger_reaches_its_own_postgres_over_verified_tls() {
     chain.stop().await;
 }
 
+/// Runs `op` on a formation off the runtime (it blocks: processes, polling).
+async fn on_formation<T: Send + 'static>(
+    formation: &Arc<std::sync::Mutex<tempgres::HaFormation>>,
+    op: impl FnOnce(&tempgres::HaFormation) -> T + Send + 'static,
+) -> T {
+    let formation = Arc::clone(formation);
+    tokio::task::spawn_blocking(move || op(&formation.lock().unwrap()))
+        .await
+        .unwrap()
+}
+
+/// The TCP client sessions of the server at `url` and of its standbys' replication: how
+/// many, and whether all are TLS 1.3.
+async fn tls_sessions(url: &str) -> ((i64, bool), (i64, bool)) {
+    use sqlx::Connection;
+    let mut probe = sqlx::PgConnection::connect(url).await.unwrap();
+    let clients: (i64, bool) = sqlx::query_as(
+        "SELECT count(*), coalesce(bool_and(s.ssl AND s.version = 'TLSv1.3'), false)
+           FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid)
+          WHERE a.backend_type = 'client backend' AND a.client_addr IS NOT NULL
+            AND a.pid <> pg_backend_pid()",
+    )
+    .fetch_one(&mut probe)
+    .await
+    .unwrap();
+    let replication: (i64, bool) = sqlx::query_as(
+        "SELECT count(*), coalesce(bool_and(s.ssl AND s.version = 'TLSv1.3'), false)
+           FROM pg_stat_replication r JOIN pg_stat_ssl s USING (pid)",
+    )
+    .fetch_one(&mut probe)
+    .await
+    .unwrap();
+    (clients, replication)
+}
+
+/// A pg_auto_failover formation over TLS (what `up --postgres ha --tls` starts): every
+/// server serves the chain's Postgres certificate; the ledger's multi-host URL asks for
+/// `verify-full`; on the primary every TCP session (the ledger's, the keepers') and the
+/// standby's replication are TLS 1.3, and neither node lets a client in without TLS;
+/// after a switchover the same holds on the new primary, charges go on, and a repeated key
+/// replays the charge made before it.
+#[tokio::test]
+async fn a_formation_over_tls_is_reached_verified_through_a_switchover() {
+    let dir = tempfile::tempdir().unwrap();
+    let tls = ChainTls::create(dir.path()).unwrap();
+    let own = tls.files_of("postgres");
+    let server = tempgres::ServerTls {
+        cert: own.cert,
+        key: own.key,
+        ca: own.ca,
+    };
+    let formation =
+        tokio::task::spawn_blocking(move || tempgres::HaFormation::start_with(Some(&server)))
+            .await
+            .unwrap()
+            .unwrap_or_else(|e| panic!("a pg_auto_failover formation over TLS: {e}"));
+    let formation = Arc::new(std::sync::Mutex::new(formation));
+    let url = on_formation(&formation, |f| f.uri()).await;
+    assert!(url.contains("sslmode=verify-full"), "{url}");
+    let spec = ChainSpec {
+        database_url: Some(url),
+        tls: Some(tls.clone()),
+        ..Options::processes().spec
+    };
+    let chain = LocalChain::start(spec).await.unwrap();
+    let edge = PaymentsClient::new(tls.connect(&chain.addrs().edge.url, "edge").await.unwrap());
+    let account = new_account();
+    let first = edge
+        .clone()
+        .charge(charge(
+            &account,
+            5,
+            Some("ha-tls-1"),
+            Duration::from_secs(10),
+            &[],
+        ))
+        .await
+        .unwrap();
+
+    for round in ["before", "after"] {
+        let primary = on_formation(&formation, |f| {
+            let i = f.primary().unwrap().expect("a primary");
+            (i, f.node_url(i))
+        })
+        .await;
+        let ((sessions, all_tls), (standbys, replication_tls)) = tls_sessions(&primary.1).await;
+        println!(
+            "{round} the switchover, node{} primary: {sessions} TCP sessions, all TLS 1.3: {all_tls}; {standbys} standby, over TLS 1.3: {replication_tls}",
+            primary.0 + 1
+        );
+        assert!(
+            sessions >= 1 && all_tls,
+            "{round}: {sessions} sessions, all TLS: {all_tls}"
+        );
+        assert!(
+            standbys >= 1 && replication_tls,
+            "{round}: {standbys} standbys, over TLS: {replication_tls}"
+        );
+        // And no session without TLS, on either node.
+        let nodes = on_formation(&formation, |f| [f.node_url(0), f.node_url(1)]).await;
+        for node in nodes {
+            use sqlx::Connection;
+            let plain = node.replace("sslmode=verify-full", "sslmode=disable");
+            let refused = sqlx::PgConnection::connect(&plain).await.unwrap_err();
+            assert!(
+                refused.to_string().contains("no pg_hba.conf entry"),
+                "{round}, {plain}: {refused}"
+            );
+        }
+        if round == "after" {
+            break;
+        }
+        on_formation(&formation, |f| f.switchover().unwrap()).await;
+        on_formation(&formation, move |f| {
+            f.wait_until(Duration::from_secs(90), |nodes| {
+                nodes
+                    .iter()
+                    .any(|n| n.name != format!("node{}", primary.0 + 1) && n.reported == "primary")
+                    && nodes.iter().any(|n| n.reported == "secondary")
+            })
+            .unwrap()
+        })
+        .await;
+        // Charges go on on the new primary (the ledger reconnects; the edge retries).
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let again = edge
+                .clone()
+                .charge(charge(
+                    &account,
+                    7,
+                    Some("ha-tls-2"),
+                    Duration::from_secs(10),
+                    &[],
+                ))
+                .await;
+            match again {
+                Ok(_) => break,
+                Err(status) if std::time::Instant::now() < deadline => {
+                    println!("after the switchover: {status:?}");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                Err(status) => panic!("no charge within 30 s of the switchover: {status:?}"),
+            }
+        }
+    }
+    let replayed = edge
+        .clone()
+        .charge(charge(
+            &account,
+            5,
+            Some("ha-tls-1"),
+            Duration::from_secs(10),
+            &[],
+        ))
+        .await
+        .unwrap();
+    assert_eq!(
+        header(&replayed, IDEMPOTENT_REPLAYED).as_deref(),
+        Some("true")
+    );
+    assert_eq!(replayed.get_ref().charge_id, first.get_ref().charge_id);
+    chain.stop().await;
+    drop(formation);
+}
+
 /// A Charge request as `caller`'s bearer token (`None`: no credentials) carries it.
 fn charge_as(
     token: Option<&str>,

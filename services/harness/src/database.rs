@@ -25,28 +25,30 @@ pub enum OwnDatabase {
 }
 
 impl OwnDatabase {
-    /// Starts the `kind` of database (it blocks: run it off the runtime). With `tls`, one
-    /// cluster speaks TLS only, with the certificate `tls` holds for `postgres`, and its URL
-    /// asks for `sslmode=verify-full` against the chain's authority; a formation stays
-    /// plaintext (pg_auto_failover's own TLS set-up is not done here).
+    /// Starts the `kind` of database (it blocks: run it off the runtime). With `tls`, every
+    /// server speaks TLS with the certificate `tls` holds for `postgres`, and the URL asks
+    /// for `sslmode=verify-full` against the chain's authority: one cluster accepts TCP
+    /// only over TLS; a formation's own connections (node to monitor, standby to primary)
+    /// check the same certificate.
     pub fn start(kind: Postgres, tls: Option<&crate::ChainTls>) -> anyhow::Result<Self> {
+        let tls = tls.map(|tls| {
+            let own = tls.files_of(crate::tls::POSTGRES);
+            tempgres::ServerTls {
+                cert: own.cert,
+                key: own.key,
+                ca: own.ca,
+            }
+        });
         Ok(match kind {
             Postgres::Single => Self::Single(
                 tempgres::TempCluster::start_with(&tempgres::Options {
-                    tls: tls.map(|tls| {
-                        let own = tls.files_of(crate::tls::POSTGRES);
-                        tempgres::ServerTls {
-                            cert: own.cert,
-                            key: own.key,
-                            ca: own.ca,
-                        }
-                    }),
+                    tls,
                     ..tempgres::Options::default()
                 })
                 .context("starting a throwaway Postgres (or set DATABASE_URL)")?,
             ),
             Postgres::Ha => Self::Ha(
-                tempgres::HaFormation::start()
+                tempgres::HaFormation::start_with(tls.as_ref())
                     .context("starting a pg_auto_failover formation (or set DATABASE_URL)")?,
             ),
         })
@@ -74,10 +76,15 @@ impl OwnDatabase {
                 }
             ),
             Self::Ha(formation) => format!(
-                "pg_auto_failover formation (removed on exit), the ledger on\n  {}\n\
+                "pg_auto_failover formation (removed on exit){}, the ledger on\n  {}\n\
                  watch it:     {}\n\
                  fail over:    {}\n\
                  switch over:  {}",
+                if formation.uri().contains("sslmode=verify-full") {
+                    " over TLS (every server's certificate and name checked: verify-full)"
+                } else {
+                    ""
+                },
                 formation.uri(),
                 formation.command_line(&["show", "state", "--watch"]),
                 formation.command_line(&["perform", "failover"]),

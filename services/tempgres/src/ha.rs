@@ -65,6 +65,8 @@ pub struct HaFormation {
     ports: [u16; 2],
     /// The `pg_autoctl run` of the monitor and of each node, while they run.
     keepers: Vec<(String, Option<Child>)>,
+    /// With TLS: the authority's certificate, as the formation's copy (`sslrootcert`).
+    tls_ca: Option<PathBuf>,
     /// Our end of the guardian's pipe; closing it starts the clean-up.
     guardian_pipe: Option<ChildStdin>,
     /// The guardian.
@@ -91,11 +93,82 @@ pub const NETWORK_PARTITION_TIMEOUT: &str = "4";
 
 const SUPERUSER: &str = "postgres";
 
+/// pg_autoctl's TLS flags: the certificate, key and authority for every server it creates
+/// and `verify-full` in the connection strings it writes; or none at all.
+fn ssl_args(tls: Option<&crate::ServerTls>) -> Vec<String> {
+    match tls {
+        Some(tls) => vec![
+            "--ssl-mode".into(),
+            "verify-full".into(),
+            "--ssl-ca-file".into(),
+            tls.ca.display().to_string(),
+            "--server-cert".into(),
+            tls.cert.display().to_string(),
+            "--server-key".into(),
+            tls.key.display().to_string(),
+        ],
+        None => vec!["--no-ssl".into()],
+    }
+}
+
+/// Makes every TCP line of `pgdata`'s pg_hba.conf `hostssl`: initdb's own lines are
+/// `host` (pg_autoctl's are `hostssl` already), which would let a client in without TLS.
+/// Done before the server starts (the monitor's is reloaded anyway when it is tuned).
+fn tls_only_hba(pgdata: &Path) -> Result<(), Error> {
+    let path = pgdata.join("pg_hba.conf");
+    let hba = fs::read_to_string(&path)?;
+    let rewritten: String = hba
+        .lines()
+        .map(|line| match line.strip_prefix("host") {
+            Some(rest) if rest.starts_with([' ', '\t']) => format!("hostssl{rest}\n"),
+            _ => format!("{line}\n"),
+        })
+        .collect();
+    fs::write(&path, rewritten)?;
+    Ok(())
+}
+
+/// `tls`'s files copied into `<dir>/tls/`, owned by the formation's user, the key readable
+/// by it alone (as Postgres demands of a key): every server of the formation uses them.
+fn copy_tls(
+    tls: &crate::ServerTls,
+    dir: &Path,
+    run_as: Option<(u32, u32)>,
+) -> Result<crate::ServerTls, Error> {
+    use std::os::unix::fs::PermissionsExt;
+    let into = dir.join("tls");
+    fs::create_dir_all(&into)?;
+    let copied = crate::ServerTls {
+        cert: into.join("server.crt"),
+        key: into.join("server.key"),
+        ca: into.join("ca.crt"),
+    };
+    fs::copy(&tls.cert, &copied.cert)?;
+    fs::copy(&tls.key, &copied.key)?;
+    fs::copy(&tls.ca, &copied.ca)?;
+    fs::set_permissions(&copied.key, fs::Permissions::from_mode(0o600))?;
+    if let Some((uid, gid)) = run_as {
+        for path in [&into, &copied.cert, &copied.key, &copied.ca] {
+            std::os::unix::fs::chown(path, Some(uid), Some(gid))?;
+        }
+    }
+    Ok(copied)
+}
+
 impl HaFormation {
     /// Creates and starts the formation: the monitor, then node1 (the first primary), then
     /// node2 (its synchronous standby); returns once node1 is `primary` and node2
     /// `secondary`.
     pub fn start() -> Result<Self, Error> {
+        Self::start_with(None)
+    }
+
+    /// [`HaFormation::start`], over TLS with `tls` when given: every server of the
+    /// formation (monitor and nodes) serves TLS with that certificate, pg_autoctl's own
+    /// connections (node to monitor, standby to primary) check it with `sslmode=verify-full`
+    /// against `tls.ca`, and so do [`HaFormation::uri`] and [`HaFormation::node_url`]. The
+    /// certificate must name 127.0.0.1, where everything listens.
+    pub fn start_with(tls: Option<&crate::ServerTls>) -> Result<Self, Error> {
         // pg_autoctl finds pg_controldata and the other tools beside pg_ctl: the real
         // directory, not a directory of symlinks to some of them.
         let pg_ctl = fs::canonicalize(find_bindir()?.join("pg_ctl"))?;
@@ -116,6 +189,7 @@ impl HaFormation {
             std::os::unix::fs::chown(&dir, Some(uid), Some(gid))?;
         }
         let (guardian, guardian_pipe) = guardian(&dir, run_as, &path)?;
+        let tls = tls.map(|tls| copy_tls(tls, &dir, run_as)).transpose()?;
         let mut formation = HaFormation {
             monitor_port: free_port()?,
             // Each node's port is picked just before the node is created, so that little
@@ -125,12 +199,13 @@ impl HaFormation {
             run_as,
             path,
             keepers: Vec::new(),
+            tls_ca: tls.as_ref().map(|tls| tls.ca.clone()),
             guardian_pipe: Some(guardian_pipe),
             guardian,
         };
-        formation.create_monitor()?;
+        formation.create_monitor(tls.as_ref())?;
         for i in 0..2 {
-            formation.create_node(i)?;
+            formation.create_node(i, tls.as_ref())?;
         }
         formation.wait_until(Duration::from_secs(120), |nodes| {
             nodes.iter().any(|n| n.reported == "primary")
@@ -143,17 +218,28 @@ impl HaFormation {
     /// uri` prints, with the superuser).
     pub fn uri(&self) -> String {
         format!(
-            "postgres://{SUPERUSER}@127.0.0.1:{},127.0.0.1:{}/postgres?target_session_attrs=read-write",
-            self.ports[0], self.ports[1]
+            "postgres://{SUPERUSER}@127.0.0.1:{},127.0.0.1:{}/postgres?target_session_attrs=read-write{}",
+            self.ports[0],
+            self.ports[1],
+            self.tls_params("&")
         )
     }
 
     /// The URL of node `i` alone (0 or 1), to look at one server.
     pub fn node_url(&self, i: usize) -> String {
         format!(
-            "postgres://{SUPERUSER}@127.0.0.1:{}/postgres",
-            self.ports[i]
+            "postgres://{SUPERUSER}@127.0.0.1:{}/postgres{}",
+            self.ports[i],
+            self.tls_params("?")
         )
+    }
+
+    /// With TLS, the URL parameters that check the server (after `lead`, `?` or `&`).
+    fn tls_params(&self, lead: &str) -> String {
+        match &self.tls_ca {
+            Some(ca) => format!("{lead}sslmode=verify-full&sslrootcert={}", ca.display()),
+            None => String::new(),
+        }
     }
 
     /// The nodes' ports, node1 first.
@@ -292,15 +378,19 @@ impl HaFormation {
         }
     }
 
-    fn create_monitor(&mut self) -> Result<(), Error> {
+    fn create_monitor(&mut self, tls: Option<&crate::ServerTls>) -> Result<(), Error> {
         let pgdata = self.dir.join("monitor");
         self.created(
             "monitor",
             self.pg_autoctl(&["create", "monitor", "--pgdata"])
                 .arg(&pgdata)
                 .args(["--pgport", &self.monitor_port.to_string()])
-                .args(["--hostname", "127.0.0.1", "--auth", "trust", "--no-ssl"]),
+                .args(["--hostname", "127.0.0.1", "--auth", "trust"])
+                .args(ssl_args(tls)),
         )?;
+        if tls.is_some() {
+            tls_only_hba(&pgdata)?;
+        }
         // `create monitor` has no --listen, and its server would listen on every address
         // (listen_addresses '*', kept in pg_autoctl's own configuration, which `run` starts
         // Postgres with): nothing a playground starts may listen beyond the loopback.
@@ -335,12 +425,16 @@ impl HaFormation {
         }
     }
 
-    fn create_node(&mut self, i: usize) -> Result<(), Error> {
+    fn create_node(&mut self, i: usize, tls: Option<&crate::ServerTls>) -> Result<(), Error> {
         let name = format!("node{}", i + 1);
         self.ports[i] = free_port()?;
         let monitor = format!(
-            "postgres://autoctl_node@127.0.0.1:{}/pg_auto_failover?sslmode=disable",
-            self.monitor_port
+            "postgres://autoctl_node@127.0.0.1:{}/pg_auto_failover?{}",
+            self.monitor_port,
+            match tls {
+                Some(tls) => format!("sslmode=verify-full&sslrootcert={}", tls.ca.display()),
+                None => "sslmode=disable".to_owned(),
+            }
         );
         self.created(
             &name,
@@ -348,10 +442,15 @@ impl HaFormation {
                 .arg(self.dir.join(&name))
                 .args(["--pgport", &self.ports[i].to_string()])
                 .args(["--hostname", "127.0.0.1", "--listen", "127.0.0.1"])
-                .args(["--auth", "trust", "--no-ssl"])
+                .args(["--auth", "trust"])
+                .args(ssl_args(tls))
                 .args(["--name", &name, "--monitor", &monitor])
                 .args(["--pg-hba-lan", "--dbname", "postgres"]),
         )?;
+        if tls.is_some() {
+            // node2's copy of node1's data directory already has it; done again anyway.
+            tls_only_hba(&self.dir.join(&name))?;
+        }
         self.created(
             &name,
             self.pg_autoctl(&["config", "set", "--pgdata"])
