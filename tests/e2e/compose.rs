@@ -161,10 +161,13 @@ fn every_service_has_tls_from_a_volume_of_its_own() {
     ] {
         let section = section(&resolved, service);
         for line in section.lines().map(str::trim) {
-            let Some(mount) = line.strip_prefix("- ") else {
-                continue;
+            // `- tls-edge:/etc/…:ro` (docker-compose 1.x), or `source: tls-edge` in the
+            // long form `docker compose` (v2) prints.
+            let volume = match line.strip_prefix("- ") {
+                Some(mount) => mount.split(':').next(),
+                None => line.strip_prefix("source: "),
             };
-            if let Some(volume) = mount.split(':').next().filter(|v| v.starts_with("tls-")) {
+            if let Some(volume) = volume.filter(|v| v.starts_with("tls-")) {
                 mounted_by
                     .entry(volume.to_owned())
                     .or_default()
@@ -184,9 +187,13 @@ fn every_service_has_tls_from_a_volume_of_its_own() {
             section.contains("RETRYCHAIN_TLS_DIR: /etc/retrychain/tls"),
             "{service}:\n{section}"
         );
+        let short = section.contains(&format!("{volume}:/etc/retrychain/tls:ro"));
+        let long = section.contains(&format!("source: {volume}"))
+            && section.contains("target: /etc/retrychain/tls")
+            && section.contains("read_only: true");
         assert!(
-            section.contains(&format!("{volume}:/etc/retrychain/tls:ro")),
-            "{service} mounts {volume}:\n{section}"
+            short || long,
+            "{service} mounts {volume} read-only:\n{section}"
         );
         assert_eq!(
             mounted_by.get(volume).map(Vec::as_slice),

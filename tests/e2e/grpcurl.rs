@@ -132,7 +132,11 @@ mod deployment {
         let suffix = uuid::Uuid::new_v4().simple().to_string();
         // The lines as the README shows them, over TLS as the operator for a deployment
         // that speaks it.
-        let transport = grpcurl_transport(&chain).join(" ");
+        let transport = grpcurl_transport(&chain)
+            .iter()
+            .map(|word| format!("'{}'", word.replace('\'', r"'\''")))
+            .collect::<Vec<_>>()
+            .join(" ");
         let mut expect: Option<String> = None;
         let mut ran = 0;
         for line in block.lines().map(str::trim) {

@@ -120,6 +120,8 @@ pub async fn serve_tls<P: Payments>(
     tokio::spawn(async move {
         loop {
             let Ok((tcp, _)) = listener.accept().await else {
+                // Out of descriptors, say: wait rather than spin.
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
                 continue;
             };
             let _ = tcp.set_nodelay(true);

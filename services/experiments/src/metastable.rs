@@ -20,7 +20,8 @@
 //!           95% of its level before the trigger — or to the lowest 1 s rolling goodput
 //!           of the healthy seconds before it, when that is lower: on a loaded machine a
 //!           healthy second varies by more than 5%, and "back" means as good as the
-//!           healthy chain was, not better than its own worst second
+//!           healthy chain was, not better than its own worst second (but never less
+//!           than 80% of the healthy mean)
 //! ```
 
 use std::{
@@ -352,7 +353,9 @@ fn timeline(
         .filter(|w| w[0].0 - bin >= healthy_from - 1e-9 && w[w.len() - 1].0 <= trigger_start + 1e-9)
         .map(rolling)
         .fold(f64::INFINITY, f64::min);
-    let back = (0.95 * before).min(healthy_worst);
+    // Never below 80% of the healthy mean: one stall before the trigger must not make a
+    // chain still limping count as back.
+    let back = (0.95 * before).min(healthy_worst.max(0.8 * before));
     let recovered_after_s = goodput
         .windows(window)
         .find(|w| w[0].0 - bin >= trigger_end - 1e-9 && rolling(w) >= back)
@@ -498,9 +501,9 @@ mod tests {
     #[test]
     fn back_means_as_good_as_the_healthy_seconds_worst_when_they_vary() {
         // Healthy at 100/s and 60/s by turns (a loaded machine): the mean of the healthy
-        // seconds is 73/s, 95% of it 70/s, and the worst healthy second 60/s. A recovery
-        // to 65/s is back (the old criterion, 95% of the mean, said never); one to 50/s is
-        // not.
+        // seconds is 73/s, 95% of it 70/s, and the worst healthy second 60/s (above the
+        // floor, 80% of the mean: 59/s). A recovery to 65/s is back (95% of the mean alone
+        // said never); one to 50/s is not.
         let healthy = |done: &mut Vec<Done>| {
             for s in 0..4 {
                 let rate = if s % 2 == 0 { 100.0 } else { 60.0 };

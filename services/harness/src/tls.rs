@@ -3,16 +3,12 @@
 //! a Kubernetes TLS secret is mounted) and one for the operator, a token issuer whose
 //! JWKS the edge checks callers' bearer tokens against, and channels that speak it.
 
-use std::{
-    io::Write,
-    os::unix::fs::OpenOptionsExt,
-    path::{Path, PathBuf},
-};
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use retrychain_tls::{
     CHAIN, ClientAuth, Connector, Identity, OPERATOR, Tls, TlsFiles,
-    issue::{Authority, TokenIssuer, write_files, write_jwks},
+    issue::{Authority, TokenIssuer, write_files, write_jwks, write_secret},
 };
 use tonic::transport::{Channel, Endpoint};
 
@@ -49,7 +45,7 @@ impl ChainTls {
     pub fn create(dir: &Path) -> anyhow::Result<Self> {
         let authority = Authority::new("retrychain throwaway CA").context("making a CA")?;
         let issuer = TokenIssuer::new("callers-1").context("making a token issuer")?;
-        Self::fill(dir, &authority, &issuer)
+        Self::fill(dir, &authority, &issuer, false)
     }
 
     /// Issues fresh certificates for every tier, the operator and Postgres in `dir` from
@@ -73,30 +69,38 @@ impl ChainTls {
         let chain = Self {
             dir: dir.to_owned(),
         };
-        let issuer = match chain.token_issuer() {
-            Ok(issuer) => issuer,
-            Err(_) if !chain.dir.join(CALLERS).join(ISSUER).exists() => {
-                TokenIssuer::new("callers-1").context("making a token issuer")?
-            }
-            Err(error) => return Err(error.context("the kept token issuer")),
+        let kept = chain.dir.join(CALLERS).join(ISSUER).exists();
+        let issuer = match kept {
+            true => chain.token_issuer().context("the kept token issuer")?,
+            false => TokenIssuer::new("callers-1").context("making a token issuer")?,
         };
-        Self::fill(dir, &authority, &issuer)
+        Self::fill(dir, &authority, &issuer, kept)
     }
 
     /// Writes a certificate from `authority` for every tier, the operator and Postgres,
-    /// `issuer`'s key and JWKS, and a token for each sample caller (alice and bob, for a
-    /// day) into `dir`.
-    fn fill(dir: &Path, authority: &Authority, issuer: &TokenIssuer) -> anyhow::Result<Self> {
+    /// `issuer`'s JWKS — and its key, unless it was `kept` there already (a key rewritten
+    /// on every renewal could be lost to a crash) — and a token for each sample caller
+    /// (alice and bob, for a day) into `dir`.
+    fn fill(
+        dir: &Path,
+        authority: &Authority,
+        issuer: &TokenIssuer,
+        kept: bool,
+    ) -> anyhow::Result<Self> {
         let chain = Self {
             dir: dir.to_owned(),
         };
         for name in CHAIN.iter().chain([&OPERATOR, &POSTGRES]) {
             chain.issue(authority, name, &[authority])?;
         }
-        chain.use_token_issuer(issuer)?;
+        match kept {
+            true => write_jwks(&chain.jwks(), &[issuer]).context("writing the JWKS")?,
+            false => chain.use_token_issuer(issuer)?,
+        }
         for caller in ["alice", "bob"] {
             let path = chain.token_file(caller);
-            std::fs::write(&path, chain.token(caller, TOKENS_FOR)?)
+            // A bearer token is a credential: its owner's alone.
+            write_secret(&path, chain.token(caller, TOKENS_FOR)?.as_bytes())
                 .with_context(|| format!("writing {}", path.display()))?;
         }
         Ok(chain)
@@ -121,17 +125,11 @@ impl ChainTls {
         let dir = self.dir.join(CALLERS);
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
         let key = dir.join(ISSUER);
-        // The signing key is the issuer's secret: the owner's alone, made afresh.
-        let _ = std::fs::remove_file(&key);
-        std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&key)
-            .and_then(|mut file| {
-                file.write_all(format!("{}\n{}", issuer.kid(), issuer.key_pem()).as_bytes())
-            })
-            .with_context(|| format!("writing {}", key.display()))?;
+        write_secret(
+            &key,
+            format!("{}\n{}", issuer.kid(), issuer.key_pem()).as_bytes(),
+        )
+        .with_context(|| format!("writing {}", key.display()))?;
         write_jwks(&self.jwks(), &[issuer]).context("writing the JWKS")
     }
 
@@ -208,5 +206,46 @@ impl ChainTls {
             .connect_with_connector(connector)
             .await
             .with_context(|| format!("connecting to {url} over TLS"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What `retrychain certs` relies on: a second run renews every certificate and token
+    /// but keeps the authority, the token issuer and the JWKS, so that nothing a peer
+    /// trusts changes; the signing keys and tokens are their owner's alone.
+    #[test]
+    fn renewing_keeps_the_authority_and_the_issuer() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let read = |path: PathBuf| std::fs::read_to_string(path).unwrap();
+        let first = ChainTls::renew(dir.path()).unwrap();
+        let before = (
+            read(dir.path().join("ca/ca.crt")),
+            read(first.jwks()),
+            read(dir.path().join("callers").join(ISSUER)),
+            read(first.files_of("hop3").cert),
+        );
+        let second = ChainTls::renew(dir.path()).unwrap();
+        assert_eq!(
+            read(dir.path().join("ca/ca.crt")),
+            before.0,
+            "the same authority"
+        );
+        assert_eq!(read(second.jwks()), before.1, "the same JWKS");
+        assert_eq!(read(dir.path().join("callers").join(ISSUER)), before.2);
+        assert_ne!(read(second.files_of("hop3").cert), before.3, "renewed");
+        assert_eq!(read(second.files_of("hop3").ca), before.0);
+        for secret in [
+            dir.path().join("ca/ca.key"),
+            dir.path().join("callers").join(ISSUER),
+            second.token_file("alice"),
+            second.files_of("hop3").key,
+        ] {
+            let mode = std::fs::metadata(&secret).unwrap().permissions().mode();
+            assert_eq!(mode & 0o777, 0o600, "{}", secret.display());
+        }
     }
 }

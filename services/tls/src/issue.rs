@@ -43,6 +43,9 @@ pub enum LoadError {
     /// not replaced silently, since peers may already trust its certificate.
     #[error("{}: ca.crt and ca.key must both be there, or neither", .0.display())]
     Incomplete(std::path::PathBuf),
+    /// `ca.key` is not the key of `ca.crt`.
+    #[error("{}: ca.key is not the key of ca.crt", .0.display())]
+    Mismatch(std::path::PathBuf),
     /// The files do not make an authority (not PEM, not a certificate, not a key).
     #[error("{}: {error}", dir.display())]
     Invalid {
@@ -51,6 +54,21 @@ pub enum LoadError {
         /// What rcgen made of the files.
         error: rcgen::Error,
     },
+}
+
+/// How long an authority made here is valid: it outlives every certificate it issues.
+pub const AUTHORITY_VALIDITY: std::time::Duration =
+    std::time::Duration::from_secs(10 * 365 * 86_400);
+
+/// How long a certificate issued here is valid: docker-compose's `certs` renews them on every
+/// `up`, `up --tls` and the tests make new ones each run; one that stays up longer than this
+/// is refused by its peers, as expired certificates should be.
+pub const CERTIFICATE_VALIDITY: std::time::Duration = std::time::Duration::from_secs(90 * 86_400);
+
+/// From an hour ago (a peer's clock a little behind still accepts it) to `span` from now.
+fn valid_for(span: std::time::Duration) -> (time::OffsetDateTime, time::OffsetDateTime) {
+    let now = time::OffsetDateTime::now_utc();
+    (now - time::Duration::hours(1), now + span)
 }
 
 /// A certificate and its key, PEM.
@@ -69,6 +87,7 @@ impl Authority {
         params.distinguished_name = DistinguishedName::new();
         params.distinguished_name.push(DnType::CommonName, name);
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        (params.not_before, params.not_after) = valid_for(AUTHORITY_VALIDITY);
         params.key_usages = vec![
             KeyUsagePurpose::KeyCertSign,
             KeyUsagePurpose::CrlSign,
@@ -94,11 +113,27 @@ impl Authority {
     }
 
     /// The authority whose certificate is `cert_pem` and whose key is `key_pem` (as
-    /// [`Authority::cert_pem`] and [`Authority::key_pem`] gave them): what it issues
-    /// chains to the certificate already trusted, so renewing the certificates of a
-    /// deployment does not change what its peers trust.
-    pub fn from_pem(cert_pem: &str, key_pem: &str) -> Result<Self, rcgen::Error> {
-        let issuer = Issuer::from_ca_cert_pem(cert_pem, KeyPair::from_pem(key_pem)?)?;
+    /// [`Authority::cert_pem`] and [`Authority::key_pem`] gave them, read from `dir`): what
+    /// it issues chains to the certificate already trusted, so renewing the certificates of
+    /// a deployment does not change what its peers trust.
+    fn from_pem(dir: &Path, cert_pem: &str, key_pem: &str) -> Result<Self, LoadError> {
+        let invalid = |error| LoadError::Invalid {
+            dir: dir.to_owned(),
+            error,
+        };
+        let key = KeyPair::from_pem(key_pem).map_err(invalid)?;
+        // rcgen takes the pair as given: a key of another authority would sign leaves that
+        // chain to nothing anyone trusts, so they must belong together.
+        use rustls_pki_types::pem::PemObject;
+        use x509_parser::prelude::FromDer;
+        let der = rustls_pki_types::CertificateDer::from_pem_slice(cert_pem.as_bytes())
+            .map_err(|_| invalid(rcgen::Error::CouldNotParseCertificate))?;
+        let (_, parsed) = x509_parser::certificate::X509Certificate::from_der(&der)
+            .map_err(|_| invalid(rcgen::Error::CouldNotParseCertificate))?;
+        if parsed.public_key().subject_public_key.data.as_ref() != key.public_key_raw() {
+            return Err(LoadError::Mismatch(dir.to_owned()));
+        }
+        let issuer = Issuer::from_ca_cert_pem(cert_pem, key).map_err(invalid)?;
         Ok(Self {
             issuer,
             cert_pem: cert_pem.to_owned(),
@@ -125,14 +160,7 @@ impl Authority {
             }),
         };
         match (read("ca.crt")?, read("ca.key")?) {
-            (Some(cert), Some(key)) => {
-                Self::from_pem(&cert, &key)
-                    .map(Some)
-                    .map_err(|error| LoadError::Invalid {
-                        dir: dir.to_owned(),
-                        error,
-                    })
-            }
+            (Some(cert), Some(key)) => Self::from_pem(dir, &cert, &key).map(Some),
             (None, None) => Ok(None),
             _ => Err(LoadError::Incomplete(dir.to_owned())),
         }
@@ -174,6 +202,7 @@ impl Authority {
         ];
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
         params.use_authority_key_identifier_extension = true;
+        (params.not_before, params.not_after) = valid_for(CERTIFICATE_VALIDITY);
         let key = KeyPair::generate()?;
         let cert = params.signed_by(&key, &self.issuer)?;
         Ok(Issued {
@@ -194,6 +223,15 @@ pub fn write_files(dir: &Path, issued: &Issued, trusted: &[&Authority]) -> io::R
     replace(&files.key, issued.key_pem.as_bytes(), 0o600)?;
     replace(&files.cert, issued.cert_pem.as_bytes(), 0o644)?;
     Ok(files)
+}
+
+/// Writes a secret (a signing key) to `path` whole, by a rename, readable by the owner
+/// alone: a crash leaves the old file or the new one, never none.
+pub fn write_secret(path: &Path, contents: &[u8]) -> io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    replace(path, contents, 0o600)
 }
 
 /// Writes `path` whole, by a rename.
@@ -330,4 +368,37 @@ pub fn write_jwks(path: &Path, issuers: &[&TokenIssuer]) -> io::Result<()> {
     let keys: Vec<_> = issuers.iter().map(|issuer| issuer.jwk().clone()).collect();
     let text = serde_json::to_vec_pretty(&serde_json::json!({ "keys": keys }))?;
     replace(path, &text, 0o644)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_saved_authority_loads_and_a_key_of_another_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(Authority::load(dir.path()).unwrap().is_none(), "none yet");
+        let authority = Authority::new("a").unwrap();
+        authority.save(dir.path()).unwrap();
+        let loaded = Authority::load(dir.path()).unwrap().expect("saved");
+        assert_eq!(loaded.cert_pem(), authority.cert_pem());
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(dir.path().join("ca.key"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600, "the key is the owner's alone");
+
+        let other = Authority::new("b").unwrap();
+        std::fs::write(dir.path().join("ca.key"), other.key_pem()).unwrap();
+        assert!(matches!(
+            Authority::load(dir.path()),
+            Err(LoadError::Mismatch(_))
+        ));
+        std::fs::remove_file(dir.path().join("ca.key")).unwrap();
+        assert!(matches!(
+            Authority::load(dir.path()),
+            Err(LoadError::Incomplete(_))
+        ));
+    }
 }
