@@ -10,8 +10,6 @@ WORKDIR /src
 #    rebuilt only when a manifest, Cargo.lock or the wire contract changes — not when the
 #    project's code does.
 COPY Cargo.toml Cargo.lock ./
-# The allocator's build-time settings (jemalloc's decay; see the file).
-COPY .cargo .cargo
 COPY services/proto/Cargo.toml services/proto/build.rs services/proto/
 COPY proto proto
 COPY services/resilience/Cargo.toml services/resilience/

@@ -16,6 +16,7 @@
 //!   statuses.
 
 pub mod key_locks;
+mod migrations;
 pub mod pool;
 pub mod primary;
 pub mod processor;

@@ -102,9 +102,6 @@ use crate::{
     primary::{Hosts, Primary},
 };
 
-/// Migrations, applied at start-up.
-static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
-
 /// The longest one statement of a retention purge may take (see
 /// [`KeyStore::purge_keys_older_than`]); the server cancels it a little earlier.
 const PURGE_STATEMENT_BOUND: Duration = Duration::from_secs(60);
@@ -746,7 +743,7 @@ impl KeyStore {
                         sqlx::query("SET statement_timeout = 0")
                             .execute(&mut *conn.get())
                             .await?;
-                        MIGRATOR.run(conn.get()).await?;
+                        crate::migrations::migrator().run(conn.get()).await?;
                         sqlx::query(AssertSqlSafe(format!(
                             "SET statement_timeout = {statement_ms}"
                         )))
