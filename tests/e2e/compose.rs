@@ -318,3 +318,57 @@ fn the_observability_profile_is_valid_and_scrapes_the_five_admin_ports() {
     .expect("the dashboard is JSON");
     assert!(dashboard["panels"].as_array().is_some_and(|p| p.len() >= 4));
 }
+
+/// The Dockerfile's dependency layer names every crate of the workspace: its manifest is
+/// copied in and an empty source stands in for its code. CI builds the compose image from
+/// the binary it has already built (`scripts/compose-test --binary`), so the Dockerfile's
+/// build stage is not run there; what rots first in it — a crate added to the workspace
+/// and not to this list, which breaks `docker compose build` with "failed to load
+/// manifest" — is checked here instead, as is the runtime stage compose-test reuses.
+#[test]
+fn the_dockerfile_builds_every_crate_of_the_workspace() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let dockerfile = std::fs::read_to_string(format!("{root}/Dockerfile")).unwrap();
+    let manifest = std::fs::read_to_string(format!("{root}/Cargo.toml")).unwrap();
+    let members: Vec<&str> = manifest
+        .split("members = [")
+        .nth(1)
+        .and_then(|rest| rest.split(']').next())
+        .expect("a members list")
+        .split(',')
+        .map(|m| m.trim().trim_matches('"'))
+        .filter(|m| m.starts_with("services/"))
+        .collect();
+    assert!(members.len() >= 10, "members read: {members:?}");
+    let stubs: Vec<&str> = dockerfile
+        .lines()
+        .find(|l| l.starts_with("RUN for crate in "))
+        .expect("the loop that writes the empty sources")
+        .split_whitespace()
+        .map(|w| w.trim_end_matches(';'))
+        .collect();
+    for member in &members {
+        let crate_dir = member.trim_start_matches("services/");
+        assert!(
+            dockerfile.lines().any(|l| l.starts_with("COPY ")
+                && l.contains(&format!(" {member}/Cargo.toml "))
+                && l.ends_with(&format!(" {member}/"))),
+            "the Dockerfile does not copy {member}/Cargo.toml into its dependency layer"
+        );
+        assert!(
+            stubs.contains(&crate_dir),
+            "the Dockerfile writes no empty source for {crate_dir}: {stubs:?}"
+        );
+    }
+    // The root package's own source (services/cli) is stubbed as well.
+    assert!(stubs.contains(&"cli"), "{stubs:?}");
+    // The runtime stage compose-test takes word for word, with its one COPY of the binary.
+    let runtime = dockerfile
+        .split("\nFROM debian:bookworm-slim")
+        .nth(1)
+        .expect("a runtime stage FROM debian:bookworm-slim");
+    assert!(
+        runtime.contains("\nCOPY --from=build /retrychain /usr/local/bin/retrychain\n"),
+        "{runtime}"
+    );
+}

@@ -557,6 +557,100 @@ async fn a_frozen_replica_costs_at_most_one_per_try_timeout_and_is_avoided() {
     resend_and_check(&edge.addr.url, &database_url, &sent).await;
 }
 
+/// Replicas frozen and thawed again and again under load (each in turn), with a
+/// per-attempt timeout shorter than the freezes: every attempt that runs out at it is told as a per-attempt
+/// timeout (UNAVAILABLE, retried elsewhere), never as the call's own deadline. A client
+/// sees DEADLINE_EXCEEDED only once its deadline has passed — whether it calls the edge
+/// (which retries) or hop2 itself (one attempt, the answer unretried) — and every key is
+/// still charged exactly once.
+#[tokio::test]
+async fn deadline_exceeded_reaches_a_caller_only_at_its_deadline_whatever_a_flapping_replica_does()
+{
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (_bottom, hop4, database_url) = bottom().await;
+    let hop3 = hop3_processes(&hop4).await;
+    let list: Vec<String> = hop3.iter().map(|s| s.addr.url.clone()).collect();
+    // Long enough for a charge below hop3 in a debug build under this load (hop3, hop4
+    // and the ledger each keep a 20 ms margin of it), short against the freezes.
+    let per_try = Duration::from_millis(250);
+    let mut hop2_command = hop_command("relay", "hop2", &list.join(","));
+    let (ServiceCommand::Edge(args) | ServiceCommand::Relay(args)) = &mut hop2_command else {
+        unreachable!()
+    };
+    args.per_try_timeout_ms = Some(per_try.as_millis() as u64);
+    args.ejection_base_ms = 500;
+    let hop2 = InProcessService::start("hop2", hop2_command).await.unwrap();
+    let edge = InProcessService::start("edge", hop_command("edge", "edge", &hop2.addr.url))
+        .await
+        .unwrap();
+
+    let through_edge = Load::start(&edge.addr.url, 4);
+    let at_hop2 = Load::start(&hop2.addr.url, 4);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Freezes of 100 to 580 ms, around the per-attempt timeout, 100 to 300 ms apart.
+    let mut flaps = 0;
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(8) {
+        let frozen_for = Duration::from_millis(100 + (flaps * 37) % 480);
+        let thawed_for = Duration::from_millis(100 + (flaps * 53) % 200);
+        // Each replica in turn: the one frozen next is one the balancer is still using.
+        let replica = &hop3[flaps as usize % hop3.len()];
+        replica.signal("STOP").await.unwrap();
+        tokio::time::sleep(frozen_for).await;
+        replica.signal("CONT").await.unwrap();
+        tokio::time::sleep(thawed_for).await;
+        flaps += 1;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let edge_sent = through_edge.finish().await;
+    let hop2_sent = at_hop2.finish().await;
+
+    let early = |sent: &[Sent]| -> Vec<String> {
+        sent.iter()
+            .filter(|s| {
+                s.code == Code::DeadlineExceeded
+                    && s.took + Duration::from_millis(100) < LOAD_DEADLINE
+            })
+            .map(|s| format!("after {:?}: {}", s.took, s.message))
+            .collect()
+    };
+    let per_try_failures = hop2_sent
+        .iter()
+        .filter(|s| s.code == Code::Unavailable && s.message.contains("per-attempt timeout"))
+        .count();
+    println!(
+        "hop3 replicas frozen and thawed {flaps} times in 8 s (per-attempt timeout {per_try:?}): \
+         through the edge {:?}; at hop2 {:?}, {per_try_failures} of them per-attempt timeouts",
+        codes(&edge_sent),
+        codes(&hop2_sent),
+    );
+    assert!(flaps >= 12, "{flaps}");
+    assert!(
+        per_try_failures > 0,
+        "the freezes never outlasted an attempt: the test made no race"
+    );
+    for (who, sent) in [("the edge", &edge_sent), ("hop2", &hop2_sent)] {
+        let early = early(sent);
+        assert!(
+            early.is_empty(),
+            "{who}'s callers were told DEADLINE_EXCEEDED with time left: {early:?}"
+        );
+        assert!(
+            sent.iter().all(|s| s.code != Code::Cancelled),
+            "{who}: CANCELLED for a call nobody cancelled: {:?}",
+            codes(sent)
+        );
+    }
+    let ok = edge_sent.iter().filter(|s| s.code == Code::Ok).count();
+    assert!(
+        ok * 100 >= edge_sent.len() * 99,
+        "through the edge, charges keep succeeding: {:?}",
+        codes(&edge_sent)
+    );
+    let all: Vec<Sent> = edge_sent.into_iter().chain(hop2_sent).collect();
+    resend_and_check(&edge.addr.url, &database_url, &all).await;
+}
+
 #[tokio::test]
 async fn a_ledger_outage_ejects_no_relay() {
     let _one = ONE_AT_A_TIME.lock().await;

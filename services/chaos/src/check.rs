@@ -13,6 +13,7 @@
 //! | every key settled once the faults were healed | `unsettled` | the settle phase |
 //! | no call answered INTERNAL, UNKNOWN or CANCELLED | `bad_code` | every failure |
 //! | no failure answered later than its deadline | `late_failure` | every failure's time (unless a fault silenced the edge meanwhile) |
+//! | DEADLINE_EXCEEDED only once the caller's deadline has (all but) passed | `early_deadline_exceeded` | every DEADLINE_EXCEEDED's time: an attempt's timeout told as the call's deadline |
 //! | the connection to the edge held | `connection_lost` | calls whose connection broke (allowed only while a fault silenced the edge) |
 //! | every call answered | `unanswered` | calls the client gave up on (allowed only while a fault silenced the edge) |
 //! | every fault's effect ended within a stated time of its healing | `not_recovered` | the first success after each healing |
@@ -79,6 +80,10 @@ pub struct Observed {
 pub struct Bounds {
     /// A failure may complete this much after its deadline (the client's own scheduling).
     pub deadline_slack_ms: f64,
+    /// A DEADLINE_EXCEEDED may come this much before the caller's deadline: the edge
+    /// answers a little early by design (its reserve, and a retry that would start with
+    /// less than the shortest attempt), never seconds early.
+    pub deadline_early_ms: f64,
     /// A fault's effect must have ended — a call answered OK — within this long of its
     /// healing.
     pub recovery_ms: f64,
@@ -88,6 +93,7 @@ impl Default for Bounds {
     fn default() -> Self {
         Self {
             deadline_slack_ms: 1_000.0,
+            deadline_early_ms: 250.0,
             recovery_ms: 15_000.0,
         }
     }
@@ -394,6 +400,21 @@ pub fn check(history: &History, observed: &Observed, bounds: Bounds) -> Verdict 
                 ),
             );
         }
+        if op.outcome.code() == "DEADLINE_EXCEEDED"
+            && op.took_ms() < op.deadline_ms as f64 - bounds.deadline_early_ms
+        {
+            add(
+                "early_deadline_exceeded",
+                op_keys(op),
+                format!(
+                    "op {} answered DEADLINE_EXCEEDED after {:.0} ms of its {} ms deadline: {}",
+                    op.id,
+                    op.took_ms(),
+                    op.deadline_ms,
+                    message(op)
+                ),
+            );
+        }
         if op.took_ms() > op.deadline_ms as f64 + bounds.deadline_slack_ms && !edge_silenced(op) {
             add(
                 "late_failure",
@@ -692,6 +713,37 @@ mod tests {
             },
         );
         assert!(kinds(&verdict).contains(&("not_recovered", vec!["kill hop3".into()])));
+    }
+
+    /// A DEADLINE_EXCEEDED seconds before the caller's 5 s deadline (an attempt's timeout
+    /// told as the call's) is a violation of its own; one at the deadline, or a few ms
+    /// before it as the edge answers by design, is not.
+    #[test]
+    fn deadline_exceeded_well_before_the_deadline_is_reported() {
+        let (mut history, observed) = good();
+        history.ops[1].outcome = failed("DEADLINE_EXCEEDED");
+        history.ops[1].completed_ms = history.ops[1].invoked_ms + 930.0;
+        let verdict = check(&history, &observed, Bounds::default());
+        let found = kinds(&verdict);
+        assert!(
+            found.contains(&("early_deadline_exceeded", vec!["acct/k2".into()])),
+            "{found:?}"
+        );
+        assert!(!found.iter().any(|(kind, _)| *kind == "late_failure"));
+
+        for took in [5_000.0 - 20.0, 5_000.0, 5_000.0 + 50.0] {
+            let (mut history, observed) = good();
+            history.ops[1].outcome = failed("DEADLINE_EXCEEDED");
+            history.ops[1].completed_ms = history.ops[1].invoked_ms + took;
+            let verdict = check(&history, &observed, Bounds::default());
+            let found = kinds(&verdict);
+            assert!(
+                !found
+                    .iter()
+                    .any(|(kind, _)| *kind == "early_deadline_exceeded"),
+                "after {took} ms: {found:?}"
+            );
+        }
     }
 
     #[test]

@@ -82,7 +82,13 @@ mod tests {
         let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/migrations");
         let mut on_disk: Vec<String> = std::fs::read_dir(dir)
             .expect("migrations/")
-            .map(|entry| entry.expect("entry").file_name().to_string_lossy().into_owned())
+            .map(|entry| {
+                entry
+                    .expect("entry")
+                    .file_name()
+                    .to_string_lossy()
+                    .into_owned()
+            })
             .collect();
         on_disk.sort();
         let listed: Vec<&str> = FILES.iter().map(|(file, _)| *file).collect();
@@ -104,7 +110,10 @@ mod tests {
         assert_eq!(all[0].description, "ledger");
         assert_eq!(all[1].description, "key replays");
         assert!(!all[2].no_tx);
-        assert!(all[3].no_tx, "CREATE INDEX CONCURRENTLY runs outside a transaction");
+        assert!(
+            all[3].no_tx,
+            "CREATE INDEX CONCURRENTLY runs outside a transaction"
+        );
         assert!(all.windows(2).all(|w| w[0].version < w[1].version));
     }
 }

@@ -177,7 +177,8 @@ impl Call<'_> {
 
     /// The failure when the deadline leaves no room for an attempt: DEADLINE_EXCEEDED, as
     /// the call would have ended had the attempt been made (grpc-go's answer), keeping the
-    /// last failure's message and metadata.
+    /// last failure's message and metadata. Told once the deadline has passed (see
+    /// [`Call::until_deadline`]), never with time left.
     pub fn no_room(&self, last: Option<&Status>, wait: Duration) -> Status {
         self.settings.observer.refused(self.path, Refusal::Deadline);
         match last {
@@ -194,6 +195,18 @@ impl Call<'_> {
                 "no attempt started: the deadline leaves less than {:?}",
                 self.settings.min_attempt
             )),
+        }
+    }
+
+    /// Waits until the call's deadline. A retry whose wait (backoff, or a server's
+    /// pushback) would end past the deadline is not made; the call then ends as it would
+    /// have in grpc-go or gRPC core, which wait out the backoff and meet the deadline: with
+    /// DEADLINE_EXCEEDED at the deadline. Said earlier, DEADLINE_EXCEEDED would reach a
+    /// caller whose deadline still had time — and that caller, told its deadline passed,
+    /// would neither retry nor believe it.
+    pub async fn until_deadline(&self) {
+        if let Some(deadline) = self.deadline {
+            tokio::time::sleep_until(deadline).await;
         }
     }
 
@@ -349,6 +362,7 @@ pub(crate) async fn retry<A: Attempts>(
                 }
             }
             Next::NoRoom { wait } => {
+                call.until_deadline().await;
                 let status = call.no_room(Some(&status), wait);
                 break (attempts.failure(status), StopReason::NoRoom);
             }

@@ -885,3 +885,55 @@ async fn over_a_channel_a_silent_server_ends_the_call_deadline_exceeded_not_canc
     assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
     assert_eq!(refusals.0.load(std::sync::atomic::Ordering::Relaxed), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_per_attempt_timeout_is_unavailable_whichever_timer_fires_first() {
+    // The balancer caps each attempt at 40 ms and sends that as the attempt's grpc-timeout,
+    // for which tonic's channel keeps a timer of its own, set a moment after the
+    // balancer's: both usually fall on the same millisecond tick. Whichever is polled
+    // first, the attempt's expiry is told as a per-attempt timeout (UNAVAILABLE, which a
+    // caller may retry elsewhere), never as the call's deadline passing (DEADLINE_EXCEEDED)
+    // nor as CANCELLED — the call itself had seconds left. (The server, plain tonic,
+    // enforces the 40 ms too, answering CANCELLED "Timeout expired": a third timer.)
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(PaymentsServer::new(slow(vec![(10_000, None); 400])))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let balancer = resilience::Balancer::start(
+        resilience::Downstream::Urls(vec![format!("http://{address}")]),
+        resilience::BalanceSettings {
+            per_try_timeout: Some(Duration::from_millis(40)),
+            // One replica, failing every time: never ejected, so every call reaches it.
+            max_ejection_percent: 0,
+            ..resilience::BalanceSettings::default()
+        },
+    )
+    .await;
+    let client = PaymentsClient::new(balancer);
+    // Four at a time, on a connection already open (the first calls wait for it, and
+    // the channel's timer starts only once it is there).
+    let mut answers = Vec::new();
+    for _ in 0..50 {
+        answers.extend(
+            futures::future::join_all((0..4).map(|_| {
+                let mut client = client.clone();
+                async move {
+                    let mut request = Request::new(ChargeRequest::default());
+                    request.set_timeout(Duration::from_secs(5));
+                    client.charge(request).await.expect_err("no answer")
+                }
+            }))
+            .await,
+        );
+    }
+    for status in &answers {
+        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+        assert!(
+            status.message().contains("per-attempt timeout"),
+            "{status:?}"
+        );
+    }
+}

@@ -440,22 +440,37 @@ impl Service<http::Request<Body>> for Balancer {
         Box::pin(async move {
             let sent = channel.oneshot(request);
             let mut timed_out = false;
+            let per_try_failure = |per_try: Duration| {
+                Box::new(Status::unavailable(format!(
+                    "{} did not answer within the per-attempt timeout ({} ms)",
+                    replica.url,
+                    per_try.as_millis()
+                ))) as BoxError
+            };
             let mut answer = match per_try {
                 Some(per_try) => match tokio::time::timeout(per_try, sent).await {
                     Ok(answer) => answer.map_err(BoxError::from),
-                    Err(_) => Err({
+                    Err(_) => {
                         timed_out = true;
-                        Box::new(Status::unavailable(format!(
-                            "{} did not answer within the per-attempt timeout ({} ms)",
-                            replica.url,
-                            per_try.as_millis()
-                        ))) as BoxError
-                    }),
+                        Err(per_try_failure(per_try))
+                    }
                 },
                 None => sent.await.map_err(BoxError::from),
             };
-            if let (Some(per_try), Ok(response)) = (capped, &mut answer) {
-                per_try_expired(response, &replica.url, per_try);
+            if let Some(per_try) = capped {
+                match &mut answer {
+                    Ok(response) => per_try_expired(response, &replica.url, per_try),
+                    // The channel keeps a timer of its own for the `grpc-timeout` it sent
+                    // (tonic's), set to the same per-attempt timeout a moment after ours:
+                    // on the same millisecond tick it is polled first and wins. Its
+                    // expiry is this attempt's timeout all the same, never the call's
+                    // deadline — told as ours is, and a sample of the replica's slowness.
+                    Err(error) if crate::classify::is_local_timeout(&**error) => {
+                        timed_out = true;
+                        answer = Err(per_try_failure(per_try));
+                    }
+                    Err(_) => {}
+                }
             }
             let outcome = outcome(&answer);
             // Only an answer is a sample of its time: a refused connection, answered in
@@ -477,12 +492,14 @@ impl Service<http::Request<Body>> for Balancer {
 
 /// A replica that was sent the per-attempt timeout as its `grpc-timeout` usually gives up
 /// a moment before the balancer's own timer, answering DEADLINE_EXCEEDED itself (or
-/// relaying it from below). Either way it is this attempt's timeout, not the call's: told
-/// as the balancer tells it, UNAVAILABLE, which the caller may retry elsewhere whatever
-/// its policy thinks of DEADLINE_EXCEEDED. (Held against the replica unless relayed.)
+/// relaying it from below) — or CANCELLED "Timeout expired", as a plain tonic server
+/// enforcing the header does. Either way it is this attempt's timeout, not the call's:
+/// told as the balancer tells it, UNAVAILABLE, which the caller may retry elsewhere
+/// whatever its policy thinks of DEADLINE_EXCEEDED. (Held against the replica unless
+/// relayed.)
 fn per_try_expired(response: &mut http::Response<Body>, url: &str, per_try: Duration) {
     let expired = Status::from_header_map(response.headers())
-        .is_some_and(|status| status.code() == Code::DeadlineExceeded);
+        .is_some_and(|status| matches!(status.code(), Code::DeadlineExceeded | Code::Cancelled));
     if expired {
         let status = Status::unavailable(format!(
             "{url} did not answer within the per-attempt timeout ({} ms)",
