@@ -12,4 +12,4 @@ pub mod args;
 mod start;
 
 pub use args::{ServiceCli, ServiceCommand};
-pub use start::{Started, run, start};
+pub use start::{Serving, Started, run, start};

@@ -15,9 +15,18 @@ use retrychain_tls::{ClientAuth, Tls};
 
 use crate::args::{HopArgs, InFlightArg, LedgerArgs, ServiceArgs, ServiceCommand};
 
+/// A future this crate has already compiled: see [`start`]. Not `Send`: starting a ledger
+/// holds sqlx's connection futures, whose `Send` the compiler cannot prove through a
+/// trait object; nobody spawns a start (a runtime's `block_on` or an `.await` runs it).
+pub type Serving<T> = Pin<Box<dyn Future<Output = anyhow::Result<T>>>>;
+
 /// Runs the service `command` describes as this process's only service: logging set up
-/// from its flags, serving until Ctrl-C or SIGTERM.
-pub async fn run(command: ServiceCommand) -> anyhow::Result<()> {
+/// from its flags, serving until Ctrl-C or SIGTERM. (Boxed here, as [`start`] is.)
+pub fn run(command: ServiceCommand) -> Serving<()> {
+    Box::pin(run_service(command))
+}
+
+async fn run_service(command: ServiceCommand) -> anyhow::Result<()> {
     let _telemetry = telemetry::init(command.service().log_format.into(), &command.name());
     let started = start(command, retrychain_node::shutdown_signal()).await?;
     // One plain line on stderr whatever the log format and level: `retrychain up`, the
@@ -55,9 +64,28 @@ impl Started {
 /// Binds the service `command` describes and builds it (the ledger connects to Postgres and
 /// migrates first); [`Started::serve`] then serves it until `shutdown` completes. Logging
 /// is the caller's: [`run`] sets it up for a process.
-pub async fn start(
+///
+/// The future comes boxed, built by a function that is not generic: the whole service —
+/// its server stack's state machines — is then compiled once, in this crate. Returned
+/// unboxed, it would be compiled again in every crate that starts a service (the binary,
+/// the harness, the tests), since release builds share no generic code between crates.
+pub fn start(
     command: ServiceCommand,
     shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Serving<Started> {
+    start_boxed(command, Box::pin(shutdown))
+}
+
+fn start_boxed(
+    command: ServiceCommand,
+    shutdown: Pin<Box<dyn Future<Output = ()> + Send>>,
+) -> Serving<Started> {
+    Box::pin(start_service(command, shutdown))
+}
+
+async fn start_service(
+    command: ServiceCommand,
+    shutdown: Pin<Box<dyn Future<Output = ()> + Send>>,
 ) -> anyhow::Result<Started> {
     let name = command.name();
     match command {
