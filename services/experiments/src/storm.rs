@@ -74,7 +74,11 @@ pub struct StormArgs {
     pub requests: Option<u64>,
     /// A call refused with a grpc-retry-pushback-ms holds its worker (closed loop) or its
     /// place in flight (open loop) for that long before the next call: a client that
-    /// listens. Unset, the next call goes at once, as a hostile client's would.
+    /// listens. The next call is a new charge (a new key), not a retry of the refused one;
+    /// in closed loop a waiting worker sends nothing, so fewer than --concurrency calls are
+    /// in flight while workers wait (the report says how long they waited, in
+    /// worker-seconds: divided by the run's seconds, the workers it kept idle on average).
+    /// Unset, the next call goes at once, as a hostile client's would.
     #[arg(long, env = "RETRYCHAIN_STORM_HONOUR_PUSHBACK", value_parser = clap::builder::BoolishValueParser::new())]
     pub honour_pushback: bool,
     /// Send `x-retry-mode` (honoured by services started with --allow-retry-mode-override).
@@ -148,6 +152,13 @@ pub struct StormReport {
     pub goodput_rps: f64,
     /// Requests refused as overloaded (UNAVAILABLE marked by the refusing service).
     pub shed: u64,
+    /// Whether refused calls' pushbacks were waited out (--honour-pushback).
+    pub honoured_pushback: bool,
+    /// With --honour-pushback: the pushbacks waited out, and their sum in seconds (worker
+    /// seconds spent sending nothing).
+    pub pushback_waits: u64,
+    /// See [`StormReport::pushback_waits`].
+    pub pushback_wait_s: f64,
     /// Wall time of the run, in seconds.
     pub duration_s: f64,
     /// Latency percentiles, in ms.
@@ -190,6 +201,9 @@ struct Tally {
     good: AtomicU64,
     /// Requests refused as overloaded.
     shed: AtomicU64,
+    /// Pushbacks waited out, and their sum in µs.
+    pushback_waits: AtomicU64,
+    pushback_wait_us: AtomicU64,
     /// Final codes.
     codes: Mutex<BTreeMap<String, u64>>,
     /// Latencies in µs: all, OK, failed, shed.
@@ -444,6 +458,9 @@ async fn measure(
         throughput_rps: requests as f64 / elapsed.as_secs_f64(),
         goodput_rps: tally.good.load(Ordering::Relaxed) as f64 / elapsed.as_secs_f64(),
         shed: tally.shed.load(Ordering::Relaxed),
+        honoured_pushback: args.honour_pushback,
+        pushback_waits: tally.pushback_waits.load(Ordering::Relaxed),
+        pushback_wait_s: tally.pushback_wait_us.load(Ordering::Relaxed) as f64 / 1e6,
         duration_s: elapsed.as_secs_f64(),
         latency_ms: latency(0),
         ok_latency_ms: latency(1),
@@ -496,6 +513,10 @@ fn sender(
             });
             tally.record(outcome, sent.elapsed(), deadline);
             if let (true, Some(wait)) = (honour_pushback, wait) {
+                tally.pushback_waits.fetch_add(1, Ordering::Relaxed);
+                tally
+                    .pushback_wait_us
+                    .fetch_add(wait.as_micros() as u64, Ordering::Relaxed);
                 tokio::time::sleep(wait).await;
             }
         })
@@ -737,6 +758,14 @@ pub fn print_report(r: &StormReport) {
         "goodput         {:.0} requests/s OK within the deadline; {} refused as overloaded",
         r.goodput_rps, r.shed
     );
+    if r.honoured_pushback {
+        println!(
+            "pushback        {} waited out, {:.1} worker-seconds sending nothing (on average {:.1} workers idle)",
+            r.pushback_waits,
+            r.pushback_wait_s,
+            r.pushback_wait_s / r.duration_s.max(1e-9)
+        );
+    }
     for (what, l) in [
         ("latency ms     ", r.latency_ms),
         ("  of OK        ", r.ok_latency_ms),

@@ -1,0 +1,313 @@
+//! Admission on against off, side by side on the same machine in the same run: two chains
+//! of the same binary on the same Postgres, one as started by default and one with every
+//! service started with `--min-concurrency 4096 --max-in-flight 4096` (admitting
+//! everything up to the memory bound), loaded in turn at each point:
+//!
+//! - closed loop at 64, 256 and 1,500 calls in flight (5 s deadlines);
+//! - open loop at 1×, 2×, 5× and 10× the chain's capacity (measured first, closed loop at
+//!   32 on the chain without admission), as many calls in flight as it takes.
+//!
+//! At each point, for each chain: goodput (OK within the deadline, per second), the p99 of
+//! the successes, how many calls were refused as overloaded and by which service (every
+//! service's own count, `Stats.shed`), the edge's CPU per refusal, and the CPU the load
+//! generator (this process) used per call sent. The ratios judged (goodput on / off ≥
+//! 0.95, the share of refusals made at the edge ≥ 90% from 2× up) are printed beside.
+//!
+//! ```text
+//! target/release/admission --on http://127.0.0.1:50051 --on-admins <5 admin URLs> \
+//!     --off http://127.0.0.1:50061 --off-admins <5 admin URLs> --on-edge-pid N --off-edge-pid M
+//! ```
+
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use retrychain_experiments::storm::{self, StormArgs, StormReport};
+use retrychain_proto::v1::{GetStatsRequest, control_client::ControlClient};
+use serde::Serialize;
+
+#[derive(Debug, Parser)]
+struct Cli {
+    /// The edge of the chain with admission as configured.
+    #[arg(long)]
+    on: String,
+    /// Its five services' admin addresses, edge first, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    on_admins: Vec<String>,
+    /// Its edge's process, for its CPU.
+    #[arg(long)]
+    on_edge_pid: u32,
+    /// The edge of the chain that admits everything (up to the memory bound).
+    #[arg(long)]
+    off: String,
+    /// Its five services' admin addresses, edge first.
+    #[arg(long, value_delimiter = ',')]
+    off_admins: Vec<String>,
+    /// Its edge's process.
+    #[arg(long)]
+    off_edge_pid: u32,
+    /// Closed-loop points: calls in flight.
+    #[arg(long, value_delimiter = ',', default_value = "64,256,1500")]
+    closed: Vec<usize>,
+    /// Open-loop points: multiples of the capacity.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,5,10")]
+    open: Vec<f64>,
+    /// How long each point lasts on each chain.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    duration: Duration,
+}
+
+/// One chain at one point.
+#[derive(Debug, Clone, Serialize)]
+struct Run {
+    goodput_rps: f64,
+    ok_p99_ms: f64,
+    requests: u64,
+    refused: u64,
+    /// Refusals counted by each service (edge, hop2, hop3, hop4, ledger).
+    refused_by: Vec<u64>,
+    /// Of all refusals, the share the edge made.
+    edge_share: Option<f64>,
+    /// The edge process's CPU over the run, µs.
+    edge_cpu_us: f64,
+    /// The load generator's CPU per call it sent, µs.
+    generator_cpu_us_per_call: f64,
+}
+
+/// One point, both chains.
+#[derive(Debug, Serialize)]
+struct Point {
+    load: String,
+    on: Run,
+    off: Run,
+    /// Goodput with admission over goodput without.
+    goodput_ratio: f64,
+    /// The edge's CPU per refusal with admission, µs: its CPU beyond what the calls it
+    /// served cost at 1× (no refusals), per refusal.
+    edge_cpu_us_per_refusal: Option<f64>,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    capacity_rps: f64,
+    points: Vec<Point>,
+}
+
+/// CPU seconds of process `pid` (`self` for this one), from /proc.
+fn cpu_seconds(pid: &str) -> f64 {
+    let ticks = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            // Fields after the command (which may hold spaces), from its closing paren.
+            let rest = stat
+                .rsplit_once(')')?
+                .1
+                .split_whitespace()
+                .collect::<Vec<_>>();
+            let user: f64 = rest.get(11)?.parse().ok()?;
+            let system: f64 = rest.get(12)?.parse().ok()?;
+            Some(user + system)
+        })
+        .unwrap_or(0.0);
+    ticks / 100.0
+}
+
+async fn shed_counts(admins: &[String]) -> anyhow::Result<Vec<u64>> {
+    let mut counts = Vec::new();
+    for admin in admins {
+        let channel = tonic::transport::Endpoint::from_shared(admin.clone())?
+            .connect()
+            .await
+            .with_context(|| format!("the admin port {admin}"))?;
+        let stats = ControlClient::new(channel)
+            .get_stats(GetStatsRequest {})
+            .await?
+            .into_inner();
+        counts.push(stats.shed);
+    }
+    Ok(counts)
+}
+
+fn storm_args(
+    edge: &str,
+    admin: &str,
+    duration: Duration,
+    extra: &[String],
+) -> anyhow::Result<StormArgs> {
+    #[derive(Parser)]
+    struct Wrapper {
+        #[command(flatten)]
+        storm: StormArgs,
+    }
+    let mut argv = vec![
+        "storm".to_owned(),
+        "--edge".to_owned(),
+        edge.to_owned(),
+        "--edge-admin".to_owned(),
+        admin.to_owned(),
+        // The ledger's counters are not what is measured here; the edge's admin port
+        // answers Stats as well.
+        "--ledger".to_owned(),
+        edge.to_owned(),
+        "--ledger-admin".to_owned(),
+        admin.to_owned(),
+        "--duration".to_owned(),
+        format!("{}ms", duration.as_millis()),
+    ];
+    argv.extend(extra.iter().cloned());
+    Ok(Wrapper::try_parse_from(argv)?.storm)
+}
+
+async fn run(
+    edge: &str,
+    admins: &[String],
+    edge_pid: u32,
+    duration: Duration,
+    extra: &[String],
+) -> anyhow::Result<Run> {
+    let before = shed_counts(admins).await?;
+    let (edge_cpu, own_cpu) = (cpu_seconds(&edge_pid.to_string()), cpu_seconds("self"));
+    let report: StormReport = storm::run(&storm_args(edge, &admins[0], duration, extra)?).await?;
+    let (edge_cpu, own_cpu) = (
+        cpu_seconds(&edge_pid.to_string()) - edge_cpu,
+        cpu_seconds("self") - own_cpu,
+    );
+    let after = shed_counts(admins).await?;
+    let refused_by: Vec<u64> = after
+        .iter()
+        .zip(&before)
+        .map(|(a, b)| a.saturating_sub(*b))
+        .collect();
+    let total: u64 = refused_by.iter().sum();
+    Ok(Run {
+        goodput_rps: report.goodput_rps,
+        ok_p99_ms: report.ok_latency_ms.p99,
+        requests: report.requests,
+        refused: report.shed,
+        edge_share: (total > 0).then(|| refused_by[0] as f64 / total as f64),
+        refused_by,
+        edge_cpu_us: edge_cpu * 1e6,
+        generator_cpu_us_per_call: own_cpu * 1e6 / report.requests.max(1) as f64,
+    })
+}
+
+fn show(point: &Point) {
+    let line = |which: &str, r: &Run| {
+        eprintln!(
+            "  {which:<4} goodput {:>6.0}/s  ok p99 {:>7.1} ms  refused {:>7} of {:>7} (by edge..ledger {:?}; edge's share {})  load generator {:.1} µs CPU a call",
+            r.goodput_rps,
+            r.ok_p99_ms,
+            r.refused,
+            r.requests,
+            r.refused_by,
+            r.edge_share
+                .map_or("-".to_owned(), |s| format!("{:.1}%", s * 100.0)),
+            r.generator_cpu_us_per_call,
+        );
+    };
+    eprintln!(
+        "{}: goodput on / off {:.2}{}",
+        point.load,
+        point.goodput_ratio,
+        point
+            .edge_cpu_us_per_refusal
+            .map_or(String::new(), |us| format!(
+                ", the edge's CPU per refusal {us:.1} µs"
+            ))
+    );
+    line("on", &point.on);
+    line("off", &point.off);
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    anyhow::ensure!(
+        cli.on_admins.len() == 5 && cli.off_admins.len() == 5,
+        "--on-admins and --off-admins name the five services' admin addresses, edge first"
+    );
+    let capacity = storm::run(&storm_args(
+        &cli.off,
+        &cli.off_admins[0],
+        cli.duration,
+        &["--concurrency".into(), "32".into()],
+    )?)
+    .await?
+    .goodput_rps;
+    eprintln!("capacity: {capacity:.0} charges/s at concurrency 32");
+    let mut loads: Vec<(String, Vec<String>)> = cli
+        .closed
+        .iter()
+        .map(|n| {
+            (
+                format!("closed loop, {n} in flight"),
+                vec!["--concurrency".into(), n.to_string()],
+            )
+        })
+        .collect();
+    for factor in &cli.open {
+        let rate = capacity * factor;
+        loads.push((
+            format!("open loop, {factor}x capacity ({rate:.0}/s)"),
+            vec![
+                "--rate".into(),
+                format!("{rate:.0}"),
+                "--concurrency".into(),
+                "20000".into(),
+                "--connections".into(),
+                format!("{}", (rate / 500.0).ceil().max(1.0)),
+            ],
+        ));
+    }
+    let mut points = Vec::new();
+    // The edge's CPU per served call with nothing refused: from the 1x open-loop point
+    // (or the first point without refusals).
+    let mut served_cost_us: Option<f64> = None;
+    for (load, extra) in loads {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let on = run(
+            &cli.on,
+            &cli.on_admins,
+            cli.on_edge_pid,
+            cli.duration,
+            &extra,
+        )
+        .await?;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let off = run(
+            &cli.off,
+            &cli.off_admins,
+            cli.off_edge_pid,
+            cli.duration,
+            &extra,
+        )
+        .await?;
+        let served = on.requests.saturating_sub(on.refused);
+        if on.refused == 0 && served > 0 && served_cost_us.is_none() {
+            served_cost_us = Some(on.edge_cpu_us / served as f64);
+        }
+        let edge_cpu_us_per_refusal = match (served_cost_us, on.refused_by[0]) {
+            (Some(cost), refusals) if refusals > 0 => {
+                Some(((on.edge_cpu_us - cost * served as f64) / refusals as f64).max(0.0))
+            }
+            _ => None,
+        };
+        let point = Point {
+            load,
+            goodput_ratio: on.goodput_rps / off.goodput_rps.max(1e-9),
+            on,
+            off,
+            edge_cpu_us_per_refusal,
+        };
+        show(&point);
+        points.push(point);
+    }
+    println!(
+        "{}",
+        serde_json::to_string_pretty(&Report {
+            capacity_rps: capacity,
+            points
+        })?
+    );
+    Ok(())
+}
