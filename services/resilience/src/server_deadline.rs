@@ -99,13 +99,6 @@ impl IncomingDeadline {
     }
 }
 
-/// Marks an answer this layer made itself because no handler took the request before its
-/// deadline (its body never arrived): it says nothing about how fast the server serves,
-/// and admission does not take its time as a sample (a client that never finishes its
-/// bodies would otherwise teach the server that every call takes its whole deadline).
-#[derive(Debug, Clone, Copy)]
-pub struct Unserved;
-
 /// Applies deadlines to every request of a server; see the module docs.
 #[derive(Debug, Clone)]
 pub struct DeadlineLayer {
@@ -149,24 +142,6 @@ impl DeadlineLayer {
                 config.for_method(service, method)?.timeout
             })
             .unwrap_or(self.default_timeout)
-    }
-
-    /// The timeout a request to `path` with these headers runs under — what it sent, or
-    /// its method's default, capped at the maximum — as this layer will apply it; `None`
-    /// when the header is malformed (the layer refuses the request). For a layer in front
-    /// of this one that must know a call's time before it is admitted.
-    pub fn timeout_for(&self, path: &str, headers: &http::HeaderMap) -> Option<Duration> {
-        let received = wire::timeout_of(headers).ok()?;
-        let timeout = received.unwrap_or_else(|| self.default_for(path));
-        Some(match self.max_timeout {
-            Some(max) => timeout.min(max),
-            None => timeout,
-        })
-    }
-
-    /// How long before the deadline a handler must answer.
-    pub fn reserve(&self) -> Duration {
-        self.reserve
     }
 
     /// Caps every incoming deadline at `max` (as Envoy's `max_grpc_timeout` does): the
@@ -242,12 +217,10 @@ where
                 // Dropping the inner future (done by whoever drops this one) stops reading
                 // the request's body.
                 answer_by.poll(cx).map(|()| {
-                    let mut response = Status::deadline_exceeded(format!(
+                    Ok(Status::deadline_exceeded(format!(
                         "the deadline of {timeout:?} passed before the request was answered (or before its body had arrived)"
                     ))
-                    .into_http();
-                    response.extensions_mut().insert(Unserved);
-                    Ok(response)
+                    .into_http())
                 })
             }
             ResponseProj::Refused { response } => match response.take() {

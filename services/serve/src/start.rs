@@ -349,7 +349,7 @@ fn node(
     callers: Option<retrychain_node::callers::CallersSettings>,
 ) -> anyhow::Result<Arc<Node>> {
     let admission = service
-        .admission(callers.is_some())
+        .admission()
         .map_err(|error| anyhow::anyhow!("--min-concurrency / --max-in-flight: {error}"))?;
     Ok(Arc::new(Node::new(NodeConfig {
         name,
