@@ -9,6 +9,8 @@
 //! - [`serve_tls`]: tonic's own server behind a rustls handshake (the chain's material),
 //!   so a bare forwarder can be compared with a relay over TLS on both sides too.
 //! - [`cpu_seconds`]: a process's user + system CPU time, from `/proc`.
+//! - [`storm_args`]: `retrychain storm`'s settings from a command line, for benchmarks that
+//!   run storms in process.
 
 use std::time::Duration;
 
@@ -214,6 +216,21 @@ pub fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
         .map(|(u, s)| u.parse::<f64>().unwrap_or(0.0) + s.parse::<f64>().unwrap_or(0.0))
         .ok_or_else(|| anyhow::anyhow!("short /proc/{pid}/stat"))?;
     Ok(ticks / clock_ticks_per_second())
+}
+
+/// `retrychain storm`'s settings from `args` (its flags, without the program's name), as
+/// the command line would parse them: a benchmark that runs storms in process states each
+/// one as a user would type it.
+pub fn storm_args(
+    args: impl IntoIterator<Item = String>,
+) -> anyhow::Result<retrychain_experiments::storm::StormArgs> {
+    #[derive(clap::Parser)]
+    struct Wrapper {
+        #[command(flatten)]
+        storm: retrychain_experiments::storm::StormArgs,
+    }
+    let argv = std::iter::once("storm".to_owned()).chain(args);
+    Ok(<Wrapper as clap::Parser>::try_parse_from(argv)?.storm)
 }
 
 /// Resident set size of a process in KiB, from `/proc/<pid>/status`.

@@ -93,25 +93,6 @@ struct Report {
     points: Vec<Point>,
 }
 
-/// CPU seconds of process `pid` (`self` for this one), from /proc.
-fn cpu_seconds(pid: &str) -> f64 {
-    let ticks = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|stat| {
-            // Fields after the command (which may hold spaces), from its closing paren.
-            let rest = stat
-                .rsplit_once(')')?
-                .1
-                .split_whitespace()
-                .collect::<Vec<_>>();
-            let user: f64 = rest.get(11)?.parse().ok()?;
-            let system: f64 = rest.get(12)?.parse().ok()?;
-            Some(user + system)
-        })
-        .unwrap_or(0.0);
-    ticks / 100.0
-}
-
 async fn shed_counts(admins: &[String]) -> anyhow::Result<Vec<u64>> {
     let mut counts = Vec::new();
     for admin in admins {
@@ -134,13 +115,7 @@ fn storm_args(
     duration: Duration,
     extra: &[String],
 ) -> anyhow::Result<StormArgs> {
-    #[derive(Parser)]
-    struct Wrapper {
-        #[command(flatten)]
-        storm: StormArgs,
-    }
     let mut argv = vec![
-        "storm".to_owned(),
         "--edge".to_owned(),
         edge.to_owned(),
         "--edge-admin".to_owned(),
@@ -155,7 +130,12 @@ fn storm_args(
         format!("{}ms", duration.as_millis()),
     ];
     argv.extend(extra.iter().cloned());
-    Ok(Wrapper::try_parse_from(argv)?.storm)
+    retrychain_bench::storm_args(argv)
+}
+
+/// CPU seconds of `pid` (0 when it cannot be read).
+fn cpu_seconds(pid: u32) -> f64 {
+    retrychain_bench::cpu_seconds(pid).unwrap_or(0.0)
 }
 
 async fn run(
@@ -166,12 +146,10 @@ async fn run(
     extra: &[String],
 ) -> anyhow::Result<Run> {
     let before = shed_counts(admins).await?;
-    let (edge_cpu, own_cpu) = (cpu_seconds(&edge_pid.to_string()), cpu_seconds("self"));
+    let me = std::process::id();
+    let (edge_cpu, own_cpu) = (cpu_seconds(edge_pid), cpu_seconds(me));
     let report: StormReport = storm::run(&storm_args(edge, &admins[0], duration, extra)?).await?;
-    let (edge_cpu, own_cpu) = (
-        cpu_seconds(&edge_pid.to_string()) - edge_cpu,
-        cpu_seconds("self") - own_cpu,
-    );
+    let (edge_cpu, own_cpu) = (cpu_seconds(edge_pid) - edge_cpu, cpu_seconds(me) - own_cpu);
     let after = shed_counts(admins).await?;
     let refused_by: Vec<u64> = after
         .iter()

@@ -93,13 +93,7 @@ struct Report {
 }
 
 fn storm_args(cli: &Cli, extra: &[String]) -> anyhow::Result<StormArgs> {
-    #[derive(Parser)]
-    struct Wrapper {
-        #[command(flatten)]
-        storm: StormArgs,
-    }
     let mut argv = vec![
-        "storm".to_owned(),
         "--edge".to_owned(),
         cli.edge.clone(),
         "--ledger".to_owned(),
@@ -114,7 +108,7 @@ fn storm_args(cli: &Cli, extra: &[String]) -> anyhow::Result<StormArgs> {
         argv.extend(["--edge-admin".to_owned(), admin.clone()]);
     }
     argv.extend(extra.iter().cloned());
-    Ok(Wrapper::try_parse_from(argv)?.storm)
+    retrychain_bench::storm_args(argv)
 }
 
 fn rss(pids: &str) -> Vec<(String, u64)> {
