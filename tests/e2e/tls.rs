@@ -1041,3 +1041,157 @@ async fn storm_and_top_reach_a_chain_over_tls_as_the_operator() {
         String::from_utf8_lossy(&without.stderr)
     );
 }
+
+/// A stolen tier key: hop2's certificate and key, used to call hop3 directly as if it were
+/// hop2 relaying for Alice. Below the edge the ledger takes the caller only from the edge's
+/// signed statement of that very call: without one, with one hop2's key made, or with the
+/// edge's statement of another call of Alice's, nothing is charged and nothing is read
+/// (UNAUTHENTICATED or PERMISSION_DENIED); the edge's own calls for her are served.
+#[tokio::test]
+async fn a_stolen_tier_key_cannot_charge_or_read_as_another_caller() {
+    use retrychain_node::{
+        Caller,
+        statement::{self, CALLER_SIGNER, CALLER_STATEMENT, Call},
+    };
+    use std::time::SystemTime;
+
+    let dir = tempfile::tempdir().unwrap();
+    let (chain, tls) = tls_chain(dir.path()).await;
+    let addrs = chain.addrs();
+    let client = retrychain_harness::ChainClient::connect_tls(&addrs, &tls)
+        .await
+        .unwrap();
+    let edge = PaymentsClient::new(
+        tls.connect_without_certificate(&addrs.edge.url)
+            .await
+            .unwrap(),
+    );
+    let alice = tls.token("alice", Duration::from_secs(600)).unwrap();
+    let as_alice = |account: &str, amount: i64, key: &str| {
+        charge_as(Some(&alice), account, amount, key, &[])
+    };
+    let read_as_alice = |account: &str| {
+        let mut read = tonic::Request::new(GetAccountRequest {
+            account_id: account.to_owned(),
+        });
+        read.metadata_mut()
+            .insert("authorization", format!("Bearer {alice}").parse().unwrap());
+        read
+    };
+
+    // Alice's account, made through the edge.
+    let hers = new_account();
+    let first = edge
+        .clone()
+        .charge(as_alice(&hers, 100, "alice-1"))
+        .await
+        .unwrap();
+    assert_eq!(first.get_ref().balance_cents, 100);
+    let executions = || async {
+        let stats = client.control(4).get_stats(GetStatsRequest {}).await;
+        stats.unwrap().into_inner().executions
+    };
+    let executed = executions().await;
+
+    // The thief: hop2's certificate, calling hop3 — which accepts hop2, as it must.
+    let stolen = channel_as(tls.files_of("hop2"), &addrs.hop3.url, "hop3")
+        .await
+        .unwrap();
+    let thief = PaymentsClient::new(stolen);
+    let alice_id = Caller::parse("jwt:alice").unwrap();
+    let now = SystemTime::now();
+    let later = now + Duration::from_secs(30);
+    // What the edge signed for Alice's first charge (the statement a relay saw pass), and
+    // for a read of her account; and what hop2's own key makes.
+    let edge_key = Tls::load(tls.files_of("edge"), ClientAuth::Optional).unwrap();
+    let hop2_key = Tls::load(tls.files_of("hop2"), ClientAuth::Optional).unwrap();
+    let her_charge = Call {
+        method: "Charge",
+        key: Some("alice-1"),
+        account: &hers,
+        amount: Some(100),
+    };
+    let statement_of = |signer: &Tls, call: &Call<'_>| {
+        let mut metadata = tonic::metadata::MetadataMap::new();
+        statement::sign(signer, &alice_id, call, later, &mut metadata).unwrap();
+        (
+            metadata.get_bin(CALLER_STATEMENT).unwrap().clone(),
+            metadata.get_bin(CALLER_SIGNER).unwrap().clone(),
+        )
+    };
+    let copied = statement_of(&edge_key, &her_charge);
+    let forged = statement_of(
+        &hop2_key,
+        &Call {
+            key: Some("stolen-2"),
+            amount: Some(5_000),
+            ..her_charge
+        },
+    );
+    type Statement = (
+        tonic::metadata::BinaryMetadataValue,
+        tonic::metadata::BinaryMetadataValue,
+    );
+    /// `request` as a relay would send it for Alice, with `statement` beside it.
+    fn with<T>(mut request: tonic::Request<T>, statement: Option<&Statement>) -> tonic::Request<T> {
+        let metadata = request.metadata_mut();
+        metadata.insert("x-caller", "jwt:alice".parse().unwrap());
+        if let Some((signed, signer)) = statement {
+            metadata.insert_bin(CALLER_STATEMENT, signed.clone());
+            metadata.insert_bin(CALLER_SIGNER, signer.clone());
+        }
+        request
+    }
+    let theft = |key: &str| charge(&hers, 5_000, Some(key), Duration::from_secs(5), &[]);
+    let cases = [
+        ("no statement", None, Code::Unauthenticated),
+        ("hop2's own statement", Some(&forged), Code::Unauthenticated),
+        ("the edge's, of another call", Some(&copied), Code::PermissionDenied),
+    ];
+    for (i, (what, statement, code)) in cases.iter().enumerate() {
+        let refused = thief
+            .clone()
+            .charge(with(theft(&format!("stolen-{}", i + 1)), *statement))
+            .await
+            .unwrap_err();
+        println!("a charge as alice with {what}: {refused:?}");
+        assert_eq!(refused.code(), *code, "{what}: {refused:?}");
+        let read = with(
+            tonic::Request::new(GetAccountRequest {
+                account_id: hers.clone(),
+            }),
+            *statement,
+        );
+        let refused = thief.clone().get_account(read).await.unwrap_err();
+        println!("a read of alice's account with {what}: {refused:?}");
+        assert_eq!(refused.code(), *code, "{what}: {refused:?}");
+    }
+    // The edge's statement of her first charge, replayed for that very charge, asks only
+    // what she asked: its saved reply, and no second charge.
+    let replayed = thief
+        .clone()
+        .charge(with(
+            charge(&hers, 100, Some("alice-1"), Duration::from_secs(5), &[]),
+            Some(&copied),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(
+        replayed.metadata().get("idempotent-replayed").unwrap(),
+        "true"
+    );
+    assert_eq!(replayed.get_ref().charge_id, first.get_ref().charge_id);
+    assert_eq!(executions().await, executed, "nothing charged");
+
+    // The edge's own calls for her: served, her balance only what she charged.
+    edge.clone()
+        .charge(as_alice(&hers, 20, "alice-2"))
+        .await
+        .unwrap();
+    let account = edge.clone().get_account(read_as_alice(&hers)).await.unwrap();
+    assert_eq!(
+        (account.get_ref().balance_cents, account.get_ref().charges),
+        (120, 2)
+    );
+    chain.stop().await;
+}

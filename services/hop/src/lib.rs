@@ -31,9 +31,10 @@ use resilience::{
     client::RetryService, propagate::PropagateDeadline, wire,
 };
 use retrychain_node::{
-    AccountId, AmountCents, IdempotencyKey, Node, RetryMode, RpcScope,
+    AccountId, AmountCents, Caller, IdempotencyKey, Node, RetryMode, RpcScope,
     faults::{FaultLayer, Faulty},
     metadata::{self, CALLER, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, RETRY_MODE, TRACE_ID},
+    statement::{CALLER_SIGNER, CALLER_STATEMENT, Call},
     telemetry::{InjectTrace, InjectTraceLayer},
 };
 use retrychain_proto::v1::{
@@ -224,6 +225,34 @@ impl Hop {
         }
     }
 
+    /// At the edge, the signed statement that the call's authenticated caller (the
+    /// `callers` layer put it in `extensions`) makes `call`, written into `outgoing`; a
+    /// relay passes on the edge's ([`Hop::outgoing`]).
+    fn state_caller<U>(
+        &self,
+        extensions: &http::Extensions,
+        scope: &RpcScope,
+        call: Call<'_>,
+        outgoing: &mut Request<U>,
+    ) -> Result<(), Status> {
+        if self.role != Role::Edge {
+            return Ok(());
+        }
+        let anonymous = Caller::anonymous();
+        let caller = extensions.get::<Caller>().unwrap_or(&anonymous);
+        let key = outgoing
+            .metadata()
+            .get(IDEMPOTENCY_KEY)
+            .and_then(|key| key.to_str().ok())
+            .map(str::to_owned);
+        let call = Call {
+            key: key.as_deref(),
+            ..call
+        };
+        self.node
+            .state_caller(caller, &call, scope.timeout, outgoing.metadata_mut())
+    }
+
     /// The downstream call for `message`, and everything it carries that the wire must
     /// say — written here, once: the idempotency key (the caller's, or at the edge one it
     /// makes), the caller's identity (`x-caller`), the retry mode where honoured (edge-only for a caller that retries on its
@@ -270,6 +299,17 @@ impl Hop {
             outgoing
                 .metadata_mut()
                 .insert(MetadataKey::from_static(CALLER), caller.clone());
+        }
+        // And the edge's signed statement of it, for the ledger to check (a relay can
+        // neither make one nor change one; the edge signs its own in `state_caller`).
+        if self.role == Role::Relay {
+            for key in [CALLER_STATEMENT, CALLER_SIGNER] {
+                if let Some(value) = incoming.get_bin(key) {
+                    outgoing
+                        .metadata_mut()
+                        .insert_bin(MetadataKey::from_static(key), value.clone());
+                }
+            }
         }
         let caller_retries = self.role == Role::Edge && scope.caller_previous_attempts > 0;
         // A service without the override neither reads the header nor passes it on.
@@ -361,13 +401,24 @@ impl Payments for Hop {
         request: Request<ChargeRequest>,
     ) -> Result<Response<ChargeReply>, Status> {
         let scope = RpcScope::begin(&self.node, "Charge", &request);
-        let (incoming, _, message) = request.into_parts();
+        let (incoming, extensions, message) = request.into_parts();
         scope
             .run(async {
-                let outgoing = self.outgoing(&incoming, &scope, true, message)?;
+                let mut outgoing = self.outgoing(&incoming, &scope, true, message)?;
                 // Bad input fails here, not five hops down (and is never retried).
                 AccountId::parse(&outgoing.get_ref().account_id)?;
                 AmountCents::parse(outgoing.get_ref().amount_cents)?;
+                let (account, amount) = {
+                    let message = outgoing.get_ref();
+                    (message.account_id.clone(), message.amount_cents)
+                };
+                let call = Call {
+                    method: "Charge",
+                    key: None,
+                    account: &account,
+                    amount: Some(amount),
+                };
+                self.state_caller(&extensions, &scope, call, &mut outgoing)?;
                 relay(self.downstream.clone().charge(outgoing).await)
             })
             .await
@@ -378,11 +429,19 @@ impl Payments for Hop {
         request: Request<GetAccountRequest>,
     ) -> Result<Response<Account>, Status> {
         let scope = RpcScope::begin(&self.node, "GetAccount", &request);
-        let (incoming, _, message) = request.into_parts();
+        let (incoming, extensions, message) = request.into_parts();
         scope
             .run(async {
-                let outgoing = self.outgoing(&incoming, &scope, false, message)?;
+                let mut outgoing = self.outgoing(&incoming, &scope, false, message)?;
                 AccountId::parse(&outgoing.get_ref().account_id)?;
+                let account = outgoing.get_ref().account_id.clone();
+                let call = Call {
+                    method: "GetAccount",
+                    key: None,
+                    account: &account,
+                    amount: None,
+                };
+                self.state_caller(&extensions, &scope, call, &mut outgoing)?;
                 relay(self.downstream.clone().get_account(outgoing).await)
             })
             .await

@@ -9,6 +9,7 @@ use retrychain_node::{
     AccountId, AmountCents, Caller, IdempotencyKey, Node, RetryMode, RpcScope,
     faults::lost_reply,
     metadata::{self, IDEMPOTENT_REPLAYED},
+    statement::Call,
     stats::Counters,
 };
 use retrychain_proto::v1::{
@@ -251,10 +252,19 @@ impl Payments for Ledger {
                 scope.record_key(&key);
                 scope.echo_key(&key);
                 let mode = self.mode_of(&request)?;
-                let caller = metadata::caller(request.metadata())?;
-                let message = request.into_inner();
-                let account = AccountId::parse(&message.account_id)?;
-                let amount = AmountCents::parse(message.amount_cents)?;
+                let account = AccountId::parse(&request.get_ref().account_id)?;
+                let amount = AmountCents::parse(request.get_ref().amount_cents)?;
+                // Who asks: the edge's signed statement of this very call, where the
+                // chain has one (`node::statement`).
+                let caller = self.node.caller_of(
+                    request.metadata(),
+                    &Call {
+                        method: "Charge",
+                        key: Some(key.as_str()),
+                        account: account.as_str(),
+                        amount: Some(amount.get()),
+                    },
+                )?;
 
                 // The transaction runs in its own task: if this handler is dropped (its
                 // deadline passed, the client went away), the transaction still ends
@@ -296,7 +306,15 @@ impl Payments for Ledger {
         scope
             .run(async {
                 let account = AccountId::parse(&request.get_ref().account_id)?;
-                let caller = metadata::caller(request.metadata())?;
+                let caller = self.node.caller_of(
+                    request.metadata(),
+                    &Call {
+                        method: "GetAccount",
+                        key: None,
+                        account: account.as_str(),
+                        amount: None,
+                    },
+                )?;
                 // A plain read: if the scope's deadline guard drops it, nothing is half-done.
                 let found = self
                     .store

@@ -38,6 +38,7 @@ use tonic::Status;
 use crate::{
     Caller,
     authz::{PeerIdentity, calls_service},
+    statement::{CALLER_SIGNER, CALLER_STATEMENT},
 };
 
 /// How the edge tells callers apart.
@@ -236,8 +237,11 @@ where
             });
         };
         let headers = request.headers_mut();
-        // Whatever a client says about who it is goes no further than here.
+        // Whatever a client says about who it is goes no further than here: its own
+        // `x-caller`, and any statement of a caller (the edge signs its own, below).
         headers.remove(CALLER);
+        headers.remove(CALLER_STATEMENT);
+        headers.remove(CALLER_SIGNER);
         if !calls_service(&request, self.service) {
             request.headers_mut().remove(AUTHORIZATION);
             return Either::Left(Held {

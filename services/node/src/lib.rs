@@ -12,6 +12,8 @@
 //! - [`control`]: the `Control` gRPC service over a [`Node`].
 //! - [`limits`]: what a port facing untrusted clients bounds below gRPC: connections,
 //!   silent connections, metadata size.
+//! - [`statement`]: the edge's signed statement of each call's caller, checked by the
+//!   ledger.
 //! - [`rpc`]: [`RpcScope`], the first and last thing every Payments handler does.
 //! - [`server`]: [`serve`], the one server stack all five services run, on a public and
 //!   an admin port.
@@ -34,13 +36,14 @@ pub mod metrics;
 pub mod node;
 pub mod rpc;
 pub mod server;
+pub mod statement;
 pub mod stats;
 pub mod telemetry;
 
 pub use domain::{AccountId, AmountCents, Caller, IdempotencyKey, InvalidCaller, InvalidInput};
 pub use faults::FaultSwitch;
 pub use metadata::{RetryMode, TraceContext};
-pub use node::{Node, NodeConfig};
+pub use node::{Node, NodeConfig, Statements};
 pub use rpc::RpcScope;
 pub use server::{
     DRAIN_GRACE, Listeners, READY_PREFIX, ReadyAddrs, ServeError, default_admin_addr, serve,

@@ -54,6 +54,9 @@ pub struct Node {
     /// ([`crate::callers`]); `None` below the edge, where the caller is the edge's word
     /// (`x-caller`).
     pub callers: Option<Arc<crate::callers::Callers>>,
+    /// Whether this service signs its calls' callers or checks the statement that names
+    /// them ([`crate::statement`]).
+    pub statements: Statements,
     /// The limit's refusals (first attempts, retries) at the last `ResetStats`.
     shed_baseline: std::sync::Mutex<(u64, u64)>,
 }
@@ -83,6 +86,21 @@ pub struct NodeConfig {
     pub tls: Option<crate::authz::ServerTls>,
     /// See [`Node::callers`].
     pub callers: Option<crate::callers::CallersSettings>,
+    /// See [`Node::statements`].
+    pub statements: Statements,
+}
+
+/// What a service does with the signed statement of each call's caller
+/// ([`crate::statement`]). Both need the service's TLS ([`Node::tls`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Statements {
+    /// Neither signs nor checks one: a relay passes it on, a plaintext chain has none (and
+    /// the ledger believes `x-caller`).
+    Off,
+    /// The edge: signs each call's caller with its identity key.
+    Sign,
+    /// The ledger: takes each call's caller only from a statement this identity signed.
+    Check(retrychain_tls::Identity),
 }
 
 impl Node {
@@ -110,7 +128,48 @@ impl Node {
             callers: config
                 .callers
                 .map(|settings| Arc::new(crate::callers::Callers::new(settings))),
+            statements: config.statements,
             shed_baseline: std::sync::Mutex::new((0, 0)),
+        }
+    }
+
+    /// At the edge ([`Statements::Sign`]), signs the statement that `caller` makes `call`
+    /// into `metadata`, valid for the call's `timeout`; elsewhere does nothing.
+    pub fn state_caller(
+        &self,
+        caller: &crate::Caller,
+        call: &crate::statement::Call<'_>,
+        timeout: std::time::Duration,
+        metadata: &mut tonic::metadata::MetadataMap,
+    ) -> Result<(), tonic::Status> {
+        match (&self.statements, &self.tls) {
+            (Statements::Sign, Some(server)) => {
+                let expires = std::time::SystemTime::now() + timeout;
+                crate::statement::sign(&server.tls, caller, call, expires, metadata)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The caller of `call`: at the ledger ([`Statements::Check`]) from the statement the
+    /// edge signed, else from `x-caller` (see [`crate::metadata::caller`]).
+    pub fn caller_of(
+        &self,
+        metadata: &tonic::metadata::MetadataMap,
+        call: &crate::statement::Call<'_>,
+    ) -> Result<crate::Caller, tonic::Status> {
+        match (&self.statements, &self.tls) {
+            (Statements::Check(signer), Some(server)) => crate::statement::verify(
+                &server.tls,
+                signer,
+                metadata,
+                call,
+                std::time::SystemTime::now(),
+            ),
+            (Statements::Check(_), None) => Err(tonic::Status::internal(
+                "this service checks caller statements but has no TLS material to check them with",
+            )),
+            _ => metadata::caller(metadata),
         }
     }
 

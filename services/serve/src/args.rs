@@ -549,11 +549,43 @@ pub struct LedgerArgs {
     /// (docs/reliability.md).
     #[arg(long, env = "RETRYCHAIN_DB_ROUND_TRIP_TIMEOUT_MS", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..))]
     pub db_round_trip_timeout_ms: u64,
+    /// Whose signed statement names each call's caller, or `none`. With it, a call is
+    /// served only with a statement this identity signed for that very call
+    /// (x-caller-statement-bin, checked against --tls-ca), so a stolen relay key cannot
+    /// charge as another caller; with `none`, the ledger believes the caller the tier
+    /// above names (x-caller) [default: with TLS, spiffe://retrychain/edge; without,
+    /// none].
+    #[arg(long, env = "RETRYCHAIN_CALLER_SIGNER")]
+    pub caller_signer: Option<String>,
     /// Testing only, and wrong on purpose (hidden): every charge first forgets what its
     /// key recorded, so a retry charges again. `retrychain chaos` must catch a ledger
     /// started this way; its own test does.
     #[arg(long, hide = true, env = "RETRYCHAIN_TEST_SKIP_KEY_CLAIM", value_parser = clap::builder::BoolishValueParser::new())]
     pub test_skip_key_claim: bool,
+}
+
+impl LedgerArgs {
+    /// What the ledger does with the edge's statements of callers: `--caller-signer`, else
+    /// (with TLS, `tls`) checks the edge's, else (plaintext) none.
+    pub fn statements(&self, tls: bool) -> anyhow::Result<retrychain_node::Statements> {
+        use retrychain_node::Statements;
+        match self.caller_signer.as_deref().map(str::trim) {
+            Some("none") => Ok(Statements::Off),
+            Some(identity) => {
+                anyhow::ensure!(
+                    tls,
+                    "--caller-signer needs this service's TLS material to check statements with (--tls-dir, or --tls-cert, --tls-key and --tls-ca)"
+                );
+                let identity = retrychain_tls::Identity::parse(identity)
+                    .map_err(|error| anyhow::anyhow!("--caller-signer: {error}"))?;
+                Ok(Statements::Check(identity))
+            }
+            None if tls => Ok(Statements::Check(retrychain_tls::Identity::of_service(
+                "edge",
+            ))),
+            None => Ok(Statements::Off),
+        }
+    }
 }
 
 /// The flags of one service as a command line: the way a service's typed settings cross a
@@ -655,6 +687,7 @@ impl ServiceCommand {
                     "--db-round-trip-timeout-ms",
                     Some(ledger.db_round_trip_timeout_ms),
                 );
+                push(&mut args, "--caller-signer", ledger.caller_signer.as_ref());
                 if ledger.test_skip_key_claim {
                     args.push("--test-skip-key-claim".to_owned());
                 }
@@ -798,6 +831,7 @@ mod tests {
         args.db_acquire_timeout_ms = 99;
         args.db_connect_timeout_ms = 999;
         args.db_round_trip_timeout_ms = 1234;
+        args.caller_signer = Some("spiffe://retrychain/edge".into());
         let s = &mut args.service;
         s.listen = Some("127.0.0.1:1".parse().expect("addr"));
         s.admin_listen = Some("127.0.0.1:2".parse().expect("addr"));
@@ -826,6 +860,11 @@ mod tests {
         s.max_in_flight = 12;
         s.min_concurrency = 5;
         s.initial_concurrency = 6;
+        s.tls_dir = Some("/tmp/tls".into());
+        s.tls_cert = Some("/tmp/tls/a.crt".into());
+        s.tls_key = Some("/tmp/tls/a.key".into());
+        s.tls_ca = Some("/tmp/tls/ca.pem".into());
+        s.tls_accept = Some("spiffe://retrychain/hop4".into());
         let mut argv = ledger.to_args();
         assert!(!argv.iter().any(|a| a.contains("postgres://")), "{argv:?}");
         argv.extend(["--database-url".to_owned(), "postgres://x@h/db".to_owned()]);
@@ -851,6 +890,7 @@ mod tests {
             args.jwt_audience = Some("retrychain".into());
             args.callers = Some(CallersArg::Anyone);
             args.caller_max_in_flight = 17;
+            args.tls_downstream_identity = Some("spiffe://retrychain/hop2".into());
         }
         let back = ServiceCli::try_parse_from(edge.to_args())
             .expect("reads back")

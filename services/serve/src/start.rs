@@ -9,7 +9,8 @@ use resilience::{AdaptiveThrottle, Balancer, Downstream, RetryBudget, ServiceCon
 use retrychain_hop::{Hop, HopSettings, Role};
 use retrychain_ledger::{InFlight, KeyStore, Ledger, StoreOptions, run_completer, run_retention};
 use retrychain_node::{
-    Listeners, Node, NodeConfig, ReadyAddrs, authz::ServerTls, default_admin_addr, telemetry,
+    Listeners, Node, NodeConfig, ReadyAddrs, Statements, authz::ServerTls, default_admin_addr,
+    telemetry,
 };
 use retrychain_tls::{ClientAuth, Tls};
 
@@ -163,7 +164,14 @@ async fn hop(
             "callers"
         );
     }
-    let node = node(service, name, budget, policies.config, tls, callers)?;
+    // The edge states each call's caller, signed, for the ledger to check; a relay passes
+    // the statement on.
+    let statements = if edge && tls.is_some() {
+        Statements::Sign
+    } else {
+        Statements::Off
+    };
+    let node = node(service, name, budget, policies.config, tls, callers, statements)?;
     let _ = node.downstream.set(replicas.clone());
     let hop = Hop::new(
         Arc::clone(&node),
@@ -224,7 +232,9 @@ async fn ledger(
     .await?;
     let tls = server_tls(service, &name, false)?;
     let listeners = bind(service, "0.0.0.0:50055").await?;
-    let node = node(service, name, None, policies.config, tls, None)?;
+    let statements = args.statements(tls.is_some())?;
+    tracing::info!(?statements, "callers below the edge");
+    let node = node(service, name, None, policies.config, tls, None, statements)?;
     let in_flight = match args.in_flight {
         InFlightArg::Wait => InFlight::Wait,
         InFlightArg::Reject => InFlight::Reject,
@@ -347,6 +357,7 @@ fn node(
     policy: Arc<ServiceConfig>,
     tls: Option<ServerTls>,
     callers: Option<retrychain_node::callers::CallersSettings>,
+    statements: Statements,
 ) -> anyhow::Result<Arc<Node>> {
     let admission = service
         .admission()
@@ -367,6 +378,7 @@ fn node(
         admission,
         tls,
         callers,
+        statements,
     })))
 }
 

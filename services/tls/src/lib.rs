@@ -10,6 +10,9 @@
 //! - **Rotation without a restart** ([`Tls::watch`]): the files are read again when they
 //!   change; new connections use the new material, open ones finish on the old; a bad
 //!   file is logged and ignored.
+//! - **Signed statements** ([`statement`]): one service signs with its identity key,
+//!   another checks the signer's chain and identity — the edge naming a call's caller to the
+//!   ledger through relays that cannot change it.
 //! - **Callers' bearer tokens** ([`tokens`]): JWTs checked against a JWKS file that is
 //!   read again when it changes.
 //! - **Throwaway authorities and token issuers** ([`issue`]) for `up --tls` and the tests.
@@ -18,6 +21,7 @@ mod connect;
 mod identity;
 pub mod issue;
 mod material;
+pub mod statement;
 pub mod tokens;
 pub mod verify;
 
@@ -26,4 +30,5 @@ pub use identity::{
     BadIdentity, CHAIN, Identity, OPERATOR, TRUST_DOMAIN, callee_of, caller_of, tier,
 };
 pub use material::{ClientAuth, Reload, Tls, TlsError, TlsFiles};
+pub use statement::{Signature, StatementError};
 pub use tokens::{TokenError, TokenReload, TokenRules, Tokens};

@@ -93,13 +93,15 @@ pub(crate) fn provider() -> Arc<CryptoProvider> {
 
 /// What one good read of the files gave.
 #[derive(Debug)]
-struct Loaded {
+pub(crate) struct Loaded {
     /// Who the certificate says this service is.
     identity: Identity,
     /// Certificate chain and signing key.
-    certified: Arc<CertifiedKey>,
+    pub(crate) certified: Arc<CertifiedKey>,
+    /// The certificate chain as signed statements carry it (`statement::encode_chain`).
+    pub(crate) signer_chain: Arc<[u8]>,
     /// The trusted authorities.
-    roots: Arc<RootCertStore>,
+    pub(crate) roots: Arc<RootCertStore>,
     /// The server configuration, built once per read.
     server: Arc<ServerConfig>,
     /// The admin port's: a client certificate asked for, not required (Prometheus and
@@ -121,11 +123,11 @@ const RETRY_FAILED_READ: Duration = Duration::from_secs(10);
 /// shared state). TLS 1.3 only, with ring's algorithms; ALPN `h2` (gRPC).
 #[derive(Debug, Clone)]
 pub struct Tls {
-    shared: Arc<Shared>,
+    pub(crate) shared: Arc<Shared>,
 }
 
 #[derive(Debug)]
-struct Shared {
+pub(crate) struct Shared {
     files: TlsFiles,
     client_auth: ClientAuth,
     current: RwLock<Arc<Loaded>>,
@@ -133,6 +135,8 @@ struct Shared {
     stamp: Mutex<(Stamp, Option<std::time::Instant>)>,
     /// How many times new material was taken into use ([`Tls::renewed`]).
     generation: tokio::sync::watch::Sender<u64>,
+    /// Signers' chains verified lately (`statement`).
+    pub(crate) verified_chains: crate::statement::SharedVerifiedChains,
 }
 
 /// What a [`Tls::reload`] did.
@@ -159,11 +163,12 @@ impl Tls {
                 current: RwLock::new(Arc::new(loaded)),
                 stamp: Mutex::new((stamp, None)),
                 generation: tokio::sync::watch::Sender::new(0),
+                verified_chains: Default::default(),
             }),
         })
     }
 
-    fn current(&self) -> Arc<Loaded> {
+    pub(crate) fn current(&self) -> Arc<Loaded> {
         Arc::clone(
             &self
                 .shared
@@ -389,9 +394,11 @@ fn load(files: &TlsFiles, client_auth: ClientAuth) -> Result<Loaded, TlsError> {
         ClientAuth::Optional,
         &[b"h2", b"http/1.1"],
     )?;
+    let signer_chain = crate::statement::encode_chain(&certified.cert).into();
     Ok(Loaded {
         identity,
         certified,
+        signer_chain,
         roots,
         server,
         admin,
