@@ -1067,9 +1067,8 @@ async fn a_stolen_tier_key_cannot_charge_or_read_as_another_caller() {
             .unwrap(),
     );
     let alice = tls.token("alice", Duration::from_secs(600)).unwrap();
-    let as_alice = |account: &str, amount: i64, key: &str| {
-        charge_as(Some(&alice), account, amount, key, &[])
-    };
+    let as_alice =
+        |account: &str, amount: i64, key: &str| charge_as(Some(&alice), account, amount, key, &[]);
     let read_as_alice = |account: &str| {
         let mut read = tonic::Request::new(GetAccountRequest {
             account_id: account.to_owned(),
@@ -1146,7 +1145,11 @@ async fn a_stolen_tier_key_cannot_charge_or_read_as_another_caller() {
     let cases = [
         ("no statement", None, Code::Unauthenticated),
         ("hop2's own statement", Some(&forged), Code::Unauthenticated),
-        ("the edge's, of another call", Some(&copied), Code::PermissionDenied),
+        (
+            "the edge's, of another call",
+            Some(&copied),
+            Code::PermissionDenied,
+        ),
     ];
     for (i, (what, statement, code)) in cases.iter().enumerate() {
         let refused = thief
@@ -1188,7 +1191,11 @@ async fn a_stolen_tier_key_cannot_charge_or_read_as_another_caller() {
         .charge(as_alice(&hers, 20, "alice-2"))
         .await
         .unwrap();
-    let account = edge.clone().get_account(read_as_alice(&hers)).await.unwrap();
+    let account = edge
+        .clone()
+        .get_account(read_as_alice(&hers))
+        .await
+        .unwrap();
     assert_eq!(
         (account.get_ref().balance_cents, account.get_ref().charges),
         (120, 2)

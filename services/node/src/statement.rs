@@ -150,8 +150,9 @@ impl Statement {
 }
 
 fn unix_ms(at: SystemTime) -> u64 {
-    at.duration_since(UNIX_EPOCH)
-        .map_or(0, |since| u64::try_from(since.as_millis()).unwrap_or(u64::MAX))
+    at.duration_since(UNIX_EPOCH).map_or(0, |since| {
+        u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
+    })
 }
 
 /// Signs the statement that `caller` makes `call`, valid until `expires`, with `tls`'s
@@ -298,7 +299,14 @@ mod tests {
         let alice = Caller::parse("jwt:alice").unwrap();
 
         let mut signed = MetadataMap::new();
-        sign(&edge, &alice, &CHARGE, now + Duration::from_secs(5), &mut signed).unwrap();
+        sign(
+            &edge,
+            &alice,
+            &CHARGE,
+            now + Duration::from_secs(5),
+            &mut signed,
+        )
+        .unwrap();
         assert_eq!(
             verify(&ledger, &signer, &signed, &CHARGE, now).unwrap(),
             alice
@@ -306,14 +314,31 @@ mod tests {
         // With the edge's x-caller beside it, as the chain sends it.
         let mut named = signed.clone();
         named.insert(CALLER, "jwt:alice".parse().unwrap());
-        assert_eq!(verify(&ledger, &signer, &named, &CHARGE, now).unwrap(), alice);
+        assert_eq!(
+            verify(&ledger, &signer, &named, &CHARGE, now).unwrap(),
+            alice
+        );
 
         // Copied onto another call: another amount, account, key or method.
         for other in [
-            Call { amount: Some(501), ..CHARGE },
-            Call { account: "mallory", ..CHARGE },
-            Call { key: Some("order-2"), ..CHARGE },
-            Call { method: "GetAccount", key: None, amount: None, ..CHARGE },
+            Call {
+                amount: Some(501),
+                ..CHARGE
+            },
+            Call {
+                account: "mallory",
+                ..CHARGE
+            },
+            Call {
+                key: Some("order-2"),
+                ..CHARGE
+            },
+            Call {
+                method: "GetAccount",
+                key: None,
+                amount: None,
+                ..CHARGE
+            },
         ] {
             let refused = verify(&ledger, &signer, &signed, &other, now).unwrap_err();
             assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{other:?}");
@@ -331,11 +356,26 @@ mod tests {
         let refused = verify(&ledger, &signer, &MetadataMap::new(), &CHARGE, now).unwrap_err();
         assert_eq!(refused.code(), tonic::Code::Unauthenticated);
         let mut forged = MetadataMap::new();
-        sign(&hop2, &alice, &CHARGE, now + Duration::from_secs(5), &mut forged).unwrap();
+        sign(
+            &hop2,
+            &alice,
+            &CHARGE,
+            now + Duration::from_secs(5),
+            &mut forged,
+        )
+        .unwrap();
         let refused = verify(&ledger, &signer, &forged, &CHARGE, now).unwrap_err();
         assert_eq!(refused.code(), tonic::Code::Unauthenticated);
-        assert!(refused.message().contains("spiffe://retrychain/hop2"), "{}", refused.message());
-        let bytes = signed.get_bin(CALLER_STATEMENT).unwrap().to_bytes().unwrap();
+        assert!(
+            refused.message().contains("spiffe://retrychain/hop2"),
+            "{}",
+            refused.message()
+        );
+        let bytes = signed
+            .get_bin(CALLER_STATEMENT)
+            .unwrap()
+            .to_bytes()
+            .unwrap();
         let mut changed = bytes.to_vec();
         let caller_at = 2 + 1 + 8 + 2; // the statement's length, version, expiry, length
         changed[caller_at + 4] ^= 0x01; // "jwt:alice" → "jwt:`lice"

@@ -171,7 +171,15 @@ async fn hop(
     } else {
         Statements::Off
     };
-    let node = node(service, name, budget, policies.config, tls, callers, statements)?;
+    let node = node(
+        service,
+        name,
+        budget,
+        policies.config,
+        tls,
+        callers,
+        statements,
+    )?;
     let _ = node.downstream.set(replicas.clone());
     let hop = Hop::new(
         Arc::clone(&node),

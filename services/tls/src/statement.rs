@@ -217,7 +217,10 @@ impl Tls {
         }
         {
             let verified = self.verified_chains();
-            if verified.roots.as_ref().is_some_and(|r| Arc::ptr_eq(r, &roots))
+            if verified
+                .roots
+                .as_ref()
+                .is_some_and(|r| Arc::ptr_eq(r, &roots))
                 && verified
                     .at
                     .get(encoded)
@@ -238,7 +241,10 @@ impl Tls {
             )
             .map_err(|error| StatementError::Untrusted(error.to_string()))?;
         let mut verified = self.verified_chains();
-        if !verified.roots.as_ref().is_some_and(|r| Arc::ptr_eq(r, &roots))
+        if !verified
+            .roots
+            .as_ref()
+            .is_some_and(|r| Arc::ptr_eq(r, &roots))
             || verified.at.len() >= CHAINS_REMEMBERED
         {
             verified.at.clear();
