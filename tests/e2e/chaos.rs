@@ -10,7 +10,7 @@ use tokio::{
     sync::Mutex,
 };
 
-use crate::support::BIN;
+use crate::support::{BIN, missing_tool};
 
 /// One chaos run at a time: a run starts by removing every rule tagged as a chaos run's.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::const_new(());
@@ -100,7 +100,7 @@ async fn the_checker_catches_a_ledger_that_skips_the_key_claim() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_stopped_midway_heals_its_partition_and_stops_its_chain() {
     let Some(before) = iptables_rules() else {
-        eprintln!("skipped: iptables -S needs iptables and root here");
+        missing_tool("iptables -S needs iptables and root: the partition's healing is not checked");
         return;
     };
     let _one = ONE_AT_A_TIME.lock().await;

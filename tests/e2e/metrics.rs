@@ -180,7 +180,7 @@ async fn metrics_on_every_admin_port_agree_with_stats() {
         1.0
     );
     if promtool.is_none() {
-        println!("promtool not installed: the text format was checked by the parser only");
+        missing_tool("promtool is not installed: the text format was checked by the parser only");
     }
 }
 

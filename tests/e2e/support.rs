@@ -3,6 +3,10 @@
 //! a signal, a log or the environment is the point — on 127.0.0.1 port 0, called through
 //! tonic clients.
 //!
+//! Tools: a test whose check needs a tool this machine lacks (iptables and root, promtool)
+//! skips that check, and fails instead under `RETRYCHAIN_REQUIRE_TOOLS` ([`missing_tool`]),
+//! which `.ci/run` sets.
+//!
 //! Postgres: `DATABASE_URL` if set (each test creates its own database there), else one
 //! throwaway cluster per test binary (tempgres), started on first use.
 //!
@@ -146,6 +150,16 @@ impl Options {
 
 /// The binary under test.
 pub const BIN: &str = env!("CARGO_BIN_EXE_retrychain");
+
+/// A tool a test needs is missing here (`what` says which and what goes unchecked). Where
+/// the check is meant to run — CI, which sets `RETRYCHAIN_REQUIRE_TOOLS` — that is a
+/// failure, so a check cannot quietly stop running; elsewhere the test says it skipped.
+pub fn missing_tool(what: &str) {
+    if std::env::var_os("RETRYCHAIN_REQUIRE_TOOLS").is_some() {
+        panic!("{what}, and RETRYCHAIN_REQUIRE_TOOLS says this check must run here");
+    }
+    eprintln!("skipped: {what}");
+}
 
 /// A command line of `list`, for the experiments' flags and the binary's own.
 pub fn args(list: &[&str]) -> Vec<String> {

@@ -255,15 +255,10 @@ pub fn verify(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use retrychain_tls::{
-        ClientAuth,
-        issue::{Authority, write_files},
-    };
+    use retrychain_tls::{ClientAuth, issue::Authority};
 
     fn service(authority: &Authority, name: &str, dir: &std::path::Path) -> Tls {
-        let issued = authority.issue(&Identity::named(name)).unwrap();
-        let files = write_files(&dir.join(name), &issued, &[authority]).unwrap();
-        Tls::load(files, ClientAuth::Required).unwrap()
+        retrychain_tls::issue::service(authority, name, dir, ClientAuth::Required).unwrap()
     }
 
     const CHARGE: Call<'static> = Call {

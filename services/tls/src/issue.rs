@@ -212,6 +212,20 @@ impl Authority {
     }
 }
 
+/// A certificate for the tier `name` from `authority`, its files written into `dir/name`
+/// and loaded: a service's whole TLS in one call, for tests that sign, verify or connect as
+/// a tier.
+pub fn service(
+    authority: &Authority,
+    name: &str,
+    dir: &Path,
+    client_auth: crate::ClientAuth,
+) -> Result<crate::Tls, Box<dyn std::error::Error + Send + Sync>> {
+    let issued = authority.issue(&Identity::named(name))?;
+    let files = write_files(&dir.join(name), &issued, &[authority])?;
+    Ok(crate::Tls::load(files, client_auth)?)
+}
+
 /// Writes a service's files into `dir` (`tls.crt`, `tls.key` readable by the owner only,
 /// `ca.crt` with every authority in `trusted`), each by writing a new file and renaming it
 /// over the old, so a watcher never reads half a file.

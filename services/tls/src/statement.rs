@@ -262,21 +262,16 @@ impl Tls {
     }
 }
 
-/// Locks shared by a [`Tls`]'s clones: see [`VerifiedChains`].
+/// [`VerifiedChains`] as every clone of one [`Tls`] shares it.
 pub(crate) type SharedVerifiedChains = Mutex<VerifiedChains>;
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{
-        ClientAuth,
-        issue::{Authority, write_files},
-    };
+    use crate::{ClientAuth, issue::Authority};
 
     fn service(authority: &Authority, name: &str, dir: &std::path::Path) -> Tls {
-        let issued = authority.issue(&Identity::named(name)).unwrap();
-        let files = write_files(&dir.join(name), &issued, &[authority]).unwrap();
-        Tls::load(files, ClientAuth::Required).unwrap()
+        crate::issue::service(authority, name, dir, ClientAuth::Required).unwrap()
     }
 
     #[test]
