@@ -25,7 +25,11 @@ use rustls::{
 };
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
 
-use crate::{Identity, verify::IdentityVerifier};
+use crate::{
+    Identity,
+    statement::{Signature, StatementError},
+    verify::IdentityVerifier,
+};
 
 /// Where a service's TLS material lives.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -247,6 +251,37 @@ impl Tls {
         };
         config.alpn_protocols = vec![alpn.to_vec()];
         Arc::new(config)
+    }
+
+    /// Signs `statement` with this service's identity key (see [`crate::statement`]).
+    /// Returns the signature and the encoded chain of the certificate that verifies it,
+    /// both from the material in use now.
+    pub fn sign_statement(
+        &self,
+        statement: &[u8],
+    ) -> Result<(Signature, Arc<[u8]>), StatementError> {
+        let current = self.current();
+        let signature = crate::statement::sign(current.certified.key.as_ref(), statement)?;
+        Ok((signature, Arc::clone(&current.signer_chain)))
+    }
+
+    /// Checks that `statement` was signed by `expected`, its chain leading to an authority
+    /// this service trusts now (see [`crate::statement`]).
+    pub fn verify_statement(
+        &self,
+        expected: &Identity,
+        chain: &[u8],
+        statement: &[u8],
+        signature: &Signature,
+    ) -> Result<(), StatementError> {
+        crate::statement::verify(
+            &self.current().roots,
+            &self.shared.verified_chains,
+            expected,
+            chain,
+            statement,
+            signature,
+        )
     }
 
     /// Reads the files again if they changed since the last read. A good read replaces the

@@ -24,7 +24,7 @@ use std::{
 use rustls::{RootCertStore, SignatureScheme};
 use rustls_pki_types::{CertificateDer, UnixTime};
 
-use crate::{Identity, Tls, material::provider};
+use crate::Identity;
 
 /// What every signed statement starts with, before the statement itself: names the purpose,
 /// so a signature made for anything else — a TLS handshake, another protocol — is never one.
@@ -129,215 +129,127 @@ pub(crate) struct VerifiedChains {
     at: HashMap<Vec<u8>, Instant>,
 }
 
-impl Tls {
-    /// Signs `statement` (after [`CONTEXT`]) with this service's identity key. Returns the
-    /// signature and the encoded chain of the certificate that verifies it, both from the
-    /// material in use now.
-    pub fn sign_statement(
-        &self,
-        statement: &[u8],
-    ) -> Result<(Signature, Arc<[u8]>), StatementError> {
-        let current = self.current();
-        let signer = current
-            .certified
-            .key
-            .choose_scheme(&SCHEMES)
-            .ok_or_else(|| StatementError::CannotSign(format!("{:?}", current.certified.key)))?;
-        let mut message = Vec::with_capacity(CONTEXT.len() + statement.len());
-        message.extend_from_slice(CONTEXT);
-        message.extend_from_slice(statement);
-        let bytes = signer
-            .sign(&message)
-            .map_err(|error| StatementError::CannotSign(error.to_string()))?;
-        let signature = Signature {
-            scheme: u16::from(signer.scheme()),
-            bytes,
-        };
-        Ok((signature, Arc::clone(&current.signer_chain)))
-    }
+/// Signs `statement` (after [`CONTEXT`]) with `key`.
+pub(crate) fn sign(
+    key: &dyn rustls::sign::SigningKey,
+    statement: &[u8],
+) -> Result<Signature, StatementError> {
+    let signer = key
+        .choose_scheme(&SCHEMES)
+        .ok_or_else(|| StatementError::CannotSign(format!("{key:?}")))?;
+    let bytes = signer
+        .sign(&with_context(statement))
+        .map_err(|error| StatementError::CannotSign(error.to_string()))?;
+    Ok(Signature {
+        scheme: u16::from(signer.scheme()),
+        bytes,
+    })
+}
 
-    /// Checks that `statement` was signed by `expected`: `chain` (as [`encode_chain`] makes
-    /// it) leads to an authority this service trusts now, is valid now for client
-    /// authentication, names `expected`, and its key made `signature` over [`CONTEXT`] and
-    /// `statement`.
-    pub fn verify_statement(
-        &self,
-        expected: &Identity,
-        chain: &[u8],
-        statement: &[u8],
-        signature: &Signature,
-    ) -> Result<(), StatementError> {
-        let certificates = decode_chain(chain)?;
-        let end_entity = webpki::EndEntityCert::try_from(&certificates[0])
-            .map_err(|error| StatementError::Untrusted(error.to_string()))?;
-        self.verify_signer(expected, chain, &certificates, &end_entity)?;
-        let provider = provider();
-        let scheme = SignatureScheme::from(signature.scheme);
-        if !SCHEMES.contains(&scheme) {
-            return Err(StatementError::Scheme(signature.scheme));
-        }
-        let algorithms = provider
-            .signature_verification_algorithms
-            .mapping
-            .iter()
-            .find(|(s, _)| *s == scheme)
-            .map(|(_, algorithms)| *algorithms)
-            .ok_or(StatementError::Scheme(signature.scheme))?;
-        let mut message = Vec::with_capacity(CONTEXT.len() + statement.len());
-        message.extend_from_slice(CONTEXT);
-        message.extend_from_slice(statement);
-        // TLS 1.3 takes the first algorithm of a scheme (the one whose curve is the
-        // scheme's); so does this.
-        let algorithm = algorithms
-            .first()
-            .ok_or(StatementError::Scheme(signature.scheme))?;
-        end_entity
-            .verify_signature(*algorithm, &message, &signature.bytes)
-            .map_err(|_| StatementError::BadSignature)
-    }
+/// [`CONTEXT`], then `statement`: what is signed.
+fn with_context(statement: &[u8]) -> Vec<u8> {
+    let mut message = Vec::with_capacity(CONTEXT.len() + statement.len());
+    message.extend_from_slice(CONTEXT);
+    message.extend_from_slice(statement);
+    message
+}
 
-    /// The chain check of [`Tls::verify_statement`], remembered for
-    /// [`CHAIN_CHECKED_FOR`] while the trusted authorities stay the same.
-    fn verify_signer(
-        &self,
-        expected: &Identity,
-        encoded: &[u8],
-        certificates: &[CertificateDer<'_>],
-        end_entity: &webpki::EndEntityCert<'_>,
-    ) -> Result<(), StatementError> {
-        let roots = Arc::clone(&self.current().roots);
-        match Identity::of_certificate(&certificates[0]) {
-            Some(found) if &found == expected => {}
-            found => {
-                return Err(StatementError::WrongSigner {
-                    found,
-                    expected: expected.clone(),
-                });
-            }
+/// Checks that `statement` was signed by `expected`: `chain` (as [`encode_chain`] makes
+/// it) leads to one of `roots`, is valid now for client authentication, names `expected`,
+/// and its key made `signature` over [`CONTEXT`] and `statement`. Verified chains are
+/// remembered in `verified`.
+pub(crate) fn verify(
+    roots: &Arc<RootCertStore>,
+    verified: &SharedVerifiedChains,
+    expected: &Identity,
+    chain: &[u8],
+    statement: &[u8],
+    signature: &Signature,
+) -> Result<(), StatementError> {
+    let certificates = decode_chain(chain)?;
+    let end_entity = webpki::EndEntityCert::try_from(&certificates[0])
+        .map_err(|error| StatementError::Untrusted(error.to_string()))?;
+    verify_signer(roots, verified, expected, chain, &certificates, &end_entity)?;
+    let scheme = SignatureScheme::from(signature.scheme);
+    if !SCHEMES.contains(&scheme) {
+        return Err(StatementError::Scheme(signature.scheme));
+    }
+    // TLS 1.3 takes the first algorithm of a scheme (the one whose curve is the
+    // scheme's); so does this.
+    let algorithm = algorithms()
+        .mapping
+        .iter()
+        .find(|(s, _)| *s == scheme)
+        .and_then(|(_, algorithms)| algorithms.first())
+        .ok_or(StatementError::Scheme(signature.scheme))?;
+    end_entity
+        .verify_signature(*algorithm, &with_context(statement), &signature.bytes)
+        .map_err(|_| StatementError::BadSignature)
+}
+
+/// ring's signature algorithms, as the TLS configurations use them.
+fn algorithms() -> rustls::crypto::WebPkiSupportedAlgorithms {
+    rustls::crypto::ring::default_provider().signature_verification_algorithms
+}
+
+/// The chain check of [`verify`], remembered for [`CHAIN_CHECKED_FOR`] while the trusted
+/// authorities stay the same.
+fn verify_signer(
+    roots: &Arc<RootCertStore>,
+    verified: &SharedVerifiedChains,
+    expected: &Identity,
+    encoded: &[u8],
+    certificates: &[CertificateDer<'_>],
+    end_entity: &webpki::EndEntityCert<'_>,
+) -> Result<(), StatementError> {
+    match Identity::of_certificate(&certificates[0]) {
+        Some(found) if &found == expected => {}
+        found => {
+            return Err(StatementError::WrongSigner {
+                found,
+                expected: expected.clone(),
+            });
         }
-        {
-            let verified = self.verified_chains();
-            if verified
-                .roots
-                .as_ref()
-                .is_some_and(|r| Arc::ptr_eq(r, &roots))
-                && verified
-                    .at
-                    .get(encoded)
-                    .is_some_and(|at| at.elapsed() < CHAIN_CHECKED_FOR)
-            {
-                return Ok(());
-            }
-        }
-        end_entity
-            .verify_for_usage(
-                provider().signature_verification_algorithms.all,
-                &roots.roots,
-                &certificates[1..],
-                UnixTime::now(),
-                webpki::KeyUsage::client_auth(),
-                None,
-                None,
-            )
-            .map_err(|error| StatementError::Untrusted(error.to_string()))?;
-        let mut verified = self.verified_chains();
-        if !verified
+    }
+    let lock = || verified.lock().unwrap_or_else(|e| e.into_inner());
+    {
+        let verified = lock();
+        if verified
             .roots
             .as_ref()
-            .is_some_and(|r| Arc::ptr_eq(r, &roots))
-            || verified.at.len() >= CHAINS_REMEMBERED
+            .is_some_and(|r| Arc::ptr_eq(r, roots))
+            && verified
+                .at
+                .get(encoded)
+                .is_some_and(|at| at.elapsed() < CHAIN_CHECKED_FOR)
         {
-            verified.at.clear();
-            verified.roots = Some(roots);
+            return Ok(());
         }
-        verified.at.insert(encoded.to_vec(), Instant::now());
-        Ok(())
     }
-
-    fn verified_chains(&self) -> std::sync::MutexGuard<'_, VerifiedChains> {
-        self.shared
-            .verified_chains
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+    end_entity
+        .verify_for_usage(
+            algorithms().all,
+            &roots.roots,
+            &certificates[1..],
+            UnixTime::now(),
+            webpki::KeyUsage::client_auth(),
+            None,
+            None,
+        )
+        .map_err(|error| StatementError::Untrusted(error.to_string()))?;
+    let mut verified = lock();
+    if !verified
+        .roots
+        .as_ref()
+        .is_some_and(|r| Arc::ptr_eq(r, roots))
+        || verified.at.len() >= CHAINS_REMEMBERED
+    {
+        verified.at.clear();
+        verified.roots = Some(Arc::clone(roots));
     }
+    verified.at.insert(encoded.to_vec(), Instant::now());
+    Ok(())
 }
 
-/// [`VerifiedChains`] as every clone of one [`Tls`] shares it.
+/// [`VerifiedChains`] as every clone of one `Tls` shares it.
 pub(crate) type SharedVerifiedChains = Mutex<VerifiedChains>;
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::{ClientAuth, issue::Authority};
-
-    fn service(authority: &Authority, name: &str, dir: &std::path::Path) -> Tls {
-        crate::issue::service(authority, name, dir, ClientAuth::Required).unwrap()
-    }
-
-    #[test]
-    fn a_statement_verifies_only_as_signed_by_whom_and_over_what() {
-        let dir = tempfile::tempdir().unwrap();
-        let authority = Authority::new("test").unwrap();
-        let edge = service(&authority, "edge", dir.path());
-        let hop2 = service(&authority, "hop2", dir.path());
-        let ledger = service(&authority, "ledger", dir.path());
-        let edge_id = Identity::named("edge");
-
-        let (signature, chain) = edge.sign_statement(b"alice charges 5").unwrap();
-        ledger
-            .verify_statement(&edge_id, &chain, b"alice charges 5", &signature)
-            .unwrap();
-        // Twice: the second check takes the remembered chain, and still checks the
-        // signature.
-        ledger
-            .verify_statement(&edge_id, &chain, b"alice charges 5", &signature)
-            .unwrap();
-        assert!(matches!(
-            ledger.verify_statement(&edge_id, &chain, b"alice charges 6", &signature),
-            Err(StatementError::BadSignature)
-        ));
-
-        // hop2's key makes a good signature, of hop2: not the edge's word.
-        let (forged, hop2_chain) = hop2.sign_statement(b"alice charges 5").unwrap();
-        assert!(matches!(
-            ledger.verify_statement(&edge_id, &hop2_chain, b"alice charges 5", &forged),
-            Err(StatementError::WrongSigner { .. })
-        ));
-        // hop2's signature presented with the edge's certificate.
-        assert!(matches!(
-            ledger.verify_statement(&edge_id, &chain, b"alice charges 5", &forged),
-            Err(StatementError::BadSignature)
-        ));
-
-        // An edge certificate from another authority is not trusted.
-        let other = Authority::new("other").unwrap();
-        let impostor = service(&other, "edge", &dir.path().join("other"));
-        let (signature, chain) = impostor.sign_statement(b"alice charges 5").unwrap();
-        assert!(matches!(
-            ledger.verify_statement(&edge_id, &chain, b"alice charges 5", &signature),
-            Err(StatementError::Untrusted(_))
-        ));
-
-        // A chain that is not one, and a scheme outside the list.
-        assert!(matches!(
-            ledger.verify_statement(&edge_id, &[0, 0, 0, 9, 1], b"x", &signature),
-            Err(StatementError::MalformedChain)
-        ));
-        let rsa_pkcs1 = Signature {
-            scheme: u16::from(SignatureScheme::RSA_PKCS1_SHA256),
-            bytes: vec![0; 64],
-        };
-        let (_, chain) = edge.sign_statement(b"x").unwrap();
-        assert!(matches!(
-            ledger.verify_statement(&edge_id, &chain, b"x", &rsa_pkcs1),
-            Err(StatementError::Scheme(_))
-        ));
-    }
-
-    #[test]
-    fn a_statement_is_not_a_tls_handshake_signature() {
-        // The signed bytes start with the statement's context, never TLS 1.3's 64 spaces.
-        assert!(!CONTEXT.starts_with(b" "));
-        assert!(CONTEXT.ends_with(b"\0"));
-    }
-}
