@@ -20,9 +20,14 @@
 //!   connection was lost: a restart breaks them all) is a ping, also a task of the pool's,
 //!   bounded by the round-trip timeout, once per connection per loss — not a ping per use
 //!   for a while, which under load keeps itself going.
-//! - **Waiting** is the caller's: FIFO, bounded by its own clock. A wait that timed out
-//!   because every connection was busy is load, and is said so ([`AcquireError::Busy`]);
-//!   it raises no suspicion, pings nothing, retires nothing.
+//! - **Waiting** is the caller's: FIFO (a charge under way in a queue of its own, served
+//!   before charges waiting to start: [`Queue::Front`]), bounded by its own clock — and, while connections are being given
+//!   back, by nothing else: a queue that moves is load the caller's deadline can absorb
+//!   (refusing it early refused charges that would have been served in time). Only a wait
+//!   during which no connection came back for the caller's patience ends early: the
+//!   database stalled, or every connection is stuck. A wait that ended because every
+//!   connection was busy is load, and is said so ([`AcquireError::Busy`]); it raises no
+//!   suspicion, pings nothing, retires nothing.
 //!
 //! # What shrinks the pool, and why none of it feeds itself
 //!
@@ -95,7 +100,7 @@ struct Pooled {
 #[derive(Debug, thiserror::Error)]
 pub enum AcquireError {
     /// Every connection was busy until the caller stopped waiting: load, not a fault.
-    #[error("every database connection is busy; none came free within the acquire timeout")]
+    #[error("every database connection is busy, and none came back within the acquire timeout")]
     Busy,
     /// Openings were failing (the server down, restarting, or a standby now) while the
     /// caller waited; the last failure.
@@ -105,6 +110,16 @@ pub enum AcquireError {
     /// database): said at once.
     #[error("Postgres refused a connection: {0}")]
     Refused(sqlx::Error),
+}
+
+/// Where a caller joins the queue of callers waiting for a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Queue {
+    /// Behind everyone waiting: a new charge, a read.
+    Back,
+    /// Ahead of them: a charge whose processor has answered, recording the outcome (its
+    /// key is held meanwhile; a charge waiting to start has held nothing yet).
+    Front,
 }
 
 /// What a waiting caller is handed.
@@ -148,6 +163,14 @@ struct State {
     verifying: usize,
     /// Callers waiting, oldest first; a dropped receiver is a caller that gave up.
     waiters: VecDeque<oneshot::Sender<Handoff>>,
+    /// Callers waiting at the front ([`Queue::Front`]), oldest first: served before
+    /// `waiters`.
+    first_waiters: VecDeque<oneshot::Sender<Handoff>>,
+    /// Connections given back so far (to a waiter or idle): whether the queue moves.
+    handovers: u64,
+    /// How long a use holds a connection, on average (an exponential average, in
+    /// seconds): with the pool's size, the pace at which the queue moves.
+    mean_hold: f64,
     /// When a connection was last lost (or could not be opened): a connection whose
     /// `last_ok` is older is verified before use.
     lost_at: Option<Instant>,
@@ -159,7 +182,8 @@ impl State {
     /// Callers still waiting (dropping those that gave up).
     fn live_waiters(&mut self) -> usize {
         self.waiters.retain(|w| !w.is_closed());
-        self.waiters.len()
+        self.first_waiters.retain(|w| !w.is_closed());
+        self.waiters.len() + self.first_waiters.len()
     }
 }
 
@@ -205,6 +229,9 @@ impl Pool {
                     opening: 0,
                     verifying: 0,
                     waiters: VecDeque::new(),
+                    first_waiters: VecDeque::new(),
+                    handovers: 0,
+                    mean_hold: 0.0,
                     lost_at: None,
                     last_open_error: None,
                 }),
@@ -214,11 +241,19 @@ impl Pool {
         }
     }
 
-    /// A connection, waiting until `by` at the latest. Giving up (the caller's future
-    /// dropped, or `by` passed) cancels only the wait: an opening or verification this
+    /// A connection, waiting until `by` at the latest, and no longer than `patience`
+    /// while no connection is given back to anyone (see the module docs); queued at the
+    /// back or, for a charge's second phase, at the front. Giving up (the caller's future
+    /// dropped, or the wait over) cancels only the wait: an opening or verification this
     /// wait started goes on, and its connection goes to the next caller or the idle stack.
-    pub async fn acquire(&self, by: Instant) -> Result<Checkout, AcquireError> {
+    pub async fn acquire(
+        &self,
+        by: Instant,
+        patience: Duration,
+        queue: Queue,
+    ) -> Result<Checkout, AcquireError> {
         let began = Instant::now();
+        let mut handovers;
         let receiver = {
             let mut state = self.shared.lock();
             loop {
@@ -237,17 +272,50 @@ impl Pool {
                     }
                 }
             }
+            // A wait the queue's pace says would outlast `by` is not begun: load, said now
+            // rather than at `by` (the edge learns from it sooner, and nothing below it
+            // holds the call meanwhile).
+            let ahead = match queue {
+                Queue::Back => state.first_waiters.len() + state.waiters.len(),
+                Queue::Front => state.first_waiters.len(),
+            };
+            let pace = state.mean_hold / self.shared.options.max_size.max(1) as f64;
+            if state.open >= self.shared.options.max_size
+                && began + Duration::from_secs_f64(pace * (ahead + 1) as f64) > by
+            {
+                return Err(AcquireError::Busy);
+            }
             let (sender, receiver) = oneshot::channel();
-            state.waiters.push_back(sender);
+            match queue {
+                Queue::Back => state.waiters.push_back(sender),
+                Queue::Front => state.first_waiters.push_back(sender),
+            }
+            handovers = state.handovers;
             self.shared.open_for_waiters(&mut state);
             receiver
         };
-        match tokio::time::timeout_at(by, receiver).await {
+        let mut receiver = receiver;
+        let waited = loop {
+            let slice = by.min(Instant::now() + patience);
+            match tokio::time::timeout_at(slice, &mut receiver).await {
+                Ok(handed) => break Ok(handed),
+                Err(_) if slice >= by => break Err(()),
+                Err(_) => {
+                    // Patience spent: wait on only while the queue moves.
+                    let state = self.shared.lock();
+                    if state.handovers == handovers {
+                        break Err(());
+                    }
+                    handovers = state.handovers;
+                }
+            }
+        };
+        match waited {
             Ok(Ok(Ok(pooled))) => Ok(Checkout::new(pooled.take(), self.clone())),
             Ok(Ok(Err(refused))) => Err(AcquireError::Refused(unshare(&refused))),
             // The sender is only dropped with the pool.
             Ok(Err(_)) => Err(AcquireError::Busy),
-            Err(_) => {
+            Err(()) => {
                 // Openings failing while this caller waited: the database's fault;
                 // otherwise every connection was busy.
                 let state = self.shared.lock();
@@ -295,6 +363,17 @@ impl Pool {
                 let _ = tokio::time::timeout(bound, pooled.conn.close()).await;
             });
         }
+    }
+
+    /// A use held a connection for `held`: folded into the pace of the queue.
+    fn held(&self, held: Duration) {
+        let mut state = self.shared.lock();
+        let held = held.as_secs_f64();
+        state.mean_hold = if state.mean_hold == 0.0 {
+            held
+        } else {
+            state.mean_hold * 0.95 + held * 0.05
+        };
     }
 
     /// Takes `pooled` back after a clean use: to the first caller waiting, or idle.
@@ -356,8 +435,13 @@ impl Shared {
     /// Gives `pooled` to the first caller still waiting, or puts it idle.
     fn hand_over(self: &Arc<Self>, pooled: Pooled) {
         let mut state = self.lock();
+        state.handovers += 1;
         let mut pooled = pooled;
-        while let Some(waiter) = state.waiters.pop_front() {
+        while let Some(waiter) = state
+            .first_waiters
+            .pop_front()
+            .or_else(|| state.waiters.pop_front())
+        {
             let in_transit = InTransit {
                 pooled: Some(pooled),
                 shared: Arc::clone(self),
@@ -411,7 +495,8 @@ impl Shared {
                     state.last_open_error = Some((Instant::now(), Arc::clone(&error)));
                     if !transient {
                         state.opening -= 1;
-                        for waiter in state.waiters.drain(..) {
+                        let state = &mut *state;
+                        for waiter in state.first_waiters.drain(..).chain(state.waiters.drain(..)) {
                             let _ = waiter.send(Err(Arc::clone(&error)));
                         }
                         return;
@@ -513,6 +598,8 @@ pub fn opening_may_succeed_later(error: &sqlx::Error) -> bool {
 pub struct Checkout {
     /// The pooled connection; taken only by `drop`.
     pooled: Option<Pooled>,
+    /// When it was handed out: how long a use holds a connection paces the queue.
+    since: Instant,
     /// Where it goes back.
     pool: Pool,
     /// Whether the connection's state is known to be clean.
@@ -523,6 +610,7 @@ impl Checkout {
     fn new(pooled: Pooled, pool: Pool) -> Self {
         Self {
             pooled: Some(pooled),
+            since: Instant::now(),
             pool,
             settled: false,
         }
@@ -545,6 +633,7 @@ impl Drop for Checkout {
         let Some(pooled) = self.pooled.take() else {
             return;
         };
+        self.pool.held(self.since.elapsed());
         if self.settled {
             // Back with no I/O.
             self.pool.release(pooled);

@@ -62,14 +62,17 @@
 //!
 //! # When the database or this process misbehaves
 //!
-//! - **Postgres down or restarting**: waiting for a connection is bounded by
-//!   `acquire_timeout` (the pool keeps opening connections on its own clock: see
-//!   [`crate::pool`]), answered UNAVAILABLE, retried by the edge under its budget. A
+//! - **Postgres down or restarting**: a wait for a connection during which none comes
+//!   back is bounded by `acquire_timeout` (the pool keeps opening connections on its own
+//!   clock: see [`crate::pool`]), answered UNAVAILABLE, retried by the edge under its
+//!   budget. A
 //!   connection a restart broke fails its statement ([`StoreError::Lost`]); every other
 //!   connection last seen working before then is pinged once before its next use.
-//! - **Overload**: a wait for a connection that ends because all were busy is
-//!   [`StoreError::Busy`] — refused as an overloaded service refuses, nothing about the
-//!   pool changed.
+//! - **Overload**: while connections keep coming back, a charge waits for one as long as
+//!   its deadline allows (charges under way ahead of new ones): queueing is not a fault;
+//!   one whose wait the queue's pace says would outlast its deadline is refused at once.
+//!   Either is [`StoreError::Busy`] — refused as an overloaded service refuses, nothing
+//!   about the pool changed.
 //! - **A statement unanswered** (a frozen or unreachable server): every round trip is
 //!   bounded by the ledger's clock ([`StoreOptions::round_trip_timeout`]); past it,
 //!   UNAVAILABLE and the connection is closed. The server's own `statement_timeout` and
@@ -98,7 +101,7 @@ use uuid::Uuid;
 
 use crate::{
     key_locks::KeyLocks,
-    pool::{AcquireError, Checkout, Pool, PoolOptions},
+    pool::{AcquireError, Checkout, Pool, PoolOptions, Queue},
     primary::{Hosts, Primary},
 };
 
@@ -396,7 +399,9 @@ impl From<sqlx::Error> for StoreError {
 pub struct StoreOptions {
     /// Connections in the pool.
     pub pool_size: u32,
-    /// Longest wait for a connection; past it, UNAVAILABLE.
+    /// Longest wait for a connection while none comes back to the pool (a stalled or
+    /// unreachable database); past it, UNAVAILABLE. While connections come back, a wait
+    /// lasts as long as the call's deadline allows.
     pub acquire_timeout: Duration,
     /// Longest one opening of a connection may take; the pool's own bound, never a
     /// caller's (see [`crate::pool`]).
@@ -733,7 +738,8 @@ impl KeyStore {
         loop {
             let by =
                 tokio::time::Instant::now() + options.acquire_timeout.max(options.connect_timeout);
-            let migrated = match pool.acquire(by).await {
+            let patience = by.saturating_duration_since(tokio::time::Instant::now());
+            let migrated = match pool.acquire(by, patience, Queue::Back).await {
                 Ok(mut conn) => {
                     // Bounded, so a database that freezes mid-migration fails the start
                     // (the unsettled connection is closed, and its locks with it). The
@@ -963,7 +969,7 @@ impl KeyStore {
             loop {
                 tokio::time::sleep(LEASE / 3).await;
                 let renewed = self
-                    .with_connection(Deadline::after(LEASE / 3), async |conn, rt| {
+                    .finishing(Deadline::after(LEASE / 3), async |conn, rt| {
                         rt.bound(
                             "renewing the key's lease",
                             sqlx::query(RENEW)
@@ -1053,9 +1059,11 @@ impl KeyStore {
                 let charge_id = Uuid::new_v4();
                 let patience = Deadline::after(PHASE_TWO_PATIENCE);
                 let finished = loop {
+                    // Each try waits for a connection while the pool's queue moves, within
+                    // patience; one that ends because none came back is tried again.
                     let finished = self
-                        .with_connection(
-                            Deadline::after(self.acquire_timeout + self.round_trip_timeout),
+                        .finishing(
+                            patience,
                             async |conn, rt| {
                                 rt.bound(
                                     "recording the charge",
@@ -1110,7 +1118,7 @@ impl KeyStore {
             Processed::Failed(status) => {
                 // Best effort: if the release is lost, the lease passes by itself.
                 let _ = self
-                    .with_connection(phase_two, async |conn, rt| {
+                    .finishing(phase_two, async |conn, rt| {
                         rt.bound(
                             "releasing the key",
                             sqlx::query(RELEASE)
@@ -1131,7 +1139,7 @@ impl KeyStore {
     async fn fail(&self, charge: &Charge<'_>, status: &tonic::Status) -> Result<bool, StoreError> {
         let phase_two = Deadline::after(self.acquire_timeout + self.round_trip_timeout);
         let failed = self
-            .with_connection(phase_two, async |conn, rt| {
+            .finishing(phase_two, async |conn, rt| {
                 rt.bound(
                     "saving the processor's refusal",
                     sqlx::query(FAIL)
@@ -1297,7 +1305,7 @@ impl KeyStore {
         charge: &ProcessorCharge,
         deadline: Deadline,
     ) -> Result<i64, StoreError> {
-        self.with_connection(deadline, async |conn, rt| {
+        self.finishing(deadline, async |conn, rt| {
             rt.bound(
                 "the processor's record",
                 sqlx::query_scalar::<_, i64>(
@@ -1325,7 +1333,9 @@ impl KeyStore {
         retention: Duration,
         batch: i64,
     ) -> Result<u64, StoreError> {
-        let mut conn = self.acquire(Deadline::after(self.acquire_timeout)).await?;
+        let mut conn = self
+            .acquire(Deadline::after(self.acquire_timeout), Queue::Back)
+            .await?;
         let purge = async {
             let mut purged = 0;
             for statement in [
@@ -1381,7 +1391,7 @@ impl KeyStore {
         result.map_err(|error| self.noted(error))
     }
 
-    /// `work` on a pooled connection taken within `deadline` (and the acquire timeout),
+    /// `work` on a pooled connection taken within `deadline` (see [`Self::acquire`]),
     /// under the round-trip bound; the connection goes back if the work ended in a known
     /// state, and is closed otherwise.
     async fn with_connection<T>(
@@ -1389,7 +1399,28 @@ impl KeyStore {
         deadline: Deadline,
         work: impl AsyncFnOnce(&mut PgConnection, RoundTrip<'_>) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
-        let mut conn = self.acquire(deadline).await?;
+        self.with_connection_from(deadline, Queue::Back, work).await
+    }
+
+    /// [`Self::with_connection`] for a charge under way (its key claimed: the lease
+    /// renewed, the processor's record, the outcome recorded): ahead of the charges
+    /// waiting to start, which hold nothing yet.
+    async fn finishing<T>(
+        &self,
+        deadline: Deadline,
+        work: impl AsyncFnOnce(&mut PgConnection, RoundTrip<'_>) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        self.with_connection_from(deadline, Queue::Front, work)
+            .await
+    }
+
+    async fn with_connection_from<T>(
+        &self,
+        deadline: Deadline,
+        queue: Queue,
+        work: impl AsyncFnOnce(&mut PgConnection, RoundTrip<'_>) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let mut conn = self.acquire(deadline, queue).await?;
         let rt = RoundTrip {
             limit: self.round_trip_timeout,
             times: &self.gauges.round_trips,
@@ -1399,17 +1430,21 @@ impl KeyStore {
         result.map_err(|error| self.noted(error))
     }
 
-    /// A pooled connection within the deadline and the acquire timeout. Openings that
-    /// fail (the server down, restarting, or a standby now) are tried again by the pool
-    /// while callers wait: a restart shorter than the acquire timeout costs a wait, not an
-    /// error. A wait that ends because every connection was busy is load:
-    /// [`StoreError::Busy`], with nothing about the pool changed.
-    async fn acquire(&self, deadline: Deadline) -> Result<Checkout, StoreError> {
+    /// A pooled connection within the deadline: while connections come back (a busy
+    /// database, a queue that moves) the wait lasts as long as the deadline allows — and
+    /// a wait the queue's pace says would not end in time is not begun; when none has come
+    /// back for the acquire timeout it ends there (a stalled or unreachable database is
+    /// said fast). Openings that fail (the server down, restarting, or a standby now) are
+    /// tried again by the pool while callers wait: a restart shorter than the acquire
+    /// timeout costs a wait, not an error. A wait that ends (or is not begun) because
+    /// every connection was busy is load: [`StoreError::Busy`], with nothing about the
+    /// pool changed.
+    async fn acquire(&self, deadline: Deadline, queue: Queue) -> Result<Checkout, StoreError> {
         let waiting = Waiting::enter(&self.gauges.acquiring);
-        let by = deadline
-            .instant()
-            .min(tokio::time::Instant::now() + self.acquire_timeout);
-        let acquired = self.pool.acquire(by).await;
+        let acquired = self
+            .pool
+            .acquire(deadline.instant(), self.acquire_timeout, queue)
+            .await;
         drop(waiting);
         let error = match acquired {
             Ok(conn) => return Ok(conn),

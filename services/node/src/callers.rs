@@ -297,6 +297,27 @@ impl<F: Future> Future for Held<F> {
     }
 }
 
+/// The key a caller's fair share of admission goes by at the edge
+/// (`resilience::admission`), read before anything is verified, so that a refusal costs
+/// nothing more: the caller's bearer token as sent (a forged one gets its own share, and
+/// is refused UNAUTHENTICATED microseconds later), else its client certificate's identity,
+/// else — a plaintext caller without credentials — its connection: a client with k
+/// connections holds k shares (at most `--max-connections-per-peer` of them).
+pub fn fair_key(
+    headers: &http::HeaderMap,
+    extensions: &http::Extensions,
+) -> Option<resilience::CallerKey> {
+    if let Some(token) = headers.get(AUTHORIZATION) {
+        return Some(resilience::CallerKey::of(token.as_bytes()));
+    }
+    if let Some(PeerIdentity(Some(identity))) = extensions.get::<PeerIdentity>() {
+        return Some(resilience::CallerKey::of(identity.as_str()));
+    }
+    extensions
+        .get::<crate::h2::ConnectionId>()
+        .map(|connection| resilience::CallerKey::of(connection.0))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

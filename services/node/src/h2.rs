@@ -37,6 +37,19 @@ use retrychain_tls::Tls;
 /// The longest a TLS handshake may take on an accepted connection before it is closed.
 pub const HANDSHAKE_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
 
+/// The connection a request came on, a number unique in this process: in every request's
+/// extensions, so that callers without credentials can still be told apart (a plaintext
+/// edge's fair shares: `crate::callers::fair_key`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ConnectionId(pub u64);
+
+impl ConnectionId {
+    fn next() -> Self {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        Self(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+    }
+}
+
 /// The HTTP/2 settings of a port that faces untrusted clients (docs/contract.md's table).
 #[derive(Debug, Clone, Copy)]
 pub struct Http2Settings {
@@ -114,12 +127,15 @@ pub async fn serve_h2<I, IO, S, B, F>(
             },
         };
         let (stopping, open) = (stop.subscribe(), open.clone());
+        let connection_id = ConnectionId::next();
         let Some(tls) = &tls else {
-            let service = TowerToHyperService::new(
-                service
-                    .clone()
-                    .map_request(|request: http::Request<Incoming>| request.map(Body::new)),
-            );
+            let service = TowerToHyperService::new(service.clone().map_request(
+                move |request: http::Request<Incoming>| {
+                    let mut request = request.map(Body::new);
+                    request.extensions_mut().insert(connection_id);
+                    request
+                },
+            ));
             let connection = builder.serve_connection(TokioIo::new(io), service);
             tokio::spawn(async move {
                 let _open = open;
@@ -159,6 +175,7 @@ pub async fn serve_h2<I, IO, S, B, F>(
                 move |request: http::Request<Incoming>| {
                     let mut request = request.map(Body::new);
                     request.extensions_mut().insert(peer.clone());
+                    request.extensions_mut().insert(connection_id);
                     request
                 },
             ));

@@ -167,14 +167,17 @@ pub enum ServeError {
 /// The public stack (served on hyper directly, [`crate::h2`]), outermost first:
 /// 1. tonic's `RecoverError`: a layer's refusal (a `Status` as its error) becomes the
 ///    gRPC answer.
+/// 2. `Admission` (`resilience::admission`), before any other work: a Payments call that
+///    could not be answered within its deadline (or `--latency-objective-ms`) at the
+///    rate this service drains its calls now is answered UNAVAILABLE (overloaded, with a
+///    pushback) at once — retries and hedges before first attempts, and at the edge
+///    callers over their fair share ([`crate::callers::fair_key`]) before those under
+///    it; health and reflection are not limited.
 ///    `Authorize` ([`crate::authz`]): over TLS, a Payments call from a caller the
 ///    service does not accept is UNAUTHENTICATED or PERMISSION_DENIED before any work.
 ///    `Identify` ([`crate::callers`], the edge only): the caller, from its bearer token or
 ///    certificate, written into `x-caller` for the chain; bad or missing credentials
 ///    UNAUTHENTICATED, a caller over its own limit RESOURCE_EXHAUSTED.
-/// 2. `Admission` (`resilience::admission`): a Payments call over the adaptive
-///    concurrency limit is answered UNAVAILABLE (overloaded, with a pushback) at once —
-///    retries and hedges before first attempts; health and reflection are not limited.
 ///    `MetadataLimit` ([`limits`]): RESOURCE_EXHAUSTED at once for too much metadata.
 /// 3. `DeadlineLayer`: every request gets its deadline (or `node.default_deadline`, or
 ///    its method's `timeout`), capped at `node.max_deadline`; a malformed timeout is
@@ -285,25 +288,32 @@ where
             .as_ref()
             .map_or(Accept::Anyone, |tls| tls.accept.clone()),
     );
+    let deadlines = DeadlineLayer::new(node.default_deadline, reserve)
+        .with_max(node.max_deadline)
+        .with_method_timeouts(Arc::clone(&node.policy));
+    let mut admission = AdmissionLayer::new(Arc::clone(&node.admission)).only_service(PAYMENTS);
+    admission = admission.deadlines(deadlines.clone());
+    if node.callers.is_some() {
+        // At the edge, callers' fair shares (credentials, else the connection).
+        admission = admission.keyed_by(Arc::new(crate::callers::fair_key));
+    }
     let service = ServiceBuilder::new()
         // A layer's refusal (a tonic Status as its error) becomes the gRPC answer.
         .layer(RecoverErrorLayer::new())
+        // First, and cheaply: a call that could not be answered within its deadline is
+        // refused at once, before its caller is authorised or its token verified (retries
+        // first; at the edge, callers over their fair share first).
+        .layer(admission)
         // Over TLS, a caller this service does not accept is refused before any work.
         .layer(AuthorizeLayer::new(accept, PAYMENTS))
         // At the edge: who the caller is (credentials refused here), and its own limit.
         .layer(CallersLayer::new(node.callers.clone(), PAYMENTS))
-        // Refuses, at once, a call over the concurrency limit (retries first) ...
-        .layer(AdmissionLayer::new(Arc::clone(&node.admission)).only_service(PAYMENTS))
-        // ... or with too much metadata.
+        // Too much metadata is refused too.
         .layer(tower::filter::FilterLayer::new(
             limits::MetadataLimit::check,
         ))
         // Every request's deadline, from its arrival.
-        .layer(
-            DeadlineLayer::new(node.default_deadline, reserve)
-                .with_max(node.max_deadline)
-                .with_method_timeouts(Arc::clone(&node.policy)),
-        )
+        .layer(deadlines)
         // A message over the size limit: RESOURCE_EXHAUSTED, as gRPC's own servers say.
         .layer(tower::layer::layer_fn(
             limits::OversizeAsResourceExhausted::new,

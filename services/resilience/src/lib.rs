@@ -25,9 +25,9 @@
 //!   peak-EWMA load, and a retry sent to a replica the call has not tried.
 //! - [`client`]: [`RetryLayer`], the engine's face: a tower layer over any tonic client,
 //!   and [`client::RetryCalls`] over an in-process service.
-//! - [`admission`]: [`ConcurrencyLimit`], the adaptive concurrency limit in front of a
-//!   server (Gradient2 over short windows), refusing at once what it cannot serve,
-//!   retries before first attempts.
+//! - [`admission`]: [`ConcurrencyLimit`], admission in front of a server: a call is
+//!   refused at once when, at the rate the server drains its calls now, it could not be
+//!   answered within its deadline; fairly between callers, retries before first attempts.
 //! - [`server_deadline`]: [`DeadlineLayer`], the tower layer that gives each server
 //!   request its deadline and answers DEADLINE_EXCEEDED (never CANCELLED) when it is spent.
 //! - [`propagate`]: [`PropagateDeadlineLayer`], which hands every downstream call the
@@ -51,7 +51,9 @@ pub mod service_config;
 pub mod throttle;
 pub mod wire;
 
-pub use admission::{AdmissionLayer, AdmissionSettings, ConcurrencyLimit, Priority};
+pub use admission::{
+    AdmissionLayer, AdmissionSettings, Ask, CallerKey, ConcurrencyLimit, KeyOf, Priority,
+};
 pub use backoff::{Backoff, BackoffKind, BackoffSchedule};
 pub use balance::{BalanceSettings, Balancer, Downstream, PerTryTimeout, Tried};
 pub use budget::RetryBudget;

@@ -144,6 +144,24 @@ impl DeadlineLayer {
             .unwrap_or(self.default_timeout)
     }
 
+    /// The timeout a request to `path` with these headers runs under — what it sent, or
+    /// its method's default, capped at the maximum — as this layer will apply it; `None`
+    /// when the header is malformed (the layer refuses the request). For a layer in front
+    /// of this one that must know a call's time before it is admitted.
+    pub fn timeout_for(&self, path: &str, headers: &http::HeaderMap) -> Option<Duration> {
+        let received = wire::timeout_of(headers).ok()?;
+        let timeout = received.unwrap_or_else(|| self.default_for(path));
+        Some(match self.max_timeout {
+            Some(max) => timeout.min(max),
+            None => timeout,
+        })
+    }
+
+    /// How long before the deadline a handler must answer.
+    pub fn reserve(&self) -> Duration {
+        self.reserve
+    }
+
     /// Caps every incoming deadline at `max` (as Envoy's `max_grpc_timeout` does): the
     /// request runs as if the caller had sent `max`.
     pub fn with_max(mut self, max: Duration) -> Self {

@@ -11,6 +11,10 @@ use resilience::{
 };
 use retrychain_node::{RetryMode, telemetry::LogFormat};
 
+/// The share of a call's time the edge lets it be predicted to take before refusing it:
+/// the rest is for the services below, so that what the edge admits they admit too.
+const EDGE_HEADROOM: f64 = 0.5;
+
 /// One service's command line, `edge|relay|ledger <flags>`: what the harness parses to
 /// start a service in process from the same argv it would give a child process.
 #[derive(Debug, Parser)]
@@ -172,21 +176,28 @@ pub struct ServiceArgs {
     /// they come (one client cannot take every slot).
     #[arg(long, env = "RETRYCHAIN_MAX_CONNECTIONS_PER_PEER", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_connections_per_peer: u32,
-    /// The most Payments calls served at once, over all connections: the ceiling of the
-    /// adaptive concurrency limit (which follows latency between --min-concurrency and
-    /// this), and the bound on the memory unfinished calls can hold. A call over the limit
-    /// is answered UNAVAILABLE at once, as overloaded, with grpc-retry-pushback-ms.
+    /// The most Payments calls served at once, over all connections: the bound on the
+    /// memory unfinished calls can hold. Below it a call is admitted while it can be
+    /// answered within its deadline at the rate this service drains its calls now (see
+    /// docs/overload.md); a call that cannot is answered UNAVAILABLE at once, as
+    /// overloaded, with grpc-retry-pushback-ms.
     #[arg(long, env = "RETRYCHAIN_MAX_IN_FLIGHT", default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_in_flight: u32,
-    /// The floor of the adaptive concurrency limit: it never sheds while fewer calls than
-    /// this are in flight (at most --max-in-flight: a lower ceiling lowers it too). Set it
-    /// equal to --max-in-flight for a fixed limit.
+    /// Up to this many Payments calls at once are always admitted, whatever is predicted
+    /// (at most --max-in-flight: a lower ceiling lowers it too). Set it equal to
+    /// --max-in-flight for a fixed limit.
     #[arg(long, env = "RETRYCHAIN_MIN_CONCURRENCY", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     pub min_concurrency: u32,
-    /// The adaptive concurrency limit before anything was measured (kept within
-    /// --min-concurrency and --max-in-flight).
+    /// The most calls at once before this service has measured how fast it drains them
+    /// (kept within --min-concurrency and --max-in-flight).
     #[arg(long, env = "RETRYCHAIN_INITIAL_CONCURRENCY", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
     pub initial_concurrency: u32,
+    /// A bound, in ms, on the time a call may be predicted to wait and be served here
+    /// before it is refused as overloaded, whatever its deadline: shorter queues, at the
+    /// price of refusing calls that a long deadline would have let wait. Unset: the
+    /// call's deadline alone decides.
+    #[arg(long, env = "RETRYCHAIN_LATENCY_OBJECTIVE_MS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub latency_objective_ms: Option<u64>,
     /// TLS: a directory holding tls.crt, tls.key and ca.crt (a Kubernetes TLS secret, as
     /// cert-manager writes it). With it, or the three files below, the public port speaks
     /// TLS 1.3 only, every downstream call is TLS with this service's certificate, and the
@@ -271,10 +282,13 @@ impl ServiceArgs {
         }
     }
 
-    /// The adaptive concurrency limit the flags describe: the floor and the starting
-    /// point kept under the ceiling (`--max-in-flight 4` alone is a fixed limit of 4).
+    /// The admission the flags describe: the floor and the starting point kept under the
+    /// ceiling (`--max-in-flight 4` alone is a fixed limit of 4). At the edge a call is
+    /// admitted only while it is predicted to take at most 80% of its time: the rest is the
+    /// services' below, which then admit what the edge did (docs/overload.md).
     pub fn admission(
         &self,
+        edge: bool,
     ) -> Result<resilience::AdmissionSettings, resilience::admission::InvalidAdmission> {
         let max = self.max_in_flight as usize;
         let min = (self.min_concurrency as usize).min(max);
@@ -282,6 +296,9 @@ impl ServiceArgs {
             min_limit: min,
             max_limit: max,
             initial_limit: (self.initial_concurrency as usize).clamp(min, max.max(min)),
+            headroom: if edge { EDGE_HEADROOM } else { 1.0 },
+            door: edge,
+            latency_objective: self.latency_objective_ms.map(Duration::from_millis),
             ..resilience::AdmissionSettings::default()
         }
         .validated()
@@ -532,8 +549,10 @@ pub struct LedgerArgs {
     /// Database connections.
     #[arg(long, env = "RETRYCHAIN_DB_POOL_SIZE", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
     pub db_pool_size: u32,
-    /// Longest wait for a database connection (opening one included), in ms; past it a call
-    /// answers UNAVAILABLE at once instead of holding the chain until its deadline.
+    /// Longest wait for a database connection (opening one included) during which no
+    /// connection comes back to the pool, in ms; past it a call answers UNAVAILABLE at once
+    /// instead of holding the chain until its deadline. While connections come back (a
+    /// busy database), a call waits as long as its deadline allows.
     #[arg(long, env = "RETRYCHAIN_DB_ACQUIRE_TIMEOUT_MS", default_value_t = 250, value_parser = clap::value_parser!(u64).range(1..))]
     pub db_acquire_timeout_ms: u64,
     /// Longest one opening of a database connection may take, in ms. The pool opens
@@ -767,6 +786,7 @@ impl ServiceArgs {
         );
         push(args, "--max-in-flight", Some(self.max_in_flight));
         push(args, "--min-concurrency", Some(self.min_concurrency));
+        push(args, "--latency-objective-ms", self.latency_objective_ms);
         push(
             args,
             "--initial-concurrency",
@@ -865,6 +885,7 @@ mod tests {
         s.tls_key = Some("/tmp/tls/a.key".into());
         s.tls_ca = Some("/tmp/tls/ca.pem".into());
         s.tls_accept = Some("spiffe://retrychain/hop4".into());
+        s.latency_objective_ms = Some(250);
         let mut argv = ledger.to_args();
         assert!(!argv.iter().any(|a| a.contains("postgres://")), "{argv:?}");
         argv.extend(["--database-url".to_owned(), "postgres://x@h/db".to_owned()]);

@@ -368,7 +368,7 @@ fn node(
     statements: Statements,
 ) -> anyhow::Result<Arc<Node>> {
     let admission = service
-        .admission()
+        .admission(callers.is_some())
         .map_err(|error| anyhow::anyhow!("--min-concurrency / --max-in-flight: {error}"))?;
     Ok(Arc::new(Node::new(NodeConfig {
         name,
