@@ -940,6 +940,14 @@ where
                 let answer = std::task::ready!(future.poll(cx));
                 if let (Ok(response), Some(admitted)) = (&answer, admitted.take()) {
                     let headers = response.headers();
+                    if response
+                        .extensions()
+                        .get::<crate::server_deadline::Unserved>()
+                        .is_some()
+                    {
+                        // Never served (its body never came): no sample.
+                        return Poll::Ready(answer.map_err(Into::into));
+                    }
                     match Status::from_header_map(headers).map(|status| status.code()) {
                         // A caller that left, or a call refused before any work (its
                         // credentials, its deadline header, its method), says nothing

@@ -99,6 +99,13 @@ impl IncomingDeadline {
     }
 }
 
+/// Marks an answer this layer made itself because no handler took the request before its
+/// deadline (its body never arrived): it says nothing about how fast the server serves,
+/// and admission does not take its time as a sample (a client that never finishes its
+/// bodies would otherwise teach the server that every call takes its whole deadline).
+#[derive(Debug, Clone, Copy)]
+pub struct Unserved;
+
 /// Applies deadlines to every request of a server; see the module docs.
 #[derive(Debug, Clone)]
 pub struct DeadlineLayer {
@@ -235,10 +242,12 @@ where
                 // Dropping the inner future (done by whoever drops this one) stops reading
                 // the request's body.
                 answer_by.poll(cx).map(|()| {
-                    Ok(Status::deadline_exceeded(format!(
+                    let mut response = Status::deadline_exceeded(format!(
                         "the deadline of {timeout:?} passed before the request was answered (or before its body had arrived)"
                     ))
-                    .into_http())
+                    .into_http();
+                    response.extensions_mut().insert(Unserved);
+                    Ok(response)
                 })
             }
             ResponseProj::Refused { response } => match response.take() {
