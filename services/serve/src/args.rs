@@ -13,7 +13,7 @@ use retrychain_node::{RetryMode, telemetry::LogFormat};
 
 /// The share of a call's time the edge lets it be predicted to take before refusing it:
 /// the rest is for the services below, so that what the edge admits they admit too.
-const EDGE_HEADROOM: f64 = 0.5;
+const EDGE_HEADROOM: f64 = 0.25;
 
 /// One service's command line, `edge|relay|ledger <flags>`: what the harness parses to
 /// start a service in process from the same argv it would give a child process.
