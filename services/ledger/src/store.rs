@@ -1410,8 +1410,18 @@ impl KeyStore {
         deadline: Deadline,
         work: impl AsyncFnOnce(&mut PgConnection, RoundTrip<'_>) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
+        // The deadline here is the store's own bound on finishing, not a caller's: a wait
+        // for a connection that outlasted it is the database not keeping up (a stall, a
+        // queue that moved too slowly), said as such — UNAVAILABLE, never the caller's
+        // DEADLINE_EXCEEDED.
         self.with_connection_from(deadline, Queue::Front, work)
             .await
+            .map_err(|error| match error {
+                StoreError::DeadlineWhileWaiting(what) => StoreError::Unavailable(format!(
+                    "the database gave no connection in time ({what})"
+                )),
+                other => other,
+            })
     }
 
     async fn with_connection_from<T>(
