@@ -18,9 +18,10 @@
 //!
 //! **Per-caller limits.** An identified caller may hold at most
 //! [`CallersSettings::max_in_flight`] calls at the edge at once; past that its next call is
-//! RESOURCE_EXHAUSTED at once, with a pushback, so one caller cannot take the whole
-//! adaptive limit (`resilience::admission`) from the others. The anonymous caller has no
-//! such limit: on an edge that admits it, callers are not told apart.
+//! RESOURCE_EXHAUSTED at once, with a pushback: a fixed bound beside admission's fair
+//! shares (`resilience::admission`, keyed by [`fair_key`]), which follow what the chain
+//! can answer in time. The anonymous caller has no fixed bound; its share goes by its
+//! connection.
 
 use std::{
     collections::HashMap,

@@ -22,7 +22,7 @@
 //! | `ledger_in_flight_waits_total` | counter | duplicates that waited for their key |
 //! | `ledger_db_connections{state="in_use"\|"idle"}`, `ledger_db_acquires_waiting` | gauge | the ledger's pool |
 //! | `ledger_db_round_trip_seconds` | histogram | each database round trip of a request |
-//! | `concurrency_limit`, `in_flight` | gauge | the adaptive concurrency limit now, and the Payments calls being served |
+//! | `concurrency_limit`, `in_flight` | gauge | how many calls at once fit the last call's budget now (admission's concurrency), and the Payments calls being served |
 //! | `shed_total{attempt="first"\|"retry"}` | counter | calls refused as overloaded (Stats `shed`, `shed_retries`) |
 //! | `shed_seconds` | histogram | how long each refusal took to answer |
 //! | `ledger_processor_conflicts_total` | counter | Stats `processor_conflicts` |

@@ -46,7 +46,8 @@ pub struct Node {
     pub downstream: std::sync::OnceLock<resilience::Balancer>,
     /// Bounds on the public port's connections.
     pub connection_limits: limits::ConnectionLimits,
-    /// The adaptive concurrency limit on Payments calls (`resilience::admission`).
+    /// Admission of Payments calls (`resilience::admission`): by deadline at the edge, by
+    /// the memory bound behind it.
     pub admission: Arc<ConcurrencyLimit>,
     /// The public port's TLS and who may call; `None`: plaintext.
     pub tls: Option<crate::authz::ServerTls>,

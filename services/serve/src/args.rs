@@ -372,8 +372,8 @@ pub struct HopArgs {
     #[arg(long, env = "RETRYCHAIN_CALLERS", value_enum)]
     pub callers: Option<CallersArg>,
     /// The edge: the most calls one identified caller may hold at once; past it,
-    /// RESOURCE_EXHAUSTED with a pushback. Keep it under the edge's adaptive limit so
-    /// that one caller cannot hold all of it.
+    /// RESOURCE_EXHAUSTED with a pushback: a fixed bound beside admission's fair shares,
+    /// which follow what the chain can answer in time.
     #[arg(long, env = "RETRYCHAIN_CALLER_MAX_IN_FLIGHT", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
     pub caller_max_in_flight: u32,
     /// The longest one attempt may take at one replica, in ms; past it the attempt fails
