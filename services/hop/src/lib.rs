@@ -225,9 +225,10 @@ impl Hop {
         }
     }
 
-    /// At the edge, the signed statement that the call's authenticated caller (the
-    /// `callers` layer put it in `extensions`) makes `call`, written into `outgoing`; a
-    /// relay passes on the edge's ([`Hop::outgoing`]).
+    /// At the edge (its handlers call it there alone: a relay passes on the edge's
+    /// statement in [`Hop::outgoing`] and copies nothing for it), the signed statement
+    /// that the call's authenticated caller (the `callers` layer put it in `extensions`)
+    /// makes `call`, written into `outgoing`.
     fn state_caller<U>(
         &self,
         extensions: &http::Extensions,
@@ -235,9 +236,6 @@ impl Hop {
         call: Call<'_>,
         outgoing: &mut Request<U>,
     ) -> Result<(), Status> {
-        if self.role != Role::Edge {
-            return Ok(());
-        }
         let anonymous = Caller::anonymous();
         let caller = extensions.get::<Caller>().unwrap_or(&anonymous);
         let key = outgoing
@@ -408,17 +406,19 @@ impl Payments for Hop {
                 // Bad input fails here, not five hops down (and is never retried).
                 AccountId::parse(&outgoing.get_ref().account_id)?;
                 AmountCents::parse(outgoing.get_ref().amount_cents)?;
-                let (account, amount) = {
-                    let message = outgoing.get_ref();
-                    (message.account_id.clone(), message.amount_cents)
-                };
-                let call = Call {
-                    method: "Charge",
-                    key: None,
-                    account: &account,
-                    amount: Some(amount),
-                };
-                self.state_caller(&extensions, &scope, call, &mut outgoing)?;
+                if self.role == Role::Edge {
+                    let (account, amount) = {
+                        let message = outgoing.get_ref();
+                        (message.account_id.clone(), message.amount_cents)
+                    };
+                    let call = Call {
+                        method: "Charge",
+                        key: None,
+                        account: &account,
+                        amount: Some(amount),
+                    };
+                    self.state_caller(&extensions, &scope, call, &mut outgoing)?;
+                }
                 relay(self.downstream.clone().charge(outgoing).await)
             })
             .await
@@ -434,14 +434,16 @@ impl Payments for Hop {
             .run(async {
                 let mut outgoing = self.outgoing(&incoming, &scope, false, message)?;
                 AccountId::parse(&outgoing.get_ref().account_id)?;
-                let account = outgoing.get_ref().account_id.clone();
-                let call = Call {
-                    method: "GetAccount",
-                    key: None,
-                    account: &account,
-                    amount: None,
-                };
-                self.state_caller(&extensions, &scope, call, &mut outgoing)?;
+                if self.role == Role::Edge {
+                    let account = outgoing.get_ref().account_id.clone();
+                    let call = Call {
+                        method: "GetAccount",
+                        key: None,
+                        account: &account,
+                        amount: None,
+                    };
+                    self.state_caller(&extensions, &scope, call, &mut outgoing)?;
+                }
                 relay(self.downstream.clone().get_account(outgoing).await)
             })
             .await
