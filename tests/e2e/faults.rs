@@ -932,8 +932,8 @@ async fn raw_charge(addr: &str, body: Vec<u8>) -> tonic::Status {
     .expect_err("refused")
 }
 
-/// What a hostile or careless caller can send, at the edge and straight at the ledger:
-/// each gets its documented code and nothing is written.
+/// What a hostile or careless caller can send, at the edge and straight at each service
+/// below it: each gets its documented code and nothing is written.
 #[tokio::test]
 async fn hostile_input_gets_its_documented_code_and_writes_nothing() {
     let chain = Chain::spawn(Options::default()).await;
@@ -1063,10 +1063,12 @@ async fn hostile_input_gets_its_documented_code_and_writes_nothing() {
             Code::ResourceExhausted,
         ),
     ];
-    for (target, addr) in [
-        ("edge", &chain.addrs[EDGE]),
-        ("ledger", &chain.addrs[LEDGER]),
-    ] {
+    // Every service, the relays too: they forward a message unread, and what they pass on
+    // is refused by the ledger, which decodes it, with the same code.
+    for (target, addr) in ["edge", "hop2", "hop3", "hop4", "ledger"]
+        .into_iter()
+        .zip(&chain.addrs)
+    {
         let mut client = PaymentsClient::new(connect(addr).await);
         for (what, message, metadata, code) in &cases {
             let mut request = tonic::Request::new(message.clone());
@@ -1087,10 +1089,14 @@ async fn hostile_input_gets_its_documented_code_and_writes_nothing() {
             let status = client.charge(request).await.expect_err(what);
             assert_eq!(status.code(), *code, "{target}, {what}: {status:?}");
         }
-        // Bytes that are not a protobuf: gRPC's code for an unparsable request is INTERNAL
-        // (grpc/doc/statuscodes.md), answered by tonic before any handler runs.
+        // Bytes that are not a protobuf: the request is at fault, INVALID_ARGUMENT where it
+        // is first decoded (the edge; the ledger for the relays, which forward it unread).
         let status = raw_charge(addr, vec![0xff, 0xff, 0xff, 0xff]).await;
-        assert_eq!(status.code(), Code::Internal, "{target}: {status:?}");
+        assert_eq!(status.code(), Code::InvalidArgument, "{target}: {status:?}");
+        assert!(
+            status.message().contains("not a valid message"),
+            "{target}: {status:?}"
+        );
     }
     assert_eq!(row_counts(&url).await, (0, 0, 0), "nothing written");
 

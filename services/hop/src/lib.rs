@@ -15,10 +15,16 @@
 //! client (grpc-go, grpc-java, gRPC core) obeys a negative pushback by not retrying, and one
 //! that retries anyway gets a single attempt per retry instead of another round.
 //!
-//! A hop is a tonic client with layers: the handler validates, builds the downstream call
-//! and relays the answer; the [`Downstream`] stack does the rest — every call gets a
+//! A hop is a tonic client with layers: the handler builds the downstream call and relays
+//! the answer; the [`Downstream`] stack does the rest — every call gets a
 //! strictly shorter deadline than the one received, the same idempotency key, the same
 //! trace id, and the retry policy of the request's [`Plan`].
+//!
+//! The edge decodes each message ([`Payments`]): it refuses bad input before anything
+//! below works on it, and signs a statement of the call's caller, account and amount. A
+//! relay forwards the message as the bytes it came in
+//! ([`retrychain_proto::passthrough`]): it acts on metadata alone, and the ledger decodes
+//! the message again before it acts on it.
 
 use std::{
     sync::Arc,
@@ -26,6 +32,7 @@ use std::{
     time::Duration,
 };
 
+use bytes::Bytes;
 use resilience::{
     Balancer, PropagateDeadlineLayer, RetryLayer, ServiceConfig, balance::PerTryTimeout,
     client::RetryService, propagate::PropagateDeadline, wire,
@@ -37,9 +44,12 @@ use retrychain_node::{
     statement::{CALLER_SIGNER, CALLER_STATEMENT, Call},
     telemetry::{InjectTrace, InjectTraceLayer},
 };
-use retrychain_proto::v1::{
-    Account, ChargeReply, ChargeRequest, GetAccountRequest, payments_client::PaymentsClient,
-    payments_server::Payments,
+use retrychain_proto::{
+    passthrough,
+    v1::{
+        Account, ChargeReply, ChargeRequest, GetAccountRequest, payments_client::PaymentsClient,
+        payments_server::Payments,
+    },
 };
 use tonic::{
     Request, Response, Status,
@@ -210,17 +220,21 @@ pub struct Hop {
     role: Role,
     /// The configured mode.
     mode: RetryMode,
-    /// The downstream service, under the [`Downstream`] stack.
+    /// The downstream service, under the [`Downstream`] stack: the edge's calls.
     downstream: PaymentsClient<Downstream>,
+    /// The same, forwarding encoded messages: a relay's calls.
+    forward: passthrough::payments_client::PaymentsClient<Downstream>,
 }
 
 impl Hop {
     /// A hop in `role` forwarding to the replicas of `replicas`.
     pub fn new(node: Arc<Node>, role: Role, settings: HopSettings, replicas: Balancer) -> Self {
+        let downstream = downstream(&node, role, &settings, replicas);
         Self {
             role,
             mode: settings.mode,
-            downstream: PaymentsClient::new(downstream(&node, role, &settings, replicas)),
+            forward: passthrough::payments_client::PaymentsClient::new(downstream.clone()),
+            downstream: PaymentsClient::new(downstream),
             node,
         }
     }
@@ -392,6 +406,9 @@ fn relayed(downstream: MetadataMap) -> MetadataMap {
     metadata
 }
 
+/// The edge's handlers (a relay serves [`passthrough`]'s): the message is decoded, so bad
+/// input is refused here, before any service below works on it, and the caller's
+/// statement can name the account and the amount.
 #[tonic::async_trait]
 impl Payments for Hop {
     async fn charge(
@@ -445,6 +462,33 @@ impl Payments for Hop {
                     self.state_caller(&extensions, &scope, call, &mut outgoing)?;
                 }
                 relay(self.downstream.clone().get_account(outgoing).await)
+            })
+            .await
+    }
+}
+
+/// A relay's handlers: the message is forwarded as it came, unread (the edge validated it,
+/// the ledger decodes it again); everything a relay does is done with the metadata.
+#[tonic::async_trait]
+impl passthrough::payments_server::Payments for Hop {
+    async fn charge(&self, request: Request<Bytes>) -> Result<Response<Bytes>, Status> {
+        let scope = RpcScope::begin(&self.node, "Charge", &request);
+        let (incoming, _, message) = request.into_parts();
+        scope
+            .run(async {
+                let outgoing = self.outgoing(&incoming, &scope, true, message)?;
+                relay(self.forward.clone().charge(outgoing).await)
+            })
+            .await
+    }
+
+    async fn get_account(&self, request: Request<Bytes>) -> Result<Response<Bytes>, Status> {
+        let scope = RpcScope::begin(&self.node, "GetAccount", &request);
+        let (incoming, _, message) = request.into_parts();
+        scope
+            .run(async {
+                let outgoing = self.outgoing(&incoming, &scope, false, message)?;
+                relay(self.forward.clone().get_account(outgoing).await)
             })
             .await
     }

@@ -46,7 +46,7 @@ pub use metadata::{RetryMode, TraceContext};
 pub use node::{Node, NodeConfig, Statements};
 pub use rpc::RpcScope;
 pub use server::{
-    DRAIN_GRACE, Listeners, READY_PREFIX, ReadyAddrs, ServeError, default_admin_addr, serve,
-    shutdown_signal,
+    DRAIN_GRACE, Listeners, PaymentsService, READY_PREFIX, ReadyAddrs, ServeError, decoding,
+    default_admin_addr, forwarding, serve, shutdown_signal,
 };
 pub use stats::Counters;

@@ -380,19 +380,29 @@ impl AsyncWrite for GuardedStream {
     }
 }
 
-/// Answers a request message over the size limit RESOURCE_EXHAUSTED, as gRPC core,
-/// grpc-java and grpc-go do for a message larger than the maximum, where tonic's decoder
-/// says OUT_OF_RANGE (it refuses the message from its length prefix, before reading it).
-/// Only that answer is rewritten: an OUT_OF_RANGE of the service's own (a balance that
-/// would overflow) goes through as it is.
+/// Gives the answers tonic's decoder makes to a request message it could not read the
+/// codes this service's contract gives them (a trailers-only answer, before any handler
+/// ran):
+///
+/// - a message over the size limit, which tonic refuses from its length prefix with
+///   OUT_OF_RANGE: RESOURCE_EXHAUSTED, as gRPC core, grpc-java and grpc-go answer it;
+/// - bytes that are not the method's protobuf message, which tonic answers INTERNAL:
+///   INVALID_ARGUMENT. The request is at fault, not the server, and INVALID_ARGUMENT is
+///   what a client reads as "do not send this again"; the relays forward a message
+///   unread, so this is said where it is first decoded (the edge, or the ledger for a
+///   caller that skips the edge).
+///
+/// Only those answers are rewritten: an OUT_OF_RANGE or INTERNAL of the service's own (a
+/// balance that would overflow), and any failure a service relays from below
+/// (`retrychain-relayed`), go through as they are.
 #[derive(Debug, Clone)]
-pub struct OversizeAsResourceExhausted<S> {
+pub struct RequestDecodeFailures<S> {
     /// The server's services.
     inner: S,
 }
 
-impl<S> OversizeAsResourceExhausted<S> {
-    /// `inner`, its oversize answers told as RESOURCE_EXHAUSTED.
+impl<S> RequestDecodeFailures<S> {
+    /// `inner`, its decoder's refusals told with the contract's codes.
     pub fn new(inner: S) -> Self {
         Self { inner }
     }
@@ -401,7 +411,10 @@ impl<S> OversizeAsResourceExhausted<S> {
 /// What tonic's decoder says of a message over its limit.
 const TONIC_OVERSIZE: &str = "Error, decoded message length too large";
 
-impl<S, B, RB> tower::Service<http::Request<B>> for OversizeAsResourceExhausted<S>
+/// What prost says of bytes that are not the message (`prost::DecodeError`'s `Display`).
+const PROST_UNDECODABLE: &str = "failed to decode Protobuf message";
+
+impl<S, B, RB> tower::Service<http::Request<B>> for RequestDecodeFailures<S>
 where
     S: tower::Service<http::Request<B>, Response = http::Response<RB>>,
 {
@@ -421,27 +434,39 @@ where
         use futures::FutureExt;
         self.inner.call(request).map(|answer| {
             answer.map(|mut response| {
-                oversize_as_resource_exhausted(response.headers_mut());
+                with_contract_codes(response.headers_mut());
                 response
             })
         })
     }
 }
 
-/// Rewrites tonic's OUT_OF_RANGE for an oversize message in `headers` (a trailers-only
-/// answer) as RESOURCE_EXHAUSTED, keeping what it said of the sizes.
-fn oversize_as_resource_exhausted(headers: &mut http::HeaderMap) {
+/// Rewrites a decoder's refusal in `headers` (a trailers-only answer) with the contract's
+/// code, keeping what it said.
+fn with_contract_codes(headers: &mut http::HeaderMap) {
+    // Most answers are successes: no grpc-status in the headers, nothing parsed.
+    if !headers.contains_key("grpc-status") || resilience::wire::is_relayed(headers) {
+        return;
+    }
     let Some(status) = Status::from_header_map(headers) else {
         return;
     };
-    if status.code() != tonic::Code::OutOfRange || !status.message().starts_with(TONIC_OVERSIZE) {
-        return;
-    }
-    let sizes = status
-        .message()
-        .split_once(": ")
-        .map_or("", |(_, sizes)| sizes);
-    let status = Status::resource_exhausted(format!("request message too large: {sizes}"));
+    let status = match status.code() {
+        tonic::Code::OutOfRange if status.message().starts_with(TONIC_OVERSIZE) => {
+            let sizes = status
+                .message()
+                .split_once(": ")
+                .map_or("", |(_, sizes)| sizes);
+            Status::resource_exhausted(format!("request message too large: {sizes}"))
+        }
+        tonic::Code::Internal if status.message().starts_with(PROST_UNDECODABLE) => {
+            Status::invalid_argument(format!(
+                "the request is not a valid message of the method: {}",
+                status.message()
+            ))
+        }
+        _ => return,
+    };
     headers.remove("grpc-status");
     headers.remove("grpc-message");
     headers.remove("grpc-status-details-bin");

@@ -9,7 +9,7 @@ use std::{net::SocketAddr, sync::Arc, time::Duration};
 
 use resilience::{AdmissionLayer, DeadlineLayer};
 use retrychain_proto::{
-    FILE_DESCRIPTOR_SET,
+    FILE_DESCRIPTOR_SET, passthrough,
     v1::{
         control_server::ControlServer,
         payments_server::{Payments, PaymentsServer},
@@ -47,7 +47,7 @@ pub const READY_PREFIX: &str = "retrychain ready: listening on ";
 
 /// The largest Payments request accepted, encoded: a Charge is well under 1 KiB, so a
 /// megabyte-sized one is an attack or a bug, refused (RESOURCE_EXHAUSTED, as gRPC's own
-/// servers answer; see `limits::OversizeAsResourceExhausted`) before it is decoded.
+/// servers answer; see `limits::RequestDecodeFailures`) before it is decoded.
 /// tonic's default would be 4 MiB.
 pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
 
@@ -161,6 +161,51 @@ pub enum ServeError {
     Transport(#[from] tonic::transport::Error),
 }
 
+/// A served `Payments`: one of tonic's generated servers for it, [`decoding`] or
+/// [`forwarding`] its messages.
+pub trait PaymentsService:
+    tower::Service<
+        http::Request<tonic::body::Body>,
+        Response = http::Response<tonic::body::Body>,
+        Error = std::convert::Infallible,
+        Future: Send + 'static,
+    > + tonic::server::NamedService
+    + Clone
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+impl<S> PaymentsService for S where
+    S: tower::Service<
+            http::Request<tonic::body::Body>,
+            Response = http::Response<tonic::body::Body>,
+            Error = std::convert::Infallible,
+            Future: Send + 'static,
+        > + tonic::server::NamedService
+        + Clone
+        + Send
+        + Sync
+        + 'static
+{
+}
+
+/// `payments` served with its messages decoded (the edge, the ledger), none over
+/// [`MAX_REQUEST_BYTES`].
+pub fn decoding<P: Payments>(payments: P) -> PaymentsServer<P> {
+    PaymentsServer::new(payments).max_decoding_message_size(MAX_REQUEST_BYTES)
+}
+
+/// `payments` served with its messages left encoded (a relay: [`passthrough`]), none over
+/// [`MAX_REQUEST_BYTES`] either.
+pub fn forwarding<P: passthrough::payments_server::Payments>(
+    payments: P,
+) -> passthrough::payments_server::PaymentsServer<P> {
+    passthrough::payments_server::PaymentsServer::new(payments)
+        .max_decoding_message_size(MAX_REQUEST_BYTES)
+}
+
 /// Serves `payments` on the public listener and the node's Control service on the admin
 /// listener until `shutdown` completes, then drains in-flight calls on both.
 ///
@@ -200,11 +245,11 @@ pub async fn serve<P, F>(
     shutdown: F,
 ) -> Result<(), ServeError>
 where
-    P: Payments,
+    P: PaymentsService,
     F: Future<Output = ()> + Send,
 {
     let (health, health_service) = tonic_health::server::health_reporter();
-    health.set_serving::<PaymentsServer<P>>().await;
+    health.set_serving::<P>().await;
     health.set_serving::<ControlServer<ControlService>>().await;
 
     let addrs = listeners.addrs();
@@ -274,7 +319,7 @@ fn public_server<P, H, F>(
     shutdown: F,
 ) -> Result<impl Future<Output = ()>, ServeError>
 where
-    P: Payments,
+    P: PaymentsService,
     H: Health,
     F: Future<Output = ()> + Send,
 {
@@ -282,7 +327,6 @@ where
         .add_service(reflection_v1(&[PAYMENTS])?)
         .add_service(reflection_v1alpha(&[PAYMENTS])?)
         .prepare();
-    let payments = PaymentsServer::new(payments).max_decoding_message_size(MAX_REQUEST_BYTES);
     let accept = Arc::new(
         node.tls
             .as_ref()
@@ -314,10 +358,9 @@ where
         ))
         // Every request's deadline, from its arrival.
         .layer(deadlines)
-        // A message over the size limit: RESOURCE_EXHAUSTED, as gRPC's own servers say.
-        .layer(tower::layer::layer_fn(
-            limits::OversizeAsResourceExhausted::new,
-        ))
+        // A message tonic could not read: over the size limit RESOURCE_EXHAUSTED, as
+        // gRPC's own servers say; not the method's protobuf INVALID_ARGUMENT.
+        .layer(tower::layer::layer_fn(limits::RequestDecodeFailures::new))
         .service(Dispatch::new(payments, others));
     Ok(crate::h2::serve_h2(
         limits::incoming(listener, node.connection_limits),

@@ -9,8 +9,8 @@ use resilience::{AdaptiveThrottle, Balancer, Downstream, RetryBudget, ServiceCon
 use retrychain_hop::{Hop, HopSettings, Role};
 use retrychain_ledger::{InFlight, KeyStore, Ledger, StoreOptions, run_completer, run_retention};
 use retrychain_node::{
-    Listeners, Node, NodeConfig, ReadyAddrs, Statements, authz::ServerTls, default_admin_addr,
-    telemetry,
+    Listeners, Node, NodeConfig, ReadyAddrs, ServeError, Statements, authz::ServerTls, decoding,
+    default_admin_addr, forwarding, serve, telemetry,
 };
 use retrychain_tls::{ClientAuth, Tls};
 
@@ -200,7 +200,11 @@ async fn hop(
     );
     let addrs = listeners.addrs();
     let reserve = service.reserve();
-    let serving = retrychain_node::serve(listeners, node, hop, reserve, shutdown);
+    // The edge decodes each message (it validates and states it); a relay forwards it unread.
+    let serving: Pin<Box<dyn Future<Output = Result<(), ServeError>> + Send>> = match role {
+        Role::Edge => Box::pin(serve(listeners, node, decoding(hop), reserve, shutdown)),
+        Role::Relay => Box::pin(serve(listeners, node, forwarding(hop), reserve, shutdown)),
+    };
     Ok(Started {
         addrs,
         serving: Box::pin(async move { Ok(serving.await?) }),
@@ -261,7 +265,13 @@ async fn ledger(
     tracing::info!(?retention, in_flight = ?args.in_flight, "ledger ready");
     let addrs = listeners.addrs();
     let completing = ledger.clone();
-    let serving = retrychain_node::serve(listeners, node, ledger, service.reserve(), shutdown);
+    let serving = serve(
+        listeners,
+        node,
+        decoding(ledger),
+        service.reserve(),
+        shutdown,
+    );
     Ok(Started {
         addrs,
         serving: Box::pin(async move {
