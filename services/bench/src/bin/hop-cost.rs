@@ -11,6 +11,11 @@
 //! (an OTLP trace collector that drops what it gets), for `--otlp-sample`: the relay then
 //! exports its spans, sampled at that ratio.
 //!
+//! `--haproxy PATH`: HAProxy, started from `PATH` with a configuration written here, is
+//! measured in the same alternating rounds as a third forwarder: HTTP/2 on both sides, a
+//! log line per request (to its stdout, discarded as the relay's logs are), as many
+//! threads as the machine has cores. Plaintext only.
+//!
 //! `--tls`: every connection — load to forwarder, forwarder to sink — is mutual TLS 1.3
 //! with the chain's own material, as between tiers: the load presents hop2's certificate,
 //! both forwarders hop3's, the sink hop4's. The bare forwarder is then tonic's server and
@@ -55,6 +60,9 @@ struct Cli {
     /// Mutual TLS on every connection (see the module's documentation).
     #[arg(long)]
     tls: bool,
+    /// Also measure HAProxy, this binary (see the module's documentation).
+    #[arg(long, conflicts_with = "tls")]
+    haproxy: Option<std::path::PathBuf>,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -118,11 +126,31 @@ struct Report {
     concurrency: usize,
     relay_cpu_us_per_request: f64,
     bare_cpu_us_per_request: f64,
+    /// relay / bare, over all rounds.
     ratio: f64,
+    /// relay / bare: each round's, their median.
+    ratio_rounds: Vec<f64>,
+    ratio_median: f64,
     relay_rss_kib: u64,
     bare_rss_kib: u64,
     relay_rps: f64,
     bare_rps: f64,
+    /// With `--haproxy`.
+    haproxy: Option<HaproxyReport>,
+}
+
+/// HAProxy's figures, and the relay's and the bare forwarder's against them.
+#[derive(Debug, Serialize)]
+struct HaproxyReport {
+    cpu_us_per_request: f64,
+    rps: f64,
+    rss_kib: u64,
+    /// relay / HAProxy: each round's, their median.
+    relay_ratio_rounds: Vec<f64>,
+    relay_ratio_median: f64,
+    /// bare / HAProxy: each round's, their median.
+    bare_ratio_rounds: Vec<f64>,
+    bare_ratio_median: f64,
 }
 
 #[tokio::main]
@@ -220,7 +248,7 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
     };
     // The relay takes a port of its own choosing and says which (a port picked here and
     // released could be taken in between); the tool's own processes get distinct ones.
-    let [sink_port, bare_port, collector_port] = free_ports()?;
+    let [sink_port, bare_port, collector_port, haproxy_port] = free_ports()?;
     // With --tls: a throwaway authority and the tiers' material; each process is told its
     // own directory (`--tls-dir`), as a deployment mounts one.
     let material_dir = tempfile::tempdir()?;
@@ -290,16 +318,27 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
             ])
             .args(tls_dir("hop3")),
     )?;
-    for port in [sink_port, bare_port] {
+    let config_dir = tempfile::tempdir()?;
+    let haproxy = match &cli.haproxy {
+        Some(path) => Some(haproxy(path, config_dir.path(), haproxy_port, sink_port)?),
+        None => None,
+    };
+    for port in [sink_port, bare_port]
+        .into_iter()
+        .chain(haproxy.as_ref().map(|_| haproxy_port))
+    {
         wait_listening(port).await?;
     }
-    let targets = [
+    let mut targets = vec![
         (
             relay.url().replacen("http://", &format!("{scheme}://"), 1),
             relay_pid,
         ),
         (format!("{scheme}://127.0.0.1:{bare_port}"), bare.0.id()),
     ];
+    if let Some(haproxy) = &haproxy {
+        targets.push((format!("http://127.0.0.1:{haproxy_port}"), haproxy.0.id()));
+    }
     // The load is hop2 calling hop3.
     let client = match &chain {
         Some(chain) => Some((
@@ -327,8 +366,74 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
             report.bare_rss_kib,
             report.ratio
         );
+        if let Some(haproxy) = &report.haproxy {
+            println!(
+                "haproxy: {:.1} µs CPU per request ({:.0} req/s, RSS {} KiB)\nratio relay/haproxy: {:.2}, bare/haproxy: {:.2} (medians of rounds)",
+                haproxy.cpu_us_per_request,
+                haproxy.rps,
+                haproxy.rss_kib,
+                haproxy.relay_ratio_median,
+                haproxy.bare_ratio_median
+            );
+        }
     }
     Ok(())
+}
+
+/// HAProxy forwarding HTTP/2 from `port` to the sink's HTTP/2 on `sink_port`, as a
+/// production proxy between two gRPC services would be set up: one log line per request.
+fn haproxy(
+    program: &std::path::Path,
+    dir: &std::path::Path,
+    port: u16,
+    sink_port: u16,
+) -> anyhow::Result<Proc> {
+    let config = dir.join("haproxy.cfg");
+    std::fs::write(
+        &config,
+        format!(
+            "global
+    log stdout format raw local0 info
+defaults
+    mode http
+    log global
+    option httplog
+    timeout connect 5s
+    timeout client 60s
+    timeout server 60s
+frontend relay
+    bind 127.0.0.1:{port} proto h2
+    default_backend sink
+backend sink
+    server sink 127.0.0.1:{sink_port} proto h2
+"
+        ),
+    )?;
+    // Checked first: a configuration it refuses would otherwise show as nothing listening.
+    let check = Command::new(program)
+        .args(["-c", "-q", "-f"])
+        .arg(&config)
+        .output()
+        .with_context(|| format!("running {}", program.display()))?;
+    anyhow::ensure!(
+        check.status.success(),
+        "haproxy refuses its configuration: {}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+    // In the foreground (`-db`): the process measured is the one that forwards.
+    spawn(Command::new(program).args(["-db", "-f"]).arg(&config))
+}
+
+/// The median of `values` (not empty).
+fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let middle = sorted.len() / 2;
+    if sorted.len() % 2 == 0 {
+        (sorted[middle - 1] + sorted[middle]) / 2.0
+    } else {
+        sorted[middle]
+    }
 }
 
 /// A child process, its output discarded.
@@ -363,39 +468,69 @@ async fn otlp_collector(
     Ok(collector)
 }
 
-/// Loads the relay and the bare forwarder (`targets`: URL and pid) in alternating rounds,
-/// over `tls` when given, and reports their CPU per request.
+/// Loads the relay, the bare forwarder and HAProxy when there is one (`targets`: URL and
+/// pid, in that order) in alternating rounds, over `tls` when given, and reports their CPU
+/// per request.
 async fn measure(
     cli: &Cli,
-    targets: &[(String, u32); 2],
+    targets: &[(String, u32)],
     tls: Option<&(Tls, Identity)>,
 ) -> anyhow::Result<Report> {
-    // Warm both up, then alternate rounds so drift on a shared machine hits both alike.
+    // Warm each up, then alternate rounds so drift on a shared machine hits all alike.
     for (url, _) in targets {
         load(url, tls, cli.requests / 10 + 100, cli.concurrency).await?;
     }
-    let mut cpu = [0.0f64; 2];
-    let mut wall = [0.0f64; 2];
+    // Per target: each round's CPU seconds, and the wall time in all.
+    let mut cpu = vec![Vec::new(); targets.len()];
+    let mut wall = vec![0.0f64; targets.len()];
     for _ in 0..cli.rounds {
         for (i, (url, pid)) in targets.iter().enumerate() {
             let before = cpu_seconds(*pid)?;
             wall[i] += load(url, tls, cli.requests, cli.concurrency)
                 .await?
                 .as_secs_f64();
-            cpu[i] += cpu_seconds(*pid)? - before;
+            cpu[i].push(cpu_seconds(*pid)? - before);
         }
     }
     let total = (cli.requests * u64::from(cli.rounds)) as f64;
+    let sum = |i: usize| cpu[i].iter().sum::<f64>();
+    let rounds = |over: usize, under: usize| -> Vec<f64> {
+        cpu[over]
+            .iter()
+            .zip(&cpu[under])
+            .map(|(over, under)| over / under.max(f64::EPSILON))
+            .collect()
+    };
+    let ratio_rounds = rounds(0, 1);
+    let haproxy = match targets.get(2) {
+        Some((_, pid)) => {
+            let relay_ratio_rounds = rounds(0, 2);
+            let bare_ratio_rounds = rounds(1, 2);
+            Some(HaproxyReport {
+                cpu_us_per_request: sum(2) / total * 1e6,
+                rps: total / wall[2],
+                rss_kib: rss_kib(*pid)?,
+                relay_ratio_median: median(&relay_ratio_rounds),
+                relay_ratio_rounds,
+                bare_ratio_median: median(&bare_ratio_rounds),
+                bare_ratio_rounds,
+            })
+        }
+        None => None,
+    };
     Ok(Report {
         tls: cli.tls,
         requests: cli.requests * u64::from(cli.rounds),
         concurrency: cli.concurrency,
-        relay_cpu_us_per_request: cpu[0] / total * 1e6,
-        bare_cpu_us_per_request: cpu[1] / total * 1e6,
-        ratio: cpu[0] / cpu[1].max(f64::EPSILON),
+        relay_cpu_us_per_request: sum(0) / total * 1e6,
+        bare_cpu_us_per_request: sum(1) / total * 1e6,
+        ratio: sum(0) / sum(1).max(f64::EPSILON),
+        ratio_median: median(&ratio_rounds),
+        ratio_rounds,
         relay_rss_kib: rss_kib(targets[0].1)?,
         bare_rss_kib: rss_kib(targets[1].1)?,
         relay_rps: total / wall[0],
         bare_rps: total / wall[1],
+        haproxy,
     })
 }
