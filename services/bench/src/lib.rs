@@ -292,3 +292,20 @@ pub async fn load(
     anyhow::ensure!(failures == 0, "{failures} of {requests} requests failed");
     Ok(start.elapsed())
 }
+
+/// The median of `values` (the mean of the middle two of an even count): what a figure of
+/// alternating rounds reports, so one disturbed round does not move it.
+///
+/// # Panics
+///
+/// When `values` is empty.
+pub fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let middle = sorted.len() / 2;
+    if sorted.len().is_multiple_of(2) {
+        (sorted[middle - 1] + sorted[middle]) / 2.0
+    } else {
+        sorted[middle]
+    }
+}

@@ -17,7 +17,13 @@ use tonic::{
     codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder},
 };
 
-include!(concat!(env!("OUT_DIR"), "/retrychain.v1.Payments.rs"));
+pub use generated::{payments_client, payments_server};
+
+/// tonic-build's client and server for [`BytesCodec`], from `build.rs`.
+#[allow(clippy::default_constructed_unit_structs)] // generated code builds every codec with `default()`
+mod generated {
+    include!(concat!(env!("OUT_DIR"), "/retrychain.v1.Payments.rs"));
+}
 
 /// A gRPC message as its encoded bytes: decoding takes the frame's payload without
 /// copying it (it is split off the receive buffer), encoding copies it once into the

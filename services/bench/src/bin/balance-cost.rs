@@ -26,7 +26,7 @@ use clap::Parser;
 use futures::StreamExt;
 use hdrhistogram::Histogram;
 use resilience::{Balancer, Downstream, Tried, balance::BalanceSettings};
-use retrychain_bench::{Sink, serve};
+use retrychain_bench::{Sink, median, serve};
 use retrychain_proto::v1::{
     Account, ChargeReply, ChargeRequest, GetAccountRequest, payments_client::PaymentsClient,
     payments_server::Payments,
@@ -151,11 +151,6 @@ async fn balancer(urls: &[String]) -> anyhow::Result<Balancer> {
     Ok(Balancer::start(downstream, BalanceSettings::default()).await)
 }
 
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
-}
-
 /// Time per call of `calls` sequential Charges on `client`, in µs.
 async fn per_call<T>(client: &mut PaymentsClient<T>, calls: u32) -> anyhow::Result<f64>
 where
@@ -221,7 +216,7 @@ async fn overhead(calls: u32, rounds: u32) -> anyhow::Result<(f64, f64, Vec<f64>
         balanceds.push(b);
         added.push(b - d);
     }
-    Ok((median(directs), median(balanceds), added))
+    Ok((median(&directs), median(&balanceds), added))
 }
 
 async fn slow_replica(calls: u32) -> anyhow::Result<SlowReplica> {
@@ -266,7 +261,7 @@ fn main() -> anyhow::Result<()> {
         anyhow::Ok(Report {
             direct_us_per_call: direct,
             balanced_us_per_call: balanced,
-            added_us_per_call: median(added),
+            added_us_per_call: median(&added),
             added_us_spread: spread,
             slow_replica,
         })

@@ -1,0 +1,465 @@
+//! The key store: idempotency keys, charges and balances in Postgres, in atomic phases.
+//!
+//! # Why phases
+//!
+//! The payment processor stands for a remote system (a card network, a provider). Held
+//! inside one database transaction, its call couples the two: a rollback after the
+//! processor charged makes the ledger forget a charge it caused, and the processor's
+//! latency holds a pooled connection (a 200 ms processor and 32 connections cap the ledger
+//! at 160 charges/s). So, after Stripe and Brandur Leach's "atomic phases": every step that
+//! talks to Postgres is one statement that commits on its own; the processor is called
+//! between them with no transaction open and no connection held; and the key's row says how
+//! far the charge got, so whoever comes back — the client's retry, another ledger
+//! instance, the completer — resumes it from there. The design notes' rule still holds for
+//! the local effect: the balance, the charge row and the saved reply commit together.
+//!
+//! # A key's states (the `state` column)
+//!
+//! ```text
+//!             claim                             finish
+//!  (no row) ────────▶ started ─────────────────────────────────▶ finished
+//!                     │  ▲   │ fail (the processor refused for good)
+//!                     │  │   └────────────────────────────────▶ failed
+//!        release, or  │  │ take over (same parameters,
+//!        lease passes ▼  │ a new owner and expiry)
+//!                     started, lease expired
+//! ```
+//!
+//! | transition | who | statement (each its own transaction) | guarded by |
+//! |---|---|---|---|
+//! | none → started | a request | [`CLAIM`]: insert with the parameters, the processor key, a lease (owner, expiry) | the primary key |
+//! | started, expired → started, ours | a request with the same parameters; the completer | [`CLAIM`]'s conflict branch; [`TAKE_OVER`] | `lease_expires_at <= now()`, under the row lock |
+//! | started, ours → finished | the owner, after the processor answered | [`FINISH`]: balance, charge row, reply | `lease_owner` is ours (row locked first) |
+//! | started, ours → failed | the owner, the processor refused for good | [`FAIL`]: the error saved | the same |
+//! | started, ours → started, expired | the owner, a transient failure | [`RELEASE`]: the lease ends now | the same |
+//! | finished, failed | — | the saved reply or error, replayed by [`CLAIM`]'s conflict branch (which counts the replay) | — |
+//!
+//! - **Parameters are bound at the claim**: the amount (the account is the key's scope)
+//!   is saved with the key, and a request with other parameters is FAILED_PRECONDITION in
+//!   every state — also while the first is running, or after it stopped half-way.
+//! - **The lease** is short ([`LEASE`], 2 s) and renewed by its owner every third of it
+//!   while the processor works ([`RENEW`]), so a crashed or frozen owner's key is free to
+//!   resume within about [`LEASE`], whatever the request's deadline. The owner's phase 2
+//!   is refused once someone else took the key over (a frozen owner that wakes finishes
+//!   nothing; a renewal that finds the key taken stops its processor call); an owner whose
+//!   lease passed unnoticed, and nobody took over, may still finish.
+//! - **Resuming** calls the processor again under the same processor key with the same
+//!   parameters; the processor deduplicates (it answers a repeat with its first answer), so
+//!   the charge happens once at the processor and once here.
+//! - **A request that finds the key running** under a live lease waits for it (polling the
+//!   row, holding no connection between polls) and replays its outcome, takes it over once
+//!   the lease passes, or — with `--in-flight reject` — is refused with ABORTED at once.
+//!   Same-key requests of this process wait in memory first ([`KeyLocks`]).
+//! - **The completer** ([`KeyStore::complete_abandoned`], run by the ledger every second)
+//!   takes over keys nobody came back for, so no charge stays half-done: finished, or
+//!   failed with the processor's error. A key whose owner vanished holding it is due 2 s
+//!   after its lease passed; one its owner released after a transient failure (the caller
+//!   was told, and may retry) only after a minute, then at doubling intervals — so an
+//!   outage of the processor gets a trickle of the completer's calls, not a storm.
+//! - **A replay waits for the synchronous standby**: the conflict branch of [`CLAIM`]
+//!   writes (it counts the replay), and a transaction that writes commits only once the
+//!   standby has it — so a replay never claims a success that a failover would lose.
+//!
+//! # When the database or this process misbehaves
+//!
+//! - **Postgres down or restarting**: a wait for a connection during which none comes
+//!   back is bounded by `acquire_timeout` (the pool keeps opening connections on its own
+//!   clock: see [`crate::pool`]), answered UNAVAILABLE, retried by the edge under its
+//!   budget. A
+//!   connection a restart broke fails its statement ([`StoreError::Lost`]); every other
+//!   connection last seen working before then is pinged once before its next use.
+//! - **Overload**: while connections keep coming back, a charge waits for one as long as
+//!   its deadline allows (charges under way ahead of new ones): queueing is not a fault;
+//!   one whose wait the queue's pace says would outlast its deadline is refused at once.
+//!   Either is [`StoreError::Busy`] — refused as an overloaded service refuses, nothing
+//!   about the pool changed.
+//! - **A statement unanswered** (a frozen or unreachable server): every round trip is
+//!   bounded by the ledger's clock ([`StoreOptions::round_trip_timeout`]); past it,
+//!   UNAVAILABLE and the connection is closed. The server's own `statement_timeout` and
+//!   `lock_timeout` (set for each session when it opens, a little under that bound) cancel
+//!   a slow statement first on a live server. Whether an unanswered phase committed is the
+//!   row's to say: the retry finds the key started (and waits out the lease, or takes it
+//!   over), or finished (and replays).
+//! - **This process crashes or freezes** between the phases: the key stays started; its
+//!   lease passes; the client's retry or the completer takes it over and resumes.
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use prometheus_client::metrics::histogram::Histogram;
+use resilience::Deadline;
+use retrychain_node::{AccountId, AmountCents, Caller, IdempotencyKey};
+use sqlx::{AssertSqlSafe, Connection, PgConnection, Row};
+
+use tracing::Instrument;
+use uuid::Uuid;
+
+use crate::{
+    key_locks::KeyLocks,
+    pool::{AcquireError, Checkout, Pool, PoolOptions, Queue},
+    primary::{Hosts, Primary},
+};
+
+mod charge;
+mod completer;
+mod connection;
+mod decide;
+mod error;
+mod reads;
+mod retention;
+pub mod sql;
+
+use decide::{Charge, Claim, KeyRow, Processed, judge, refused_for_good};
+pub use decide::{ChargeOutcome, SavedReply};
+pub use error::StoreError;
+use error::{RoundTrip, is_lock_timeout};
+use sql::LOOK;
+pub use sql::{CLAIM, FAIL, FINISH, RELEASE, RENEW, TAKE_OVER};
+
+/// The longest one statement of a retention purge may take (see
+/// [`KeyStore::purge_keys_older_than`]); the server cancels it a little earlier.
+const PURGE_STATEMENT_BOUND: Duration = Duration::from_secs(60);
+
+/// The longest the migrations may take at start-up.
+const MIGRATION_BOUND: Duration = Duration::from_secs(60);
+
+/// A key's lease: how long its owner holds it without renewing. Its owner renews it every
+/// third of that while the processor works.
+pub const LEASE: Duration = Duration::from_secs(2);
+
+/// How long after its lease passed a started key whose owner vanished is taken over by the
+/// completer (the client's own retry usually comes sooner, and resumes it itself).
+pub const ABANDONED_AFTER: Duration = Duration::from_secs(2);
+
+/// How long after a transient failure a released key nobody retried is taken over by the
+/// completer, the first time; doubled for each take-over after (see [`TAKE_OVER`]).
+pub const RELEASED_AFTER: Duration = Duration::from_secs(60);
+
+/// The longest the completer's processor call may take.
+pub const COMPLETER_CALL: Duration = Duration::from_secs(5);
+
+/// How long phase 2 is tried again, after the processor charged, while the database does
+/// not answer (a restart, a failover): recorded now rather than resumed later.
+pub const PHASE_TWO_PATIENCE: Duration = Duration::from_secs(3);
+
+/// The first pause between two looks at a key another ledger instance is running;
+/// doubled each time up to [`POLL_MAX`].
+const POLL_MIN: Duration = Duration::from_millis(5);
+
+/// The longest pause between two looks.
+const POLL_MAX: Duration = Duration::from_millis(50);
+
+/// What a same-key request does while the first one is still running.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InFlight {
+    /// Wait for the first to finish, then replay its outcome (or resume it, if its lease
+    /// passes).
+    Wait,
+    /// Refuse at once with ABORTED, Stripe-style (a settled key still replays).
+    Reject,
+}
+
+/// One call the processor is to make: under which key, for how much. The processor
+/// remembers both, and refuses the key with other parameters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcessorCharge {
+    /// The processor's idempotency key (see `processor::ProcessorKey`).
+    pub key: String,
+    /// The amount.
+    pub amount_cents: i64,
+}
+
+/// How the ledger talks to Postgres.
+#[derive(Debug, Clone, Copy)]
+pub struct StoreOptions {
+    /// Connections in the pool.
+    pub pool_size: u32,
+    /// Longest wait for a connection while none comes back to the pool (a stalled or
+    /// unreachable database); past it, UNAVAILABLE. While connections come back, a wait
+    /// lasts as long as the call's deadline allows.
+    pub acquire_timeout: Duration,
+    /// Longest one opening of a connection may take; the pool's own bound, never a
+    /// caller's (see [`crate::pool`]).
+    pub connect_timeout: Duration,
+    /// Longest wait for one round trip (a statement) by the ledger's clock; past it,
+    /// UNAVAILABLE and the connection closed. See the module docs.
+    pub round_trip_timeout: Duration,
+    /// Testing only, and wrong on purpose: every charge first deletes what its key
+    /// recorded (unless a request holds it), so a retry of a settled charge charges again.
+    /// The chaos checker's own end-to-end test runs a ledger broken this way and must
+    /// catch it; nothing else sets it.
+    pub skip_key_claim: bool,
+}
+
+/// Postgres access for the ledger.
+#[derive(Debug, Clone)]
+pub struct KeyStore {
+    /// Connections: nothing is sent when one is taken or given back; one is pinged before
+    /// use only after a connection was lost (see [`crate::pool`]).
+    pool: Pool,
+    /// Same-key requests of this process queue here, holding no connection.
+    keys: Arc<KeyLocks>,
+    /// Gauges and counts for `/metrics`.
+    gauges: Arc<StoreGauges>,
+    /// Longest wait for a connection ([`StoreOptions::acquire_timeout`]).
+    acquire_timeout: Duration,
+    /// The bound on each round trip ([`StoreOptions::round_trip_timeout`]).
+    round_trip_timeout: Duration,
+    /// [`StoreOptions::skip_key_claim`].
+    skip_key_claim: bool,
+    /// Which host the pool writes to; told when a failure suggests it moved.
+    primary: Arc<Primary>,
+    /// The tasks that follow the primary and close idle connections, stopped with the
+    /// last clone of the store.
+    _tasks: Arc<[AbortOnDrop; 2]>,
+}
+
+/// Aborts a task when dropped.
+#[derive(Debug)]
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// What the store counts for `/metrics` and Stats.
+#[derive(Debug)]
+struct StoreGauges {
+    /// Requests waiting for a connection now.
+    acquiring: AtomicU64,
+    /// Requests that waited for another request with their key, since start.
+    key_waits: AtomicU64,
+    /// Keys taken over and resumed (a request's or the completer's), since start.
+    resumed: AtomicU64,
+    /// Phase 2s refused because the key had been taken over meanwhile, since start.
+    stale_owner: AtomicU64,
+    /// Round-trip times.
+    round_trips: Histogram,
+}
+
+impl Default for StoreGauges {
+    fn default() -> Self {
+        Self {
+            acquiring: AtomicU64::default(),
+            key_waits: AtomicU64::default(),
+            resumed: AtomicU64::default(),
+            stale_owner: AtomicU64::default(),
+            round_trips: Histogram::new(retrychain_node::metrics::round_trip_buckets()),
+        }
+    }
+}
+
+/// One request counted in a gauge while it waits, however the wait ends (cancellation
+/// included).
+struct Waiting<'a>(&'a AtomicU64);
+
+impl<'a> Waiting<'a> {
+    fn enter(gauge: &'a AtomicU64) -> Self {
+        gauge.fetch_add(1, Ordering::Relaxed);
+        Self(gauge)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl retrychain_node::metrics::DatabaseGauges for KeyStore {
+    fn connections_in_use(&self) -> u64 {
+        let status = self.pool.status();
+        status.open.saturating_sub(status.idle) as u64
+    }
+
+    fn connections_idle(&self) -> u64 {
+        self.pool.status().idle as u64
+    }
+
+    fn acquires_waiting(&self) -> u64 {
+        self.gauges.acquiring.load(Ordering::Relaxed)
+    }
+
+    fn key_waits_total(&self) -> u64 {
+        self.gauges.key_waits.load(Ordering::Relaxed)
+    }
+
+    fn round_trip_seconds(&self) -> Histogram {
+        self.gauges.round_trips.clone()
+    }
+
+    fn takeovers(&self) -> (u64, u64) {
+        KeyStore::takeovers(self)
+    }
+}
+
+/// A charge as the ledger asks the store for it: the request's values, parsed.
+#[derive(Debug, Clone, Copy)]
+pub struct KeyedCharge<'a> {
+    /// Who asks (the account must be theirs, or new).
+    pub caller: &'a Caller,
+    /// The account charged.
+    pub account: &'a AccountId,
+    /// The client's idempotency key, scoped to the account.
+    pub key: &'a IdempotencyKey,
+    /// How much.
+    pub amount: AmountCents,
+    /// When the caller stops waiting.
+    pub deadline: Deadline,
+    /// What a request does while another with its key runs.
+    pub in_flight: InFlight,
+    /// The processor's key for it (saved with the claim).
+    pub processor_key: &'a str,
+}
+
+impl KeyStore {
+    /// Connects to the primary of `database_url` (one host, or several in libpq's
+    /// multi-host form: see [`crate::primary`]) and applies the migrations, waiting up to a
+    /// minute for a database that is still starting (as under docker-compose, or after a
+    /// crash of both); then follows the primary for as long as the store lives.
+    pub async fn connect(database_url: &str, options: StoreOptions) -> anyhow::Result<Self> {
+        use anyhow::Context;
+        // The server gives up on a statement a little before the ledger gives up on the
+        // connection (a live but slow server cancels its own work first), and on a lock
+        // wait a little before that (told apart from a slow statement in the logs).
+        let statement_ms = (options.round_trip_timeout.as_millis() * 3 / 4).max(1);
+        let lock_ms = (statement_ms * 4 / 5).max(1);
+        let (statement_ms, lock_ms) = (statement_ms.to_string(), lock_ms.to_string());
+        let hosts = Hosts::parse(database_url)
+            .context("parsing the database URL")?
+            .map(|host| {
+                // Named, so that an operator (and the failover tests) can tell the
+                // ledger's sessions in pg_stat_activity.
+                let host = match host.get_application_name() {
+                    Some(_) => host,
+                    None => host.application_name("retrychain-ledger"),
+                };
+                host.options([
+                    // Custom plans: a generic plan cached while the key table was empty (say
+                    // after a retention purge) can pick a sequential scan and keep it.
+                    ("plan_cache_mode", "force_custom_plan"),
+                    // The server notices a client host that vanished (no FIN, no RST) within
+                    // about 25 s and ends its session, releasing its locks.
+                    ("tcp_keepalives_idle", "10"),
+                    ("tcp_keepalives_interval", "5"),
+                    ("tcp_keepalives_count", "3"),
+                    ("statement_timeout", statement_ms.as_str()),
+                    ("lock_timeout", lock_ms.as_str()),
+                    // Every charge statement commits on its own; only the purge and the
+                    // migrations open transactions, and none may be left open for long.
+                    ("idle_in_transaction_session_timeout", "60s"),
+                ])
+            });
+        let primary = Primary::find(hosts, options.round_trip_timeout, Duration::from_secs(60))
+            .await
+            .context("finding the database's primary")?;
+        let pool = Pool::new(
+            Arc::clone(&primary),
+            PoolOptions {
+                max_size: options.pool_size as usize,
+                connect_timeout: options.connect_timeout,
+                ping_timeout: options.round_trip_timeout,
+            },
+        );
+        let watcher = AbortOnDrop(tokio::spawn(Arc::clone(&primary).watch()).abort_handle());
+        let reaper = AbortOnDrop(
+            tokio::spawn({
+                let pool = pool.clone();
+                let bound = options.round_trip_timeout;
+                async move {
+                    loop {
+                        tokio::time::sleep(Duration::from_secs(30)).await;
+                        pool.reap_idle(bound);
+                    }
+                }
+            })
+            .abort_handle(),
+        );
+        let started = std::time::Instant::now();
+        loop {
+            let by =
+                tokio::time::Instant::now() + options.acquire_timeout.max(options.connect_timeout);
+            let patience = by.saturating_duration_since(tokio::time::Instant::now());
+            let migrated = match pool.acquire(by, patience, Queue::Back).await {
+                Ok(mut conn) => {
+                    // Bounded, so a database that freezes mid-migration fails the start
+                    // (the unsettled connection is closed, and its locks with it). The
+                    // migrations set their own lock timeouts; the session's statement
+                    // timeout is lifted for them (an index built on a large table).
+                    let migrated = tokio::time::timeout(MIGRATION_BOUND, async {
+                        sqlx::query("SET statement_timeout = 0")
+                            .execute(&mut *conn.get())
+                            .await?;
+                        crate::migrations::migrator().run(conn.get()).await?;
+                        sqlx::query(AssertSqlSafe(format!(
+                            "SET statement_timeout = {statement_ms}"
+                        )))
+                        .execute(&mut *conn.get())
+                        .await?;
+                        Ok::<_, sqlx::migrate::MigrateError>(())
+                    })
+                    .await
+                    .unwrap_or(Err(sqlx::migrate::MigrateError::Execute(
+                        sqlx::Error::PoolTimedOut,
+                    )));
+                    conn.settle(migrated.is_ok());
+                    migrated
+                }
+                Err(AcquireError::CannotOpen(error) | AcquireError::Refused(error)) => {
+                    Err(sqlx::migrate::MigrateError::Execute(error))
+                }
+                Err(AcquireError::Busy) => Err(sqlx::migrate::MigrateError::Execute(
+                    sqlx::Error::PoolTimedOut,
+                )),
+            };
+            let error = match migrated {
+                Ok(()) => break,
+                // A migration's lock_timeout: other instances' statements hold the table;
+                // they end within their bounds, so try again rather than queue every new
+                // charge behind the ALTER.
+                Err(sqlx::migrate::MigrateError::Execute(error)) if is_lock_timeout(&error) => {
+                    StoreError::Unavailable(format!("a migration waited for a table lock: {error}"))
+                }
+                Err(sqlx::migrate::MigrateError::Execute(error)) => StoreError::from(error),
+                Err(error) => return Err(error).context("applying the ledger's migrations"),
+            };
+            if !matches!(error, StoreError::Unavailable(_) | StoreError::Lost(_))
+                || started.elapsed() > Duration::from_secs(60)
+            {
+                return Err(error).context("applying the ledger's migrations");
+            }
+            tracing::warn!(%error, "database not reachable yet; retrying in 1 s");
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        Ok(Self {
+            pool,
+            keys: Arc::new(KeyLocks::default()),
+            gauges: Arc::default(),
+            acquire_timeout: options.acquire_timeout,
+            round_trip_timeout: options.round_trip_timeout,
+            skip_key_claim: options.skip_key_claim,
+            primary,
+            _tasks: Arc::new([watcher, reaper]),
+        })
+    }
+
+    /// Same-key requests running or waiting in this process.
+    pub fn keys_in_flight(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// Keys taken over and resumed, and phase 2s refused to a stale owner, since start.
+    pub fn takeovers(&self) -> (u64, u64) {
+        (
+            self.gauges.resumed.load(Ordering::Relaxed),
+            self.gauges.stale_owner.load(Ordering::Relaxed),
+        )
+    }
+}
