@@ -423,3 +423,102 @@ backend sink
     // In the foreground (`-db`): the process measured is the one that forwards.
     spawn(Command::new(program).args(["-db", "-f"]).arg(&config))
 }
+
+/// A child process, its output discarded.
+fn spawn(command: &mut Command) -> anyhow::Result<Proc> {
+    Ok(Proc(
+        command
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?,
+    ))
+}
+
+/// Starts this binary's OTLP collector on `port` and points the relay's environment at
+/// it, sampling `ratio` of traces.
+async fn otlp_collector(
+    me: &std::path::Path,
+    ratio: f64,
+    port: u16,
+    relay_env: &mut Vec<(String, String)>,
+) -> anyhow::Result<Proc> {
+    let collector =
+        spawn(Command::new(me).args(["otlp-sink", "--listen", &format!("127.0.0.1:{port}")]))?;
+    wait_listening(port).await?;
+    relay_env.extend([
+        (
+            "OTEL_EXPORTER_OTLP_ENDPOINT".to_owned(),
+            format!("http://127.0.0.1:{port}"),
+        ),
+        ("OTEL_TRACES_SAMPLER".to_owned(), "traceidratio".to_owned()),
+        ("OTEL_TRACES_SAMPLER_ARG".to_owned(), ratio.to_string()),
+    ]);
+    Ok(collector)
+}
+
+/// Loads the relay, the bare forwarder and HAProxy when there is one (`targets`: URL and
+/// pid, in that order) in alternating rounds, over `tls` when given, and reports their CPU
+/// per request.
+async fn measure(
+    cli: &Cli,
+    targets: &[(String, u32)],
+    tls: Option<&(Tls, Identity)>,
+) -> anyhow::Result<Report> {
+    // Warm each up, then alternate rounds so drift on a shared machine hits all alike.
+    for (url, _) in targets {
+        load(url, tls, cli.requests / 10 + 100, cli.concurrency).await?;
+    }
+    // Per target: each round's CPU seconds, and the wall time in all.
+    let mut cpu = vec![Vec::new(); targets.len()];
+    let mut wall = vec![0.0f64; targets.len()];
+    for _ in 0..cli.rounds {
+        for (i, (url, pid)) in targets.iter().enumerate() {
+            let before = cpu_seconds(*pid)?;
+            wall[i] += load(url, tls, cli.requests, cli.concurrency)
+                .await?
+                .as_secs_f64();
+            cpu[i].push(cpu_seconds(*pid)? - before);
+        }
+    }
+    let total = (cli.requests * u64::from(cli.rounds)) as f64;
+    let sum = |i: usize| cpu[i].iter().sum::<f64>();
+    let rounds = |over: usize, under: usize| -> Vec<f64> {
+        cpu[over]
+            .iter()
+            .zip(&cpu[under])
+            .map(|(over, under)| over / under.max(f64::EPSILON))
+            .collect()
+    };
+    let ratio_rounds = rounds(0, 1);
+    let haproxy = match targets.get(2) {
+        Some((_, pid)) => {
+            let relay_ratio_rounds = rounds(0, 2);
+            let bare_ratio_rounds = rounds(1, 2);
+            Some(HaproxyReport {
+                cpu_us_per_request: sum(2) / total * 1e6,
+                rps: total / wall[2],
+                rss_kib: rss_kib(*pid)?,
+                relay_ratio_median: median(&relay_ratio_rounds),
+                relay_ratio_rounds,
+                bare_ratio_median: median(&bare_ratio_rounds),
+                bare_ratio_rounds,
+            })
+        }
+        None => None,
+    };
+    Ok(Report {
+        tls: cli.tls,
+        requests: cli.requests * u64::from(cli.rounds),
+        concurrency: cli.concurrency,
+        relay_cpu_us_per_request: sum(0) / total * 1e6,
+        bare_cpu_us_per_request: sum(1) / total * 1e6,
+        ratio: sum(0) / sum(1).max(f64::EPSILON),
+        ratio_median: median(&ratio_rounds),
+        ratio_rounds,
+        relay_rss_kib: rss_kib(targets[0].1)?,
+        bare_rss_kib: rss_kib(targets[1].1)?,
+        relay_rps: total / wall[0],
+        bare_rps: total / wall[1],
+        haproxy,
+    })
+}
