@@ -4,12 +4,13 @@
 
 use std::{net::SocketAddr, time::Duration};
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
 use resilience::{
     Backoff, BackoffKind, ServiceConfig,
     service_config::{CallPolicy, RetryPolicyConfig},
 };
 use retrychain_node::{RetryMode, telemetry::LogFormat};
+use serde::{Serialize, Serializer};
 
 /// The share of a call's time the edge lets it be predicted to take before refusing it:
 /// the rest is for the services below, so that what the edge admits they admit too.
@@ -87,7 +88,7 @@ pub enum InFlightArg {
 }
 
 /// Flags every service takes.
-#[derive(Debug, Clone, Args)]
+#[derive(Debug, Clone, Args, Serialize)]
 pub struct ServiceArgs {
     /// Address to listen on for Payments [default: 0.0.0.0:50051 edge, 0.0.0.0:50052 relay, 0.0.0.0:50055 ledger].
     #[arg(long, env = "RETRYCHAIN_LISTEN")]
@@ -100,12 +101,14 @@ pub struct ServiceArgs {
     pub name: Option<String>,
     /// Where retries happen when a request does not say.
     #[arg(long, env = "RETRYCHAIN_RETRY_MODE", value_enum, default_value_t = RetryMode::EdgeOnly)]
+    #[serde(serialize_with = "as_value_name")]
     pub retry_mode: RetryMode,
     /// Attempts per call (first included) wherever this service retries.
     #[arg(long, env = "RETRYCHAIN_MAX_ATTEMPTS", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
     pub max_attempts: u32,
     /// Backoff between attempts.
     #[arg(long, env = "RETRYCHAIN_BACKOFF", value_enum, default_value_t = BackoffKind::Full)]
+    #[serde(serialize_with = "as_value_name")]
     pub backoff: BackoffKind,
     /// First exponential backoff step, in ms.
     #[arg(long, env = "RETRYCHAIN_BACKOFF_BASE_MS", default_value_t = 10)]
@@ -166,6 +169,7 @@ pub struct ServiceArgs {
     pub allow_retry_mode_override: bool,
     /// Log format.
     #[arg(long, env = "RETRYCHAIN_LOG_FORMAT", value_enum, default_value_t = LogFormatArg::Text)]
+    #[serde(serialize_with = "as_value_name")]
     pub log_format: LogFormatArg,
     /// Connections the public port holds at once; more wait in the kernel's accept queue
     /// until one closes. A connection that has not sent the HTTP/2 preface 10 s after
@@ -340,10 +344,11 @@ impl ServiceArgs {
 }
 
 /// Flags of `edge` and `relay`.
-#[derive(Debug, Clone, Args)]
+#[derive(Debug, Clone, Args, Serialize)]
 pub struct HopArgs {
     /// Flags every service takes.
     #[command(flatten)]
+    #[serde(flatten)]
     pub service: ServiceArgs,
     /// The next service: one URL, several comma-separated (its replicas), or
     /// dns:///host:port (every address the name resolves to, resolved again every 5 s)
@@ -370,6 +375,7 @@ pub struct HopArgs {
     /// else UNAUTHENTICATED) or `anyone` (a call without credentials is the anonymous
     /// caller's) [default: authenticated with TLS or --jwks, else anyone].
     #[arg(long, env = "RETRYCHAIN_CALLERS", value_enum)]
+    #[serde(serialize_with = "as_optional_value_name")]
     pub callers: Option<CallersArg>,
     /// The edge: the most calls one identified caller may hold at once; past it,
     /// RESOURCE_EXHAUSTED with a pushback: a fixed bound beside admission's fair shares,
@@ -532,19 +538,24 @@ impl HopArgs {
 }
 
 /// Flags of `ledger`.
-#[derive(Debug, Clone, Args)]
+#[derive(Debug, Clone, Args, Serialize)]
 pub struct LedgerArgs {
     /// Flags every service takes.
     #[command(flatten)]
+    #[serde(flatten)]
     pub service: ServiceArgs,
     /// Postgres URL, e.g. postgres://user:pass@host:5432/db.
     #[arg(long, env = "DATABASE_URL")]
+    /// Never on a command line: see [`ServiceCommand::to_args`].
+    #[serde(skip)]
     pub database_url: String,
     /// What a request does while another with the same key is running.
     #[arg(long, env = "RETRYCHAIN_IN_FLIGHT", value_enum, default_value_t = InFlightArg::Wait)]
+    #[serde(serialize_with = "as_value_name")]
     pub in_flight: InFlightArg,
     /// How long idempotency keys are kept (e.g. 24h, 90m, 30s); a later retry is a new request.
     #[arg(long, env = "RETRYCHAIN_KEY_RETENTION", default_value = "24h", value_parser = humantime::parse_duration)]
+    #[serde(serialize_with = "as_humantime")]
     pub key_retention: Duration,
     /// Database connections.
     #[arg(long, env = "RETRYCHAIN_DB_POOL_SIZE", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
@@ -612,104 +623,46 @@ impl LedgerArgs {
 /// the typed values). Every field is written, so the command reads the same whatever the
 /// child's environment says — but the ledger's database URL, which may hold a password and
 /// a command line is readable by every local user: the child gets it as `DATABASE_URL`.
+///
+/// Nothing here names a flag. The settings are serialized (serde) into their fields'
+/// values, and clap's own description of the command says which flag each field is and
+/// whether it takes a value: a flag added to the structs is on the command line with no
+/// change here (a field of a type without a command-line form fails the round-trip test).
 impl ServiceCommand {
     /// `edge|relay|ledger` and every flag but the database URL, as `retrychain` parses
     /// them back.
     pub fn to_args(&self) -> Vec<String> {
-        let mut args = Vec::new();
-        match self {
-            ServiceCommand::Edge(hop) | ServiceCommand::Relay(hop) => {
-                args.push(
-                    if matches!(self, ServiceCommand::Edge(_)) {
-                        "edge"
-                    } else {
-                        "relay"
+        let (role, fields) = match self {
+            ServiceCommand::Edge(hop) => ("edge", serde_json::to_value(hop)),
+            ServiceCommand::Relay(hop) => ("relay", serde_json::to_value(hop)),
+            ServiceCommand::Ledger(ledger) => ("ledger", serde_json::to_value(ledger)),
+        };
+        // Strings, numbers and booleans only: nothing in them can fail to serialize.
+        let Ok(serde_json::Value::Object(fields)) = fields else {
+            unreachable!("a service's flags serialize to an object")
+        };
+        let cli = ServiceCli::command();
+        let command = cli
+            .find_subcommand(role)
+            .unwrap_or_else(|| unreachable!("{role} is a subcommand"));
+        let mut args = vec![role.to_owned()];
+        for arg in command.get_arguments() {
+            let (Some(long), Some(value)) = (arg.get_long(), fields.get(arg.get_id().as_str()))
+            else {
+                continue; // --help, and the database URL
+            };
+            let flag = format!("--{long}");
+            match value {
+                serde_json::Value::Null => {}
+                serde_json::Value::Bool(on) if !arg.get_action().takes_values() => {
+                    if *on {
+                        args.push(flag);
                     }
-                    .to_owned(),
-                );
-                hop.service.push_args(&mut args);
-                push(&mut args, "--downstream", hop.downstream.as_ref());
-                push(
-                    &mut args,
-                    "--tls-downstream-identity",
-                    hop.tls_downstream_identity.as_ref(),
-                );
-                push(&mut args, "--per-try-timeout-ms", hop.per_try_timeout_ms);
-                push(&mut args, "--jwks", hop.jwks.as_ref().map(|p| p.display()));
-                push(&mut args, "--jwt-issuer", hop.jwt_issuer.as_ref());
-                push(&mut args, "--jwt-audience", hop.jwt_audience.as_ref());
-                push(&mut args, "--callers", hop.callers.as_ref().map(value_name));
-                push(
-                    &mut args,
-                    "--caller-max-in-flight",
-                    Some(hop.caller_max_in_flight),
-                );
-                push(
-                    &mut args,
-                    "--eject-after-failures",
-                    Some(hop.eject_after_failures),
-                );
-                push(&mut args, "--ejection-base-ms", Some(hop.ejection_base_ms));
-                push(&mut args, "--ejection-max-ms", Some(hop.ejection_max_ms));
-                push(
-                    &mut args,
-                    "--max-ejection-percent",
-                    Some(hop.max_ejection_percent),
-                );
-                push(
-                    &mut args,
-                    "--failure-percentage-threshold",
-                    Some(hop.failure_percentage_threshold),
-                );
-                push(
-                    &mut args,
-                    "--failure-percentage-minimum-hosts",
-                    Some(hop.failure_percentage_minimum_hosts),
-                );
-                push(
-                    &mut args,
-                    "--failure-percentage-request-volume",
-                    Some(hop.failure_percentage_request_volume),
-                );
-                push(
-                    &mut args,
-                    "--ejection-interval-ms",
-                    Some(hop.ejection_interval_ms),
-                );
-            }
-            ServiceCommand::Ledger(ledger) => {
-                args.push("ledger".to_owned());
-                ledger.service.push_args(&mut args);
-                push(
-                    &mut args,
-                    "--in-flight",
-                    Some(value_name(&ledger.in_flight)),
-                );
-                push(
-                    &mut args,
-                    "--key-retention",
-                    Some(humantime::format_duration(ledger.key_retention)),
-                );
-                push(&mut args, "--db-pool-size", Some(ledger.db_pool_size));
-                push(
-                    &mut args,
-                    "--db-acquire-timeout-ms",
-                    Some(ledger.db_acquire_timeout_ms),
-                );
-                push(
-                    &mut args,
-                    "--db-connect-timeout-ms",
-                    Some(ledger.db_connect_timeout_ms),
-                );
-                push(
-                    &mut args,
-                    "--db-round-trip-timeout-ms",
-                    Some(ledger.db_round_trip_timeout_ms),
-                );
-                push(&mut args, "--caller-signer", ledger.caller_signer.as_ref());
-                if ledger.test_skip_key_claim {
-                    args.push("--test-skip-key-claim".to_owned());
                 }
+                serde_json::Value::Bool(on) => args.extend([flag, on.to_string()]),
+                serde_json::Value::Number(number) => args.extend([flag, number.to_string()]),
+                serde_json::Value::String(text) => args.extend([flag, text.clone()]),
+                other => unreachable!("{flag} has no command-line form: {other}"),
             }
         }
         args
@@ -734,104 +687,28 @@ impl ServiceCommand {
     }
 }
 
-impl ServiceArgs {
-    fn push_args(&self, args: &mut Vec<String>) {
-        push(args, "--listen", self.listen);
-        push(args, "--admin-listen", self.admin_listen);
-        push(args, "--name", self.name.as_ref());
-        push(args, "--retry-mode", Some(value_name(&self.retry_mode)));
-        push(args, "--max-attempts", Some(self.max_attempts));
-        push(args, "--backoff", Some(value_name(&self.backoff)));
-        push(args, "--backoff-base-ms", Some(self.backoff_base_ms));
-        push(args, "--backoff-cap-ms", Some(self.backoff_cap_ms));
-        push(args, "--budget-tokens", Some(self.budget_tokens));
-        push(args, "--budget-refund", Some(self.budget_refund));
-        switch(args, "--no-budget", self.no_budget);
-        switch(args, "--adaptive-throttling", self.adaptive_throttling);
-        push(
-            args,
-            "--adaptive-throttling-k",
-            Some(self.adaptive_throttling_k),
-        );
-        push(
-            args,
-            "--adaptive-throttling-window-ms",
-            Some(self.adaptive_throttling_window_ms),
-        );
-        push(
-            args,
-            "--default-deadline-ms",
-            Some(self.default_deadline_ms),
-        );
-        push(args, "--max-deadline-ms", Some(self.max_deadline_ms));
-        push(args, "--deadline-margin-ms", Some(self.deadline_margin_ms));
-        push(args, "--min-attempt-ms", Some(self.min_attempt_ms));
-        switch(args, "--fault-injection", self.fault_injection);
-        push(
-            args,
-            "--service-config",
-            self.service_config.as_ref().map(|p| p.display()),
-        );
-        switch(
-            args,
-            "--allow-retry-mode-override",
-            self.allow_retry_mode_override,
-        );
-        push(args, "--log-format", Some(value_name(&self.log_format)));
-        push(args, "--max-connections", Some(self.max_connections));
-        push(
-            args,
-            "--max-connections-per-peer",
-            Some(self.max_connections_per_peer),
-        );
-        push(args, "--max-in-flight", Some(self.max_in_flight));
-        push(args, "--min-concurrency", Some(self.min_concurrency));
-        push(args, "--latency-objective-ms", self.latency_objective_ms);
-        push(
-            args,
-            "--initial-concurrency",
-            Some(self.initial_concurrency),
-        );
-        push(
-            args,
-            "--tls-dir",
-            self.tls_dir.as_ref().map(|p| p.display()),
-        );
-        push(
-            args,
-            "--tls-cert",
-            self.tls_cert.as_ref().map(|p| p.display()),
-        );
-        push(
-            args,
-            "--tls-key",
-            self.tls_key.as_ref().map(|p| p.display()),
-        );
-        push(args, "--tls-ca", self.tls_ca.as_ref().map(|p| p.display()));
-        push(args, "--tls-accept", self.tls_accept.as_ref());
+/// A value's name on the command line (`edge-only`, `full`), for serde.
+fn as_value_name<S: Serializer>(value: &impl ValueEnum, to: S) -> Result<S::Ok, S::Error> {
+    match value.to_possible_value() {
+        Some(name) => to.serialize_str(name.get_name()),
+        None => to.serialize_none(),
     }
 }
 
-/// `flag value`, when there is a value.
-fn push(args: &mut Vec<String>, flag: &str, value: Option<impl std::fmt::Display>) {
-    if let Some(value) = value {
-        args.extend([flag.to_owned(), value.to_string()]);
+/// [`as_value_name`] of a value that may be absent.
+fn as_optional_value_name<S: Serializer>(
+    value: &Option<impl ValueEnum>,
+    to: S,
+) -> Result<S::Ok, S::Error> {
+    match value {
+        Some(value) => as_value_name(value, to),
+        None => to.serialize_none(),
     }
 }
 
-/// `flag`, when it is on.
-fn switch(args: &mut Vec<String>, flag: &str, on: bool) {
-    if on {
-        args.push(flag.to_owned());
-    }
-}
-
-/// A value's name on the command line (`edge-only`, `full`).
-fn value_name(value: &impl ValueEnum) -> String {
-    value
-        .to_possible_value()
-        .map(|v| v.get_name().to_owned())
-        .unwrap_or_default()
+/// A duration as the command line takes it (`24h`, `90s`), for serde.
+fn as_humantime<S: Serializer>(value: &Duration, to: S) -> Result<S::Ok, S::Error> {
+    to.collect_str(&humantime::format_duration(*value))
 }
 
 #[cfg(test)]
@@ -917,5 +794,32 @@ mod tests {
             .expect("reads back")
             .command;
         assert_eq!(format!("{back:?}"), format!("{edge:?}"));
+    }
+
+    /// Every flag of every role is a field `to_args` writes: a flag whose field serde
+    /// skipped or renamed would silently fall off the command lines of child processes.
+    #[test]
+    fn every_flag_is_written_for_a_child() {
+        for role in ["edge", "relay", "ledger"] {
+            let command = ServiceCommand::defaults(role, "postgres://x@h/db").expect("parses");
+            let fields = match &command {
+                ServiceCommand::Edge(hop) | ServiceCommand::Relay(hop) => serde_json::to_value(hop),
+                ServiceCommand::Ledger(ledger) => serde_json::to_value(ledger),
+            }
+            .expect("serializes");
+            let cli = ServiceCli::command();
+            let arguments = cli.find_subcommand(role).expect("a role").get_arguments();
+            for arg in arguments {
+                let id = arg.get_id().as_str();
+                if matches!(id, "help" | "database_url") {
+                    continue;
+                }
+                assert!(
+                    fields.get(id).is_some(),
+                    "{role}: --{} is not written for a child",
+                    arg.get_long().unwrap_or(id)
+                );
+            }
+        }
     }
 }
