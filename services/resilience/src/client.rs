@@ -33,7 +33,7 @@
 //! - **How many**: `maxAttempts` (at most 5), and, with `retryThrottling`, only while the
 //!   channel's throttle has more than half its tokens.
 //! - **Marked**: every retry carries its previous attempts.
-//! - **Deadline**: the call's [`CallDeadline`], the timeout its caller wrote on it, or
+//! - **Deadline**: the call's [`CallDeadline`](crate::CallDeadline), the timeout its caller wrote on it, or
 //!   the method config's `timeout`, whichever ends first, bounds it: each attempt is sent
 //!   the time left, no attempt starts and no backoff sleeps past it, and a call still
 //!   unanswered then ends DEADLINE_EXCEEDED.

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-/// How a [`Balancer`] bounds attempts and ejects replicas; see the module docs.
+/// How a [`Balancer`](super::Balancer) bounds attempts and ejects replicas; see the module docs.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BalanceSettings {
     /// The longest one attempt may take at one replica (`None`: until the call's

@@ -1,0 +1,426 @@
+//! The concurrency limit itself: whether one more call is admitted, in which class,
+//! refused with what, and what its answer teaches the estimate.
+
+use std::{
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use tokio::time::Instant;
+use tonic::Status;
+
+use super::{
+    drain::Drain,
+    fairness::{CallerKey, Holdings, Priority},
+    settings::AdmissionSettings,
+};
+use crate::wire;
+
+/// How far past the calls in flight its drain rate was last measured at the estimate is
+/// trusted (see [`ConcurrencyLimit::judge`]).
+pub const GROWTH: usize = 2;
+
+/// How much slower than its whole budget a call refused below counts (see
+/// [`Admitted::dropped`]).
+pub const DROP_PENALTY: f64 = 2.0;
+
+/// Past this share of `max_limit`, only callers under their share are admitted.
+const RESERVED_FOR_LIGHT_CALLERS: f64 = 0.9;
+
+/// One call asking to be admitted.
+#[derive(Debug, Clone, Copy)]
+pub struct Ask {
+    /// Its class.
+    pub priority: Priority,
+    /// The time it has here: its timeout less the server's reserve; `None`: unbounded.
+    pub time: Option<Duration>,
+    /// Its caller, where callers are told apart.
+    pub caller: Option<CallerKey>,
+}
+
+impl Ask {
+    /// A first attempt with `time`, from nobody in particular.
+    pub fn first(time: Option<Duration>) -> Self {
+        Self {
+            priority: Priority::First,
+            time,
+            caller: None,
+        }
+    }
+}
+
+/// One service's admission: calls in flight, the drain estimate, callers' holdings and what
+/// was refused.
+#[derive(Debug)]
+pub struct ConcurrencyLimit {
+    /// The bounds and shares.
+    settings: AdmissionSettings,
+    /// Calls admitted and not yet answered.
+    in_flight: AtomicUsize,
+    /// [`Drain::per_call`] in nanoseconds (0: not yet measured), readable without the lock.
+    pub(super) per_call_ns: AtomicU64,
+    /// The most calls in flight the last window's answers were admitted with: the
+    /// estimate is trusted up to [`GROWTH`] times that, no further.
+    pub(super) measured_at: AtomicUsize,
+    /// Where the estimate is computed.
+    drain: Mutex<Drain>,
+    /// Calls in flight per caller, where callers are told apart.
+    callers: Holdings,
+    /// The budget of the last call asked (for [`ConcurrencyLimit::limit`]).
+    typical_budget: AtomicU64,
+    /// First attempts refused, since start.
+    shed_first: AtomicU64,
+    /// Retries and hedges refused, since start.
+    shed_retries: AtomicU64,
+    /// Told how long each refusal took to answer (its body drained), for a histogram.
+    pub(super) on_refusal: Option<RefusalObserver>,
+}
+
+/// What [`ConcurrencyLimit::observing_refusals`] tells.
+pub(super) struct RefusalObserver(pub(super) Box<dyn Fn(Duration) + Send + Sync>);
+
+impl std::fmt::Debug for RefusalObserver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RefusalObserver")
+    }
+}
+
+/// What [`ConcurrencyLimit::judge`] decided.
+#[derive(Debug, Clone, Copy)]
+enum Verdict {
+    /// In.
+    Admit,
+    /// In if its caller holds fewer calls than its share of `fit` (the calls that fit);
+    /// else refused for `full`.
+    IfUnderShare { full: Full, fit: usize },
+    /// Refused.
+    Refuse(Full),
+}
+
+/// Why a call was not admitted, for its refusal's message.
+#[derive(Debug, Clone, Copy)]
+enum Full {
+    /// `max_limit` reached.
+    Ceiling,
+    /// Its predicted time does not fit its budget.
+    Late {
+        predicted: Duration,
+        budget: Duration,
+    },
+    /// Past the reserve of `max_limit` kept for callers under their share.
+    Reserved,
+    /// Past what the estimate was measured at (see [`GROWTH`]); `round`: how long the
+    /// calls measured took.
+    Unproven { measured_at: usize, round: Duration },
+}
+
+impl ConcurrencyLimit {
+    /// Admission with `settings` (validated by the caller: see
+    /// [`AdmissionSettings::validated`]).
+    pub fn new(settings: AdmissionSettings) -> Self {
+        Self {
+            settings,
+            in_flight: AtomicUsize::new(0),
+            per_call_ns: AtomicU64::new(0),
+            measured_at: AtomicUsize::new(0),
+            drain: Mutex::new(Drain::new(settings, Instant::now())),
+            callers: Holdings::new(),
+            typical_budget: AtomicU64::new(0),
+            shed_first: AtomicU64::new(0),
+            shed_retries: AtomicU64::new(0),
+            on_refusal: None,
+        }
+    }
+
+    /// The same admission, telling `observe` how long each refusal took to answer (from
+    /// the call's arrival to the refusal, its body drained): the time an overloaded service
+    /// costs the calls it does not serve.
+    pub fn observing_refusals(
+        mut self,
+        observe: impl Fn(Duration) + Send + Sync + 'static,
+    ) -> Self {
+        self.on_refusal = Some(RefusalObserver(Box::new(observe)));
+        self
+    }
+
+    /// How many calls at once fit the budget of the last call asked now (the concurrency
+    /// this server admits to), within its bounds: what `Stats` and `/metrics` report as
+    /// its concurrency limit.
+    pub fn limit(&self) -> usize {
+        let s = &self.settings;
+        let per_call = self.per_call_ns.load(Ordering::Relaxed);
+        let budget = self.typical_budget.load(Ordering::Relaxed);
+        if per_call == 0 || budget == 0 {
+            return s.initial_limit;
+        }
+        ((budget / per_call) as usize).clamp(s.min_limit, s.max_limit)
+    }
+
+    /// Calls being served now.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// First attempts and retries refused since start.
+    pub fn shed(&self) -> (u64, u64) {
+        (
+            self.shed_first.load(Ordering::Relaxed),
+            self.shed_retries.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Calls `caller` holds now (with any caller whose key shares its counter: see
+    /// [`Holdings`]).
+    pub fn held_by(&self, caller: CallerKey) -> u32 {
+        self.callers.held(caller)
+    }
+
+    /// The budget of a call with `time` here: the share of it a prediction may take.
+    fn budget(&self, time: Option<Duration>) -> Option<Duration> {
+        let s = &self.settings;
+        let time = match (time, s.latency_objective) {
+            (Some(time), Some(objective)) => Some(time.min(objective)),
+            (time, objective) => time.or(objective),
+        }?;
+        Some(time.mul_f64(s.headroom))
+    }
+
+    /// A place for `ask`, or the answer refusing it.
+    pub fn try_admit(self: &Arc<Self>, ask: Ask) -> Result<Admitted, Box<Status>> {
+        let n = self.in_flight.fetch_add(1, Ordering::AcqRel) + 1;
+        let budget = self.budget(ask.time);
+        if let Some(budget) = budget {
+            self.typical_budget
+                .store(budget.as_nanos() as u64, Ordering::Relaxed);
+        }
+        let verdict = match (self.judge(&ask, n, budget), ask.caller) {
+            (Verdict::Admit, Some(caller)) => {
+                self.callers.take(caller);
+                Ok(())
+            }
+            (Verdict::Admit, None) => Ok(()),
+            (Verdict::IfUnderShare { full, fit }, Some(caller)) => {
+                if self.callers.take_if_under_share(caller, fit) {
+                    Ok(())
+                } else {
+                    Err(full)
+                }
+            }
+            (Verdict::IfUnderShare { full, .. } | Verdict::Refuse(full), _) => Err(full),
+        };
+        match verdict {
+            Ok(()) => Ok(Admitted {
+                limit: Arc::clone(self),
+                admitted: Instant::now(),
+                in_flight: n,
+                budget,
+                caller: ask.caller,
+                done: false,
+            }),
+            Err(full) => {
+                self.in_flight.fetch_sub(1, Ordering::AcqRel);
+                let shed = match ask.priority {
+                    Priority::First => &self.shed_first,
+                    Priority::Retry => &self.shed_retries,
+                };
+                shed.fetch_add(1, Ordering::Relaxed);
+                Err(Box::new(refusal(ask.priority, n - 1, full)))
+            }
+        }
+    }
+
+    /// Whether the `n`th call in flight, `ask`, may be served; see the module docs.
+    fn judge(&self, ask: &Ask, n: usize, budget: Option<Duration>) -> Verdict {
+        let s = &self.settings;
+        let share = match ask.priority {
+            Priority::First => 1.0,
+            Priority::Retry => s.retry_share,
+        };
+        let scaled = |limit: usize| ((limit as f64 * share) as usize).max(1);
+        if n > scaled(s.max_limit) {
+            return Verdict::Refuse(Full::Ceiling);
+        }
+        if n <= scaled(s.min_limit) {
+            return Verdict::Admit;
+        }
+        // Behind the door, what the door admitted is served: only the ceiling refuses.
+        if !s.door {
+            return Verdict::Admit;
+        }
+        let per_call = self.per_call_ns.load(Ordering::Relaxed);
+        // Nothing measured yet: the initial limit, for every caller.
+        if per_call == 0 {
+            return if n <= scaled(s.initial_limit) {
+                Verdict::Admit
+            } else {
+                Verdict::Refuse(Full::Ceiling)
+            };
+        }
+        // The estimate holds as far as it was measured, and a little further: a burst far
+        // past that (1,500 calls at once on a service that answered 20 at a time) must not
+        // be admitted on the strength of the small queue's latency, since the answers that
+        // would show the deep one's arrive only after it has waited. Admitted calls then
+        // measure it, and the bound doubles each time they do (TCP's slow start).
+        let measured_at = self.measured_at.load(Ordering::Relaxed);
+        let proven = scaled(s.min_limit.max(GROWTH * measured_at));
+        // What fits: the calls in flight the budget covers at this drain rate (no deadline
+        // and no objective: the ceiling alone bounds it).
+        let (fits, fit) = match budget {
+            None => (Ok(()), s.max_limit),
+            Some(budget) => {
+                let allowed = budget.mul_f64(share);
+                let predicted = Duration::from_nanos(per_call.saturating_mul(n as u64));
+                let fit = (budget.as_nanos() / u128::from(per_call)).min(s.max_limit as u128);
+                let fits = if predicted <= allowed {
+                    Ok(())
+                } else {
+                    Err(Full::Late {
+                        predicted,
+                        budget: allowed,
+                    })
+                };
+                (fits, fit as usize)
+            }
+        };
+        let fits = fits.and(if n <= proven {
+            Ok(())
+        } else {
+            Err(Full::Unproven {
+                measured_at,
+                round: Duration::from_nanos(per_call.saturating_mul(measured_at as u64)),
+            })
+        });
+        let reserved = n as f64 > s.max_limit as f64 * RESERVED_FOR_LIGHT_CALLERS;
+        match (fits, ask.priority, ask.caller.is_some()) {
+            (Ok(()), _, _) if !reserved => Verdict::Admit,
+            (Ok(()), _, false) => Verdict::Admit,
+            // Full, or in the reserve kept below the ceiling: a first attempt of a caller
+            // under its share still goes in. The share is of what fits, and never of the
+            // reserve itself.
+            (fits, Priority::First, true) => Verdict::IfUnderShare {
+                full: fits.err().unwrap_or(Full::Reserved),
+                fit: fit.min((s.max_limit as f64 * RESERVED_FOR_LIGHT_CALLERS) as usize),
+            },
+            (fits, _, _) => Verdict::Refuse(fits.err().unwrap_or(Full::Reserved)),
+        }
+    }
+
+    /// A sample from an answered call.
+    fn answered(&self, latency: Duration, in_flight: usize) {
+        let now = Instant::now();
+        let mut drain = self.drain.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((per_call, most_in_flight)) = drain.answered(now, latency, in_flight) {
+            self.per_call_ns
+                .store(((per_call * 1e9) as u64).max(1), Ordering::Relaxed);
+            self.measured_at.store(most_in_flight, Ordering::Relaxed);
+        }
+    }
+
+    fn release(&self, caller: Option<CallerKey>) {
+        self.in_flight.fetch_sub(1, Ordering::AcqRel);
+        if let Some(caller) = caller {
+            self.callers.give_back(caller);
+        }
+    }
+}
+
+/// UNAVAILABLE, overloaded, with when to come back.
+fn refusal(priority: Priority, in_flight: usize, full: Full) -> Status {
+    let which = match priority {
+        Priority::First => "",
+        Priority::Retry => " (retries are refused before first attempts)",
+    };
+    let (pushback, message) = match full {
+        Full::Ceiling => (
+            Duration::from_millis(100),
+            format!(
+                "overloaded: this service is serving {in_flight} calls, its most at once{which}"
+            ),
+        ),
+        Full::Reserved => (
+            Duration::from_millis(100),
+            format!(
+                "overloaded: this service is serving {in_flight} calls; the rest of its room is kept for callers holding less than their share{which}"
+            ),
+        ),
+        Full::Unproven { measured_at, round } => (
+            round,
+            format!(
+                "overloaded: this service is serving {in_flight} calls and has been measured draining at most {measured_at} at once{which}"
+            ),
+        ),
+        Full::Late { predicted, budget } => (
+            predicted.saturating_sub(budget).min(budget),
+            format!(
+                "overloaded: behind the {in_flight} calls in flight this one would take about {} ms, more than the {} ms it may{which}",
+                predicted.as_millis(),
+                budget.as_millis()
+            ),
+        ),
+    };
+    let pushback_ms = (pushback.as_millis() as i64).max(1);
+    let mut status = Status::unavailable(format!("{message}; come back in {pushback_ms} ms"));
+    wire::set_pushback(&mut status, pushback_ms);
+    wire::mark_overloaded(status.metadata_mut());
+    status
+}
+
+/// A call's place: given back when dropped; [`Admitted::answered`] also makes the call's
+/// time a sample.
+#[derive(Debug)]
+pub struct Admitted {
+    /// Whose place.
+    limit: Arc<ConcurrencyLimit>,
+    /// When the call was admitted.
+    admitted: Instant,
+    /// Calls in flight once this one was admitted.
+    in_flight: usize,
+    /// The share of its time it was allowed here.
+    budget: Option<Duration>,
+    /// Its caller, where callers are told apart.
+    caller: Option<CallerKey>,
+    /// Whether the place was already given back.
+    done: bool,
+}
+
+impl Admitted {
+    /// The call was answered now: its time is a sample.
+    pub fn answered(mut self) {
+        self.release();
+        self.limit.answered(self.admitted.elapsed(), self.in_flight);
+    }
+
+    /// The call was answered now with a service below's refusal for overload: a drop, a
+    /// sample [`DROP_PENALTY`] times as slow as its whole budget (it did not fit below; a
+    /// sample of the budget itself would leave the next such call predicted just inside
+    /// it).
+    pub fn dropped(mut self) {
+        self.release();
+        if !self.limit.settings.door {
+            return;
+        }
+        let elapsed = self.admitted.elapsed();
+        let latency = self
+            .budget
+            .unwrap_or(elapsed)
+            .max(elapsed)
+            .mul_f64(DROP_PENALTY);
+        self.limit.answered(latency, self.in_flight);
+    }
+
+    fn release(&mut self) {
+        if !self.done {
+            self.done = true;
+            self.limit.release(self.caller);
+        }
+    }
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        self.release();
+    }
+}

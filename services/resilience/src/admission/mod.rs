@@ -1,0 +1,95 @@
+//! Admission: refuse at the door, at once, only what cannot be served within its deadline,
+//! fairly between callers, retries before first attempts.
+//!
+//! # Why
+//!
+//! A server that admits everything up to a fixed, generous number queues the excess of an
+//! overload inside itself, where each queued call holds memory and everything below it,
+//! and fails only when its deadline runs out; retries of those failures arrive on top.
+//! That is the metastable failure this project is about. But a limit that follows latency
+//! (Netflix's Gradient2, which this module used before, and Envoy's adaptive concurrency
+//! filter) refuses as soon as calls queue at all, and queueing is not by itself overload:
+//! measured on this chain, with 256 charges in flight and 5 s deadlines it served 47% where
+//! admitting everything served 100% at a third more charges a second, every one well within
+//! its deadline. What makes a call worth refusing is that it cannot be answered in time.
+//!
+//! # The decision
+//!
+//! Each call is predicted its time here from how fast this server drains its calls now, and
+//! admitted when the prediction fits the time it has (CoDel's question — how long has the
+//! queue made calls wait? — asked before the call joins it, as DAGOR and Breakwater do):
+//!
+//! ```text
+//! every window (≥ 10 ms and ≥ 8 answers):
+//!   per_call ← Σ latency / Σ calls in flight when each was admitted, if higher (at once);
+//!              else an EWMA toward it (seconds each call in flight adds: 1 / drain rate)
+//! a call arriving with n − 1 in flight:
+//!   predicted = n × per_call
+//!   budget    = min(its timeout − the server's reserve, the latency objective) × headroom
+//!   admit when predicted ≤ budget (a retry or hedge: ≤ budget × retry_share),
+//!   always while n ≤ min_limit, never past max_limit (the memory bound)
+//! ```
+//!
+//! `per_call` is Little's law read off the calls themselves: a saturated server that drains
+//! X calls a second answers a call admitted behind n others after about n / X; one that is
+//! not saturated answers in its base latency whatever n is, and the estimate says so (its
+//! ratio is base / n̄). Nothing has to be tuned to the machine or the load, and a deadline
+//! that leaves room is never a reason to refuse.
+//!
+//! **At the door.** The edge admits with `headroom` 0.8, the services behind it with 1.0:
+//! the edge's prediction includes every service below it (its latency is theirs plus its
+//! own), so what it admits fits their deadlines too, and a service below refuses only what
+//! the edge misjudged. A refusal from below that the edge relays is a **drop**: a sample as
+//! slow as the call's whole budget (it did not fit), which raises `per_call` so that the
+//! edge refuses the next such call itself.
+//!
+//! **Fairly.** At the edge each call carries a caller key (the caller's credentials, or
+//! without any its connection: see `AdmissionLayer::keyed_by`). While the server is full
+//! (a call's prediction does not fit), a caller holding fewer calls than its share —
+//! `budget / per_call` calls (what fits) divided among the callers holding calls now — is
+//! still admitted, and a caller at or over its share is refused: a caller using less than
+//! its share is never refused because another uses more, and shares follow the server's
+//! capacity, not a fixed number. Past 90% of `max_limit`, only callers under their share
+//! are admitted, so the memory bound is not reached by one caller either.
+//!
+//! **Retries and hedges** (an attempt carrying `grpc-previous-rpc-attempts` ≥ 1) are
+//! admitted only while their prediction fits [`AdmissionSettings::retry_share`] of their
+//! budget (75%), and never under the fair-share exception: under overload they go first.
+//!
+//! # The refusal
+//!
+//! UNAVAILABLE at once (the message says overloaded; an A6 client retries UNAVAILABLE), with
+//! `grpc-retry-pushback-ms` set to how much longer than its budget the call was predicted
+//! to take (at least 1 ms): when about that much of the backlog will have drained. The
+//! answer is marked [`wire::OVERLOADED`](crate::wire::OVERLOADED) so that a balancer above takes it as load, not a
+//! fault. It comes before the call is authorised, its caller's token verified, its
+//! metadata checked or its message decoded: a refusal costs the server microseconds.
+//!
+//! "At once" needs care with the request's body. Answered while the request's stream is
+//! still open (its message not yet read), and with the body dropped, HTTP/2 (the `h2`
+//! crate) resets the stream — a reset the server makes, which it counts against the
+//! connection's allowance for protocol errors (the defence against "rapid reset" floods).
+//! Under a sustained overload that allowance runs out and the whole connection is closed
+//! (ENHANCE_YOUR_CALM), failing every call on it. So a refusal reads the body to its end
+//! first, in a task of its own, for at most [`DRAIN_WITHIN`], while the refusal goes out at
+//! once.
+//!
+//! # What is a sample
+//!
+//! The time from admission to the answer's headers, with the calls in flight when it was
+//! admitted, for every answer but CANCELLED (the caller left; the time says nothing about
+//! the server) and an error of the layers below (no answer). A DEADLINE_EXCEEDED is a
+
+mod drain;
+mod fairness;
+mod layer;
+mod limit;
+mod settings;
+#[cfg(test)]
+mod tests;
+
+pub use drain::Drain;
+pub use fairness::{CallerKey, Priority};
+pub use layer::{Admission, AdmissionLayer, DRAIN_WITHIN, KeyOf};
+pub use limit::{Admitted, Ask, ConcurrencyLimit, DROP_PENALTY, GROWTH};
+pub use settings::{AdmissionSettings, InvalidAdmission};

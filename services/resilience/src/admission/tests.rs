@@ -1,0 +1,300 @@
+//! The admission tests: the estimate, the limit, fair shares and the layer.
+
+use std::{
+    sync::{Arc, atomic::Ordering},
+    time::Duration,
+};
+
+use tokio::time::Instant;
+use tonic::Code;
+
+use super::*;
+use crate::wire;
+
+/// Feeds `windows` windows of 8 answers each, 10 ms apart, at `latency`, each admitted
+/// with `in_flight` calls in flight; the estimate after, in seconds.
+fn run(d: &mut Drain, now: &mut Instant, windows: u32, latency: Duration, in_flight: usize) -> f64 {
+    for _ in 0..windows {
+        *now += Duration::from_millis(10);
+        for _ in 0..8 {
+            d.answered(*now, latency, in_flight);
+        }
+    }
+    d.per_call().expect("measured")
+}
+
+#[test]
+fn a_saturated_server_is_measured_by_its_drain_rate() {
+    // One call per 100 µs, whatever the queue: latency = calls in flight × 0.1 ms.
+    let mut now = Instant::now();
+    let mut d = Drain::new(AdmissionSettings::default(), now);
+    for in_flight in [10, 100, 1000, 40] {
+        let latency = Duration::from_micros(100 * in_flight as u64);
+        let per_call = run(&mut d, &mut now, 30, latency, in_flight);
+        assert!((per_call - 100e-6).abs() < 1e-6, "{per_call}");
+        assert_eq!(d.per_call(), Some(per_call));
+    }
+}
+
+#[test]
+fn an_unsaturated_server_predicts_its_own_latency() {
+    // 2 ms whatever the load, 4 in flight: 0.5 ms a call in flight, so a fifth call is
+    // predicted 2.5 ms — its latency and a little, not the queue of a busy server.
+    let mut now = Instant::now();
+    let mut d = Drain::new(AdmissionSettings::default(), now);
+    let per_call = run(&mut d, &mut now, 50, Duration::from_millis(2), 4);
+    assert!((per_call * 5.0 - 2.5e-3).abs() < 1e-5, "{per_call}");
+}
+
+/// As if `per_call` had been measured with calls up to the ceiling in flight.
+fn measured(limit: &ConcurrencyLimit, per_call: Duration) {
+    limit
+        .per_call_ns
+        .store(per_call.as_nanos() as u64, Ordering::Relaxed);
+    limit.measured_at.store(4096, Ordering::Relaxed);
+}
+
+#[test]
+fn a_burst_far_past_what_was_measured_is_admitted_as_it_is_measured() {
+    let door = AdmissionSettings {
+        door: true,
+        ..AdmissionSettings::default()
+    };
+    let limit = Arc::new(ConcurrencyLimit::new(door));
+    measured(&limit, Duration::from_millis(1));
+    // Measured with 20 in flight: trusted to 40, though 4,000 would fit the budget.
+    limit.measured_at.store(20, Ordering::Relaxed);
+    let mut held: Vec<Admitted> = (0..40)
+        .map(|_| {
+            limit
+                .try_admit(first(5000))
+                .expect("within twice the measure")
+        })
+        .collect();
+    let refused = limit.try_admit(first(5000)).expect_err("past it");
+    assert!(
+        refused.message().contains("measured"),
+        "{}",
+        refused.message()
+    );
+    assert_eq!(
+        wire::pushback(&refused),
+        wire::Pushback::RetryAfter(Duration::from_millis(20)),
+        "come back when those measured have drained"
+    );
+    // The answers of calls admitted with 40 in flight move the bound to 80.
+    limit.measured_at.store(40, Ordering::Relaxed);
+    held.extend((40..80).map(|_| limit.try_admit(first(5000)).expect("measured further")));
+    assert!(limit.try_admit(first(5000)).is_err());
+    drop(held);
+}
+
+fn first(time_ms: u64) -> Ask {
+    Ask::first(Some(Duration::from_millis(time_ms)))
+}
+
+#[test]
+fn everything_that_fits_its_deadline_is_admitted_however_deep_the_queue() {
+    // 1,000 calls a second and a 5 s deadline: 1,500 at once wait 1.5 s each. Queueing,
+    // not overload: every one is admitted (a latency target would have refused most).
+    let limit = Arc::new(ConcurrencyLimit::new(AdmissionSettings::default()));
+    measured(&limit, Duration::from_millis(1));
+    let held: Vec<Admitted> = (0..1500)
+        .map(|_| limit.try_admit(first(5000)).expect("fits its deadline"))
+        .collect();
+    assert_eq!(limit.in_flight(), 1500);
+    assert_eq!(limit.shed(), (0, 0));
+    drop(held);
+    assert_eq!(limit.in_flight(), 0);
+}
+
+#[test]
+fn a_call_that_cannot_fit_its_deadline_is_refused_at_once_retries_first() {
+    let limit = Arc::new(ConcurrencyLimit::new(AdmissionSettings::default()));
+    // 10 ms a call in flight, 1 s each: 100 fit, retries until 75.
+    measured(&limit, Duration::from_millis(10));
+    let mut held: Vec<Admitted> = (0..75)
+        .map(|_| limit.try_admit(first(1000)).expect("fits"))
+        .collect();
+    let retry = Ask {
+        priority: Priority::Retry,
+        ..first(1000)
+    };
+    let refused = limit
+        .try_admit(retry)
+        .expect_err("a retry is refused first");
+    assert!(
+        refused.message().contains("retries"),
+        "{}",
+        refused.message()
+    );
+    held.extend((75..100).map(|_| limit.try_admit(first(1000)).expect("first attempts fit")));
+    let refused = limit
+        .try_admit(first(1000))
+        .expect_err("the 101st would take 1.01 s");
+    assert_eq!(refused.code(), Code::Unavailable);
+    assert!(
+        refused.message().contains("overloaded"),
+        "{}",
+        refused.message()
+    );
+    assert!(wire::is_overloaded(
+        &refused.metadata().clone().into_headers()
+    ));
+    assert_eq!(
+        wire::pushback(&refused),
+        wire::Pushback::RetryAfter(Duration::from_millis(10)),
+        "come back when about that much more has drained"
+    );
+    // A call with a longer deadline still fits.
+    held.push(limit.try_admit(first(2000)).expect("2 s leave room"));
+    assert_eq!(limit.shed(), (1, 1));
+    assert_eq!(limit.limit(), 200, "the last call's 2 s at 10 ms a call");
+}
+
+#[test]
+fn a_latency_objective_bounds_the_queue_whatever_the_deadline() {
+    let settings = AdmissionSettings {
+        latency_objective: Some(Duration::from_millis(100)),
+        ..AdmissionSettings::default()
+    };
+    let limit = Arc::new(ConcurrencyLimit::new(settings));
+    measured(&limit, Duration::from_millis(1));
+    let held: Vec<Admitted> = (0..100)
+        .map(|_| {
+            limit
+                .try_admit(first(60_000))
+                .expect("within the objective")
+        })
+        .collect();
+    assert!(limit.try_admit(first(60_000)).is_err());
+    drop(held);
+}
+
+#[test]
+fn the_min_and_max_bound_it_whatever_is_measured() {
+    let settings = AdmissionSettings {
+        min_limit: 20,
+        max_limit: 50,
+        ..AdmissionSettings::default()
+    };
+    let limit = Arc::new(ConcurrencyLimit::new(settings));
+    measured(&limit, Duration::from_secs(1));
+    // 20 always go in, even predicted far past their deadline ...
+    let mut held: Vec<Admitted> = (0..20)
+        .map(|_| limit.try_admit(first(10)).expect("under the floor"))
+        .collect();
+    assert!(limit.try_admit(first(10)).is_err());
+    // ... and never more than 50, however long the deadline.
+    measured(&limit, Duration::from_nanos(1));
+    held.extend((20..50).map(|_| limit.try_admit(first(10)).expect("fits")));
+    let refused = limit.try_admit(first(60_000)).expect_err("the ceiling");
+    assert!(
+        refused.message().contains("most at once"),
+        "{}",
+        refused.message()
+    );
+}
+
+#[test]
+fn a_caller_under_its_share_is_never_refused_because_another_holds_more() {
+    let limit = Arc::new(ConcurrencyLimit::new(AdmissionSettings::default()));
+    // 10 ms a call in flight and 1 s: 100 calls fit.
+    measured(&limit, Duration::from_millis(10));
+    let (greedy, light) = (CallerKey::of("greedy"), CallerKey::of("light"));
+    let ask = |caller| Ask {
+        caller: Some(caller),
+        ..first(1000)
+    };
+    let mut held = Vec::new();
+    let mut refused = 0;
+    for _ in 0..600 {
+        match limit.try_admit(ask(greedy)) {
+            Ok(admitted) => held.push(admitted),
+            Err(status) => {
+                assert_eq!(status.code(), Code::Unavailable);
+                assert!(matches!(
+                    wire::pushback(&status),
+                    wire::Pushback::RetryAfter(_)
+                ));
+                refused += 1;
+            }
+        }
+    }
+    assert_eq!(held.len(), 100, "the greedy caller fills what fits");
+    assert_eq!(refused, 500);
+    // Full, yet the light caller's calls, one at a time, all go in.
+    for _ in 0..1000 {
+        let call = limit.try_admit(ask(light)).expect("under its share");
+        drop(call);
+    }
+    // While it holds one, the greedy caller (at 100, over its share of 50) is refused.
+    let one = limit.try_admit(ask(light)).expect("under its share");
+    assert!(limit.try_admit(ask(greedy)).is_err());
+    assert_eq!(limit.held_by(light), 1);
+    drop(one);
+    drop(held);
+    assert_eq!(limit.held_by(greedy), 0);
+    assert_eq!(limit.in_flight(), 0);
+}
+
+#[test]
+fn retries_are_refused_before_first_attempts_under_a_fixed_limit() {
+    let limit = Arc::new(ConcurrencyLimit::new(AdmissionSettings::fixed(8)));
+    let retry = Ask {
+        priority: Priority::Retry,
+        ..Ask::first(None)
+    };
+    let mut held = Vec::new();
+    // 6 = 75% of 8: retries fit until then.
+    for _ in 0..6 {
+        held.push(limit.try_admit(retry).expect("room for retries"));
+    }
+    let refused = limit.try_admit(retry).expect_err("retries shed first");
+    assert_eq!(refused.code(), Code::Unavailable);
+    assert!(matches!(
+        wire::pushback(&refused),
+        wire::Pushback::RetryAfter(_)
+    ));
+    held.push(
+        limit
+            .try_admit(Ask::first(None))
+            .expect("first attempts fit"),
+    );
+    held.push(
+        limit
+            .try_admit(Ask::first(None))
+            .expect("first attempts fit"),
+    );
+    assert!(limit.try_admit(Ask::first(None)).is_err());
+    assert_eq!(limit.shed(), (1, 1));
+    drop(held);
+    assert_eq!(limit.in_flight(), 0);
+}
+
+#[test]
+fn settings_out_of_order_are_refused() {
+    let bad = AdmissionSettings {
+        min_limit: 50,
+        initial_limit: 10,
+        ..AdmissionSettings::default()
+    };
+    assert!(bad.validated().is_err());
+    assert!(AdmissionSettings::default().validated().is_ok());
+    for bad in [
+        AdmissionSettings {
+            retry_share: 0.0,
+            ..AdmissionSettings::default()
+        },
+        AdmissionSettings {
+            headroom: 1.5,
+            ..AdmissionSettings::default()
+        },
+        AdmissionSettings {
+            latency_objective: Some(Duration::ZERO),
+            ..AdmissionSettings::default()
+        },
+    ] {
+        assert!(bad.validated().is_err(), "{bad:?}");
+    }
+}
