@@ -1,0 +1,96 @@
+//! Tests of [`super`]: `telemetry`.
+
+use super::*;
+
+#[test]
+fn span_fields_are_written_once_and_added_after_a_space() {
+    use tracing_subscriber::fmt::{FormatFields, FormattedFields};
+    let fields = tracing::field::FieldSet::new(
+        &["service", "otel.kind", "key"],
+        tracing::callsite::Identifier(&CALLSITE),
+    );
+    let mut iter = fields.iter();
+    let (service, otel, key) = (
+        iter.next().expect("field"),
+        iter.next().expect("field"),
+        iter.next().expect("field"),
+    );
+    let values: [(&tracing::field::Field, Option<&dyn tracing::Value>); 3] = [
+        (&service, Some(&"hop2")),
+        (&otel, Some(&"server")),
+        (&key, None),
+    ];
+    let values = fields.value_set(&values);
+    let mut written = FormattedFields::<WithoutOtelFields>::new(String::new());
+    WithoutOtelFields
+        .format_fields(written.as_writer(), tracing::span::Record::new(&values))
+        .expect("formatted");
+    assert_eq!(written.fields, "service=\"hop2\"");
+    let key_value: [(&tracing::field::Field, Option<&dyn tracing::Value>); 1] =
+        [(&key, Some(&"k-1"))];
+    let key_values = fields.value_set(&key_value);
+    let record = tracing::span::Record::new(&key_values);
+    WithoutOtelFields
+        .add_fields(&mut written, &record)
+        .expect("added");
+    assert_eq!(written.fields, "service=\"hop2\" key=\"k-1\"");
+}
+
+struct TestCallsite;
+static CALLSITE: TestCallsite = TestCallsite;
+impl tracing::callsite::Callsite for TestCallsite {
+    fn set_interest(&self, _: tracing::subscriber::Interest) {}
+    fn metadata(&self) -> &tracing::Metadata<'_> {
+        unimplemented!("not registered")
+    }
+}
+
+#[test]
+fn samplers_read_as_the_specification_says() {
+    let on = Sampler::parse("", None);
+    assert!(on.decide("4bf92f3577b34da6a3ce929d0e0e4736", None));
+    assert!(
+        !on.decide("4bf92f3577b34da6a3ce929d0e0e4736", Some(false)),
+        "parent-based"
+    );
+    assert!(
+        !Sampler::parse("always_off", None).decide("4bf92f3577b34da6a3ce929d0e0e4736", Some(true))
+    );
+    assert!(
+        Sampler::parse("always_on", None).decide("4bf92f3577b34da6a3ce929d0e0e4736", Some(false))
+    );
+    assert_eq!(
+        Sampler::parse("traceidratio", Some("2")).root,
+        Root::Ratio(1.0)
+    );
+    assert_eq!(
+        Sampler::parse("traceidratio", Some("x")).root,
+        Root::Ratio(1.0)
+    );
+    assert_eq!(Sampler::parse("nonsense", None), on);
+}
+
+#[test]
+fn the_ratio_is_the_sdks_arithmetic_on_the_trace_id() {
+    let ratio = Sampler::parse("traceidratio", Some("0.25"));
+    // Low 64 bits 0x...: (low >> 1) against 0.25 * 2^63 = 2^61.
+    let under = format!("{:016x}{:016x}", u64::MAX, (1u64 << 62) - 2);
+    let over = format!("{:016x}{:016x}", 0, 1u64 << 62);
+    assert!(ratio.decide(&under, None));
+    assert!(!ratio.decide(&over, None));
+    // Not parent-based: the caller's flag does not count.
+    assert!(ratio.decide(&under, Some(false)));
+    assert!(!ratio.decide(&over, Some(true)));
+    // Over many random ids, about the ratio.
+    let sampled = (0..10_000u32)
+        .filter(|_| {
+            let id: u128 = rand::random();
+            ratio.decide(&format!("{id:032x}"), None)
+        })
+        .count();
+    assert!((2_200..2_800).contains(&sampled), "{sampled} of 10000");
+    let parent = Sampler::parse("parentbased_traceidratio", Some("0.25"));
+    assert!(parent.decide(&over, Some(true)));
+    assert!(!parent.decide(&under, Some(false)));
+    assert!(parent.decide(&under, None));
+}
