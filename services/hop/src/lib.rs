@@ -34,7 +34,7 @@ use std::{
 
 use bytes::Bytes;
 use resilience::{
-    Balancer, PropagateDeadlineLayer, RetryLayer, ServiceConfig, balance::PerTryTimeout,
+    Balancer, PropagateDeadlineLayer, RetryLayer, ServiceConfig,
     client::RetryService, propagate::PropagateDeadline, wire,
 };
 use retrychain_node::{
@@ -97,8 +97,6 @@ pub enum Plan {
 pub struct ByPlan<S> {
     /// For [`Plan::EveryLayer`].
     every_layer: S,
-    /// The per-attempt timeout of an every-layer call ([`HopSettings::every_layer_per_try`]).
-    every_layer_per_try: Option<Duration>,
     /// For [`Plan::EdgeOnly`].
     edge_only: S,
     /// For [`Plan::Single`].
@@ -121,11 +119,7 @@ where
     fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
         // Taken out: nothing below reads it, and every attempt copies what is left.
         let service = match request.extensions_mut().remove::<Plan>() {
-            Some(Plan::EveryLayer) => {
-                let per_try = PerTryTimeout(self.every_layer_per_try);
-                request.extensions_mut().insert(per_try);
-                &self.every_layer
-            }
+            Some(Plan::EveryLayer) => &self.every_layer,
             Some(Plan::EdgeOnly) => &self.edge_only,
             Some(Plan::Single) | None => &self.single,
         };
@@ -152,6 +146,9 @@ pub struct HopSettings {
     pub margin: Duration,
     /// The shortest downstream attempt worth starting.
     pub min_attempt: Duration,
+    /// The per-attempt timeout of an edge-only or single call (Envoy's `per_try_timeout`):
+    /// a replica that stops answering costs a call this much, not its deadline.
+    pub per_try: Option<Duration>,
     /// The per-attempt timeout of an every-layer call: only one the operator set. The
     /// balancer's default (a replicated downstream's 1 s) is sized for one call through the
     /// chain; an every-layer attempt holds every retry below it (81 bottom calls at the
@@ -175,9 +172,10 @@ fn downstream(
     let observer: Arc<dyn resilience::RetryObserver> = Arc::clone(node) as _;
     // Every plan's engine: the node's observer and name, the least attempt worth making,
     // and unary calls (a call that never reached downstream is sent again).
-    let engine = |policy: Arc<ServiceConfig>| {
+    let engine = |policy: Arc<ServiceConfig>, per_try: Option<Duration>| {
         let layer = RetryLayer::new(policy)
             .unary()
+            .per_try_timeout(per_try)
             .no_throttle()
             .min_attempt(settings.min_attempt)
             .annotate_failures(&node.name)
@@ -190,19 +188,19 @@ fn downstream(
         }
     };
     let one_attempt = Arc::new(ServiceConfig::default());
-    let every_layer = engine(Arc::clone(&node.policy));
+    let per_try = settings.per_try;
+    let every_layer = engine(Arc::clone(&node.policy), settings.every_layer_per_try);
     let edge_only = match (role, &node.budget) {
         (Role::Edge, Some(throttle)) => {
-            engine(Arc::clone(&node.policy)).throttle(Arc::clone(throttle))
+            engine(Arc::clone(&node.policy), per_try).throttle(Arc::clone(throttle))
         }
-        (Role::Edge, None) => engine(Arc::clone(&node.policy)),
-        (Role::Relay, _) => engine(Arc::clone(&one_attempt)),
+        (Role::Edge, None) => engine(Arc::clone(&node.policy), per_try),
+        (Role::Relay, _) => engine(Arc::clone(&one_attempt), per_try),
     };
     let plans = ByPlan {
         every_layer: every_layer.layer(below.clone()),
-        every_layer_per_try: settings.every_layer_per_try,
         edge_only: edge_only.layer(below.clone()),
-        single: engine(one_attempt).layer(below),
+        single: engine(one_attempt, per_try).layer(below),
     };
     ServiceBuilder::new()
         .layer(

@@ -212,7 +212,14 @@ pub fn forwarding<P: passthrough::payments_server::Payments>(
 /// The public stack (served on hyper directly, [`crate::h2`]), outermost first:
 /// 1. tonic's `RecoverError`: a layer's refusal (a `Status` as its error) becomes the
 ///    gRPC answer.
-/// 2. `Admission` (`resilience::admission`), before any other work: a Payments call that
+/// 2. `DeadlineLayer`: every request gets its deadline (or `node.default_deadline`, or
+///    its method's `timeout`), capped at `node.max_deadline`, read from its `grpc-timeout`
+///    here once (`resilience::IncomingDeadline`, in its extensions for the layers below
+///    and in the handler's task for the client layers of its downstream calls,
+///    `resilience::propagate`); a malformed timeout is INVALID_ARGUMENT; the handler
+///    answers DEADLINE_EXCEEDED `reserve` before the deadline, and a request whose body
+///    never arrives is answered so by the layer.
+/// 3. `Admission` (`resilience::admission`), before any other work: a Payments call that
 ///    could not be answered within its deadline (or `--latency-objective-ms`) at the
 ///    rate this service drains its calls now is answered UNAVAILABLE (overloaded, with a
 ///    pushback) at once — retries and hedges before first attempts, and at the edge
@@ -224,12 +231,6 @@ pub fn forwarding<P: passthrough::payments_server::Payments>(
 ///    certificate, written into `x-caller` for the chain; bad or missing credentials
 ///    UNAUTHENTICATED, a caller over its own limit RESOURCE_EXHAUSTED.
 ///    `MetadataLimit` ([`limits`]): RESOURCE_EXHAUSTED at once for too much metadata.
-/// 3. `DeadlineLayer`: every request gets its deadline (or `node.default_deadline`, or
-///    its method's `timeout`), capped at `node.max_deadline`; a malformed timeout is
-///    INVALID_ARGUMENT; the handler answers DEADLINE_EXCEEDED `reserve` before the
-///    deadline, and a request whose body never arrives is answered so by the layer. The
-///    deadline stays with the handler's task, for the client layers of its downstream
-///    calls (`resilience::propagate`).
 /// 4. [`Dispatch`]: Payments straight to its generated server; health (for `retrychain
 ///    health` and container checks), reflection v1 and v1alpha (grpcurl 1.8.6 speaks only
 ///    v1alpha) and UNIMPLEMENTED for anything else through tonic's router.
@@ -336,7 +337,6 @@ where
         .with_max(node.max_deadline)
         .with_method_timeouts(Arc::clone(&node.policy));
     let mut admission = AdmissionLayer::new(Arc::clone(&node.admission)).only_service(PAYMENTS);
-    admission = admission.deadlines(deadlines.clone());
     if node.callers.is_some() {
         // At the edge, callers' fair shares (credentials, else the connection).
         admission = admission.keyed_by(Arc::new(crate::callers::fair_key));
@@ -344,7 +344,10 @@ where
     let service = ServiceBuilder::new()
         // A layer's refusal (a tonic Status as its error) becomes the gRPC answer.
         .layer(RecoverErrorLayer::new())
-        // First, and cheaply: a call that could not be answered within its deadline is
+        // Every request's deadline, read once, from its arrival: what every layer below
+        // and the handler know of it.
+        .layer(deadlines)
+        // Then, and cheaply: a call that could not be answered within its deadline is
         // refused at once, before its caller is authorised or its token verified (retries
         // first; at the edge, callers over their fair share first).
         .layer(admission)
@@ -356,8 +359,6 @@ where
         .layer(tower::filter::FilterLayer::new(
             limits::MetadataLimit::check,
         ))
-        // Every request's deadline, from its arrival.
-        .layer(deadlines)
         // A message tonic could not read: over the size limit RESOURCE_EXHAUSTED, as
         // gRPC's own servers say; not the method's protobuf INVALID_ARGUMENT.
         .layer(tower::layer::layer_fn(limits::RequestDecodeFailures::new))

@@ -54,7 +54,6 @@ use tonic::{Status, body::Body};
 use tower::{Layer, Service, ServiceExt};
 
 use crate::{
-    balance::PerTryTimeout,
     classify::transport_failure_as_unavailable,
     engine::{self, Attempt, Attempts, Call, Settings, Verdict, uncancelled},
     hedge,
@@ -81,6 +80,8 @@ struct Shared {
     replay: Arc<ReplayBudget>,
     /// Whether every call is unary (so every call may be buffered).
     unary: bool,
+    /// The per-attempt timeout of a call whose method config sets none.
+    per_try: Option<Duration>,
 }
 
 impl Shared {
@@ -109,6 +110,7 @@ impl Shared {
                 self.replay.per_channel,
             )),
             unary: self.unary,
+            per_try: self.per_try,
         }
     }
 }
@@ -145,6 +147,7 @@ impl RetryLayer {
                     DEFAULT_PER_CHANNEL_LIMIT,
                 )),
                 unary: false,
+                per_try: None,
             }),
         }
     }
@@ -221,6 +224,16 @@ impl RetryLayer {
         self.edit(|s| s.unary = true)
     }
 
+    /// Cuts each attempt of a call at `per_try` (Envoy's `per_try_timeout`) where that
+    /// ends before the call's own time left; a method config's `retrychainPerTryTimeout`
+    /// takes its place for its method. The attempt's `grpc-timeout` says so, so the server
+    /// gives up with it; a [`Balancer`](crate::Balancer) below keeps the timer, tells its
+    /// expiry as UNAVAILABLE (retried at another replica) and takes it as a sample of the
+    /// replica's slowness. `None` (the default): an attempt may take the call's whole time.
+    pub fn per_try_timeout(self, per_try: Option<Duration>) -> Self {
+        self.edit(|s| s.per_try = per_try)
+    }
+
     /// The in-process face: retries calls to `inner` (a service whose requests can be
     /// cloned) as the method config of `path` says (`/package.Service/Method`); `path` also
     /// names the calls to the observer.
@@ -289,24 +302,19 @@ where
         let ready = std::mem::replace(&mut self.inner, ready);
         let shared = Arc::clone(&self.shared);
         Box::pin(async move {
-            let mut request = request;
             // A clone of the URI shares its buffers (for an http or https URI): the path
             // without copying it.
             let uri = request.uri().clone();
             let path = uri.path();
             let method = shared.method(path);
-            if let Some(per_try) = method.and_then(|m| m.per_try_timeout) {
-                request
-                    .extensions_mut()
-                    .insert(PerTryTimeout(Some(per_try)));
-            }
+            let per_try = method.and_then(|m| m.per_try_timeout).or(shared.per_try);
             let deadline = Replay::<S>::deadline(&request, method.and_then(|m| m.timeout));
             let policy = match method.and_then(|m| m.policy.as_ref()) {
                 Some(policy) => policy,
                 None if shared.unary => &SINGLE_ATTEMPT,
                 None => return pass_through(ready, request).await,
             };
-            let replay = match Replay::prepare(ready, &shared.replay, request).await {
+            let replay = match Replay::prepare(ready, &shared.replay, request, per_try).await {
                 Ok(replay) => replay,
                 Err((mut inner, whole)) => return inner.call(whole).await, // over the limits
             };

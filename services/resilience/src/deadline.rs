@@ -30,6 +30,15 @@ impl fmt::Debug for Deadline {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CallDeadline(pub Instant);
 
+/// An attempt cut short by its per-attempt timeout (Envoy's `per_try_timeout`, the retry
+/// layer's or its method config's `retrychainPerTryTimeout`): put on the attempt's request
+/// by the retry engine, which wrote this as its `grpc-timeout` because it ends before the
+/// call's own time left does. A balancer below keeps the timer for it and tells its expiry
+/// as this attempt's failure (UNAVAILABLE, retried at another replica), never as the
+/// call's deadline; nothing else reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PerAttemptTimeout(pub Duration);
+
 /// There is too little time left to start another attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("deadline leaves no room: {remaining:?} left, an attempt needs more than {needed:?}")]

@@ -55,11 +55,11 @@ pub use admission::{
     AdmissionLayer, AdmissionSettings, Ask, CallerKey, ConcurrencyLimit, KeyOf, Priority,
 };
 pub use backoff::{Backoff, BackoffKind, BackoffSchedule};
-pub use balance::{BalanceSettings, Balancer, Downstream, PerTryTimeout, Tried};
+pub use balance::{BalanceSettings, Balancer, Downstream, Tried};
 pub use budget::RetryBudget;
 pub use classify::is_retryable;
 pub use client::{AttemptRequest, CallRequest, RetryCalls, RetryLayer};
-pub use deadline::{CallDeadline, Deadline, NoRoom};
+pub use deadline::{CallDeadline, Deadline, NoRoom, PerAttemptTimeout};
 pub use engine::Attempt;
 pub use observe::{AttemptInfo, Refusal, RetryObserver, TRACE_ONLY};
 pub use propagate::PropagateDeadlineLayer;

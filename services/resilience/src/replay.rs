@@ -21,7 +21,7 @@ use tower::{Service, ServiceExt};
 use crate::{
     balance::Tried,
     classify::{is_local_timeout, never_processed, transport_failure_as_unavailable},
-    deadline::CallDeadline,
+    deadline::{CallDeadline, PerAttemptTimeout},
     engine::{Attempt, Attempts, Verdict, uncancelled},
     wire,
 };
@@ -146,15 +146,19 @@ pub(crate) struct Replay<S> {
     parts: http::request::Parts,
     /// The request's body, replayed by each attempt.
     body: Buffered,
+    /// Where each attempt is cut short of the call's time left (`RetryLayer::per_try_timeout`).
+    per_try: Option<std::time::Duration>,
 }
 
 impl<S> Replay<S> {
-    /// Buffers `request` for replay over `inner`; a call over the budget comes back as the
-    /// request to send once, unretried.
+    /// Buffers `request` for replay over `inner`, each attempt cut at `per_try` where that
+    /// ends first; a call over the budget comes back as the request to send once,
+    /// unretried.
     pub async fn prepare(
         inner: S,
         budget: &Arc<ReplayBudget>,
         request: http::Request<Body>,
+        per_try: Option<std::time::Duration>,
     ) -> Result<Self, (S, http::Request<Body>)> {
         let (mut parts, body) = request.into_parts();
         // One per call, shared by its attempts (each gets a copy of these parts): where a
@@ -163,7 +167,12 @@ impl<S> Replay<S> {
             parts.extensions.insert(Tried::default());
         }
         match buffer(budget, body).await {
-            Ok(body) => Ok(Self { inner, parts, body }),
+            Ok(body) => Ok(Self {
+                inner,
+                parts,
+                body,
+                per_try,
+            }),
             Err(whole) => Err((inner, http::Request::from_parts(parts, whole))),
         }
     }
@@ -199,15 +208,25 @@ where
     type Sent = tower::util::Oneshot<S, http::Request<Body>>;
 
     /// The same request, marked with its previous attempts after the first, its timeout
-    /// the time left.
+    /// the time left or the per-attempt timeout, whichever ends first: the one place an
+    /// attempt's `grpc-timeout` is written. Cut by the per-attempt timeout, the attempt
+    /// also says so to the balancer below ([`PerAttemptTimeout`]).
     fn send(&mut self, attempt: &Attempt) -> Self::Sent {
         let mut request = http::Request::from_parts(
             self.parts.clone(),
             Body::new(http_body_util::Full::new(self.body.bytes.clone())),
         );
         wire::set_previous_attempts(request.headers_mut(), attempt.previous());
-        if let Some(left) = attempt.time_left() {
-            wire::set_timeout(request.headers_mut(), left);
+        let left = attempt.time_left();
+        let timeout = match (left, self.per_try) {
+            (left, Some(per_try)) if left.is_none_or(|left| per_try < left) => {
+                request.extensions_mut().insert(PerAttemptTimeout(per_try));
+                Some(per_try)
+            }
+            (left, _) => left,
+        };
+        if let Some(timeout) = timeout {
+            wire::set_timeout(request.headers_mut(), timeout);
         }
         self.inner.clone().oneshot(request)
     }

@@ -23,9 +23,12 @@
 //! its timeout layer parses the header and arms a timer too; retrychain's services are
 //! served on hyper directly, `retrychain_node::h2`, so this layer is the only one.)
 //!
-//! The handler's task also carries the deadline ([`IncomingDeadline::current`]), so a
-//! client layer below the handler ([`PropagateDeadlineLayer`]) hands every downstream call
-//! a shorter one without the handler passing it along.
+//! The header is read here and nowhere else in a server: the layer is the first a request
+//! meets, and what it read travels as one typed value, [`IncomingDeadline`]. The layers
+//! below it find it in the request's extensions (admission sizes a call's time from it,
+//! [`crate::admission`]); the handler's task carries it too ([`IncomingDeadline::current`]),
+//! so that a client layer below the handler ([`PropagateDeadlineLayer`]) hands every
+//! downstream call a shorter one without the handler passing it along.
 //!
 //! [`PropagateDeadlineLayer`]: crate::propagate::PropagateDeadlineLayer
 
@@ -46,7 +49,8 @@ use tower::{Layer, Service};
 
 use crate::{deadline::Deadline, service_config::ServiceConfig, wire};
 
-/// The deadline a request arrived with, kept with its handler's task by [`DeadlineLayer`].
+/// The deadline a request arrived with: read from its `grpc-timeout` once, by
+/// [`DeadlineLayer`], and kept in the request's extensions and with its handler's task.
 #[derive(Debug, Clone, Copy)]
 pub struct IncomingDeadline {
     /// When the caller stops waiting.
@@ -99,13 +103,6 @@ impl IncomingDeadline {
     }
 }
 
-/// Marks an answer this layer made itself because no handler took the request before its
-/// deadline (its body never arrived): it says nothing about how fast the server serves,
-/// and admission does not take its time as a sample (a client that never finishes its
-/// bodies would otherwise teach the server that every call takes its whole deadline).
-#[derive(Debug, Clone, Copy)]
-pub struct Unserved;
-
 /// Applies deadlines to every request of a server; see the module docs.
 #[derive(Debug, Clone)]
 pub struct DeadlineLayer {
@@ -149,24 +146,6 @@ impl DeadlineLayer {
                 config.for_method(service, method)?.timeout
             })
             .unwrap_or(self.default_timeout)
-    }
-
-    /// The timeout a request to `path` with these headers runs under — what it sent, or
-    /// its method's default, capped at the maximum — as this layer will apply it; `None`
-    /// when the header is malformed (the layer refuses the request). For a layer in front
-    /// of this one that must know a call's time before it is admitted.
-    pub fn timeout_for(&self, path: &str, headers: &http::HeaderMap) -> Option<Duration> {
-        let received = wire::timeout_of(headers).ok()?;
-        let timeout = received.unwrap_or_else(|| self.default_for(path));
-        Some(match self.max_timeout {
-            Some(max) => timeout.min(max),
-            None => timeout,
-        })
-    }
-
-    /// How long before the deadline a handler must answer.
-    pub fn reserve(&self) -> Duration {
-        self.reserve
     }
 
     /// Caps every incoming deadline at `max` (as Envoy's `max_grpc_timeout` does): the
@@ -241,13 +220,13 @@ where
                 *armed = true;
                 // Dropping the inner future (done by whoever drops this one) stops reading
                 // the request's body.
+                // (A layer below that took the call, admission, sees it dropped: no sample of
+                // how fast the server serves, which a body that never came says nothing of.)
                 answer_by.poll(cx).map(|()| {
-                    let mut response = Status::deadline_exceeded(format!(
+                    Ok(Status::deadline_exceeded(format!(
                         "the deadline of {timeout:?} passed before the request was answered (or before its body had arrived)"
                     ))
-                    .into_http();
-                    response.extensions_mut().insert(Unserved);
-                    Ok(response)
+                    .into_http())
                 })
             }
             ResponseProj::Refused { response } => match response.take() {
@@ -271,7 +250,7 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, request: http::Request<ReqBody>) -> Self::Future {
+    fn call(&mut self, mut request: http::Request<ReqBody>) -> Self::Future {
         let received = match wire::timeout_of(request.headers()) {
             Ok(received) => received,
             Err(error) => {
@@ -291,6 +270,7 @@ where
             timeout,
             answer_by: deadline.earlier_by(self.config.reserve),
         };
+        request.extensions_mut().insert(incoming);
         let guarded = Arc::new(AtomicBool::new(false));
         let served = Served {
             incoming,

@@ -888,9 +888,9 @@ async fn over_a_channel_a_silent_server_ends_the_call_deadline_exceeded_not_canc
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_per_attempt_timeout_is_unavailable_whichever_timer_fires_first() {
-    // The balancer caps each attempt at 40 ms and sends that as the attempt's grpc-timeout,
-    // for which tonic's channel keeps a timer of its own, set a moment after the
-    // balancer's: both usually fall on the same millisecond tick. Whichever is polled
+    // The retry layer cuts each attempt at 40 ms and sends that as the attempt's
+    // grpc-timeout, for which tonic's channel keeps a timer of its own, set a moment after
+    // the balancer's: both usually fall on the same millisecond tick. Whichever is polled
     // first, the attempt's expiry is told as a per-attempt timeout (UNAVAILABLE, which a
     // caller may retry elsewhere), never as the call's deadline passing (DEADLINE_EXCEEDED)
     // nor as CANCELLED — the call itself had seconds left. (The server, plain tonic,
@@ -905,14 +905,17 @@ async fn a_per_attempt_timeout_is_unavailable_whichever_timer_fires_first() {
     let balancer = resilience::Balancer::start(
         resilience::Downstream::Urls(vec![format!("http://{address}")]),
         resilience::BalanceSettings {
-            per_try_timeout: Some(Duration::from_millis(40)),
             // One replica, failing every time: never ejected, so every call reaches it.
             max_ejection_percent: 0,
             ..resilience::BalanceSettings::default()
         },
     )
     .await;
-    let client = PaymentsClient::new(balancer);
+    // One attempt per call (no policy), each cut at 40 ms.
+    let layer = RetryLayer::new(ServiceConfig::default())
+        .unary()
+        .per_try_timeout(Some(Duration::from_millis(40)));
+    let client = PaymentsClient::new(tower::Layer::layer(&layer, balancer));
     // Four at a time, on a connection already open (the first calls wait for it, and
     // the channel's timer starts only once it is there).
     let mut answers = Vec::new();

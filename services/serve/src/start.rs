@@ -188,7 +188,8 @@ async fn hop(
             mode: service.retry_mode,
             margin: service.margin(),
             min_attempt: service.min_attempt(),
-            every_layer_per_try: args.per_try_timeout_ms.map(Duration::from_millis),
+            per_try: args.per_try(),
+            every_layer_per_try: args.every_layer_per_try(),
         },
         replicas.clone(),
     );

@@ -16,7 +16,7 @@ use super::{
     fairness::{CallerKey, Priority},
     limit::{Admitted, Ask, ConcurrencyLimit},
 };
-use crate::{server_deadline::DeadlineLayer, wire};
+use crate::{server_deadline::IncomingDeadline, wire};
 
 /// The longest a refused request's body is waited for (see the module docs); a client
 /// that has not sent it by then has its stream reset.
@@ -39,8 +39,6 @@ pub struct AdmissionLayer {
     /// Only this gRPC service's calls are limited (health checks and reflection must
     /// answer under overload: a probe that fails then restarts a busy service).
     only: Option<&'static str>,
-    /// Each call's time, as the server's deadline layer will give it.
-    deadlines: Option<DeadlineLayer>,
     /// Who the caller is, where callers are told apart.
     key_of: Option<KeyOf>,
 }
@@ -50,19 +48,20 @@ impl std::fmt::Debug for AdmissionLayer {
         f.debug_struct("AdmissionLayer")
             .field("limit", &self.limit)
             .field("only", &self.only)
-            .field("deadlines", &self.deadlines)
             .field("keyed", &self.key_of.is_some())
             .finish()
     }
 }
 
 impl AdmissionLayer {
-    /// Admission under `limit`, for every call, with no deadline known.
+    /// Admission under `limit`, for every call. A call's time is what the server's
+    /// [`DeadlineLayer`](crate::DeadlineLayer), which must sit in front of this layer, read
+    /// from it ([`IncomingDeadline`], in the request's extensions) up to the point its
+    /// handler must answer; a call without one is asked for with no time known.
     pub fn new(limit: Arc<ConcurrencyLimit>) -> Self {
         Self {
             limit,
             only: None,
-            deadlines: None,
             key_of: None,
         }
     }
@@ -70,13 +69,6 @@ impl AdmissionLayer {
     /// Limits only the calls of the gRPC service named `service` (`package.Service`).
     pub fn only_service(mut self, service: &'static str) -> Self {
         self.only = Some(service);
-        self
-    }
-
-    /// Each call's time is what `deadlines` (the server's own deadline layer, further in)
-    /// will give it: its `grpc-timeout`, or the default, capped, less the reserve.
-    pub fn deadlines(mut self, deadlines: DeadlineLayer) -> Self {
-        self.deadlines = Some(deadlines);
         self
     }
 
@@ -140,10 +132,10 @@ where
             };
         }
         let arrived = Instant::now();
-        let time = layer.deadlines.as_ref().and_then(|deadlines| {
-            let timeout = deadlines.timeout_for(request.uri().path(), request.headers())?;
-            Some(timeout.saturating_sub(deadlines.reserve()))
-        });
+        let time = request
+            .extensions()
+            .get::<IncomingDeadline>()
+            .map(|incoming| incoming.answer_by.remaining());
         let ask = Ask {
             priority: Priority::of(request.headers()),
             time,
@@ -193,14 +185,6 @@ where
                 let answer = std::task::ready!(future.poll(cx));
                 if let (Ok(response), Some(admitted)) = (&answer, admitted.take()) {
                     let headers = response.headers();
-                    if response
-                        .extensions()
-                        .get::<crate::server_deadline::Unserved>()
-                        .is_some()
-                    {
-                        // Never served (its body never came): no sample.
-                        return Poll::Ready(answer.map_err(Into::into));
-                    }
                     match Status::from_header_map(headers).map(|status| status.code()) {
                         // A caller that left, or a call refused before any work (its
                         // credentials, its deadline header, its method), says nothing

@@ -21,8 +21,10 @@
 //!   way.
 //!
 //! - **A replica that stops answering costs one per-attempt timeout** (`--per-try-timeout-ms`,
-//!   Envoy's `per_try_timeout`): an attempt gets at most that long (its `grpc-timeout` says
-//!   so too), then fails UNAVAILABLE, which the caller may retry elsewhere.
+//!   Envoy's `per_try_timeout`): the retry engine above cuts each attempt at that timeout
+//!   (its `grpc-timeout` says so, and [`PerAttemptTimeout`] tells the balancer); the
+//!   balancer keeps the timer, and an attempt past it fails UNAVAILABLE, which the caller
+//!   may retry elsewhere, and is a sample of that replica's slowness.
 //! - **Outlier ejection** (gRFC A50's consecutive-failures detection, its defaults): a
 //!   replica whose own failures — connection errors, per-attempt timeouts, UNAVAILABLE,
 //!   INTERNAL, UNKNOWN or DATA_LOSS it answers itself — reach 5 in a row is taken out of
@@ -46,7 +48,7 @@
 //!
 //! # Layout
 //!
-//! - [`settings`]: [`BalanceSettings`], the per-attempt timeout and ejection's thresholds.
+//! - [`settings`]: [`BalanceSettings`], ejection's thresholds.
 //! - [`resolve`]: where the calls go — `--downstream` read, names resolved, channels.
 //! - [`replica`]: one replica as the balancer knows it — its load estimate, its health,
 //!   a call in flight to it.
@@ -64,7 +66,7 @@ use ejection::Ejector;
 use replica::{Health, InFlight, Load, Outcome, Replica};
 pub use resolve::{Downstream, DownstreamError, RESOLVE_EVERY};
 use resolve::{channel, resolve};
-pub use settings::{BalanceSettings, PerTryTimeout};
+pub use settings::BalanceSettings;
 
 use std::{
     sync::{Arc, Mutex, RwLock, Weak},
@@ -77,7 +79,7 @@ use tokio::time::Instant;
 use tonic::{Code, Status, body::Body};
 use tower::{Service, ServiceExt};
 
-use crate::wire;
+use crate::{deadline::PerAttemptTimeout, wire};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type BoxFuture<T> = std::pin::Pin<Box<dyn Future<Output = T> + Send>>;
@@ -406,7 +408,7 @@ impl Service<http::Request<Body>> for Balancer {
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, mut request: http::Request<Body>) -> Self::Future {
+    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
         let tried = request.extensions().get::<Tried>().cloned();
         let Some(replica) = self.shared.pick(tried.as_ref()) else {
             let message = format!(
@@ -420,20 +422,12 @@ impl Service<http::Request<Body>> for Balancer {
         if let Some(tried) = &tried {
             tried.push(replica.id);
         }
+        // The per-attempt timeout, where the engine cut this attempt to it (it wrote it as
+        // the attempt's `grpc-timeout`, so the replica gives up when this attempt does).
         let per_try = request
             .extensions()
-            .get::<PerTryTimeout>()
-            .map_or(self.shared.ejector.settings.per_try_timeout, |p| p.0);
-        // The per-attempt timeout, when it is shorter than the call's own time left.
-        let mut capped = None;
-        if let Some(per_try) = per_try {
-            // The replica is told too, so that it gives up when this attempt does.
-            let left = wire::timeout_of(request.headers()).ok().flatten();
-            if left.is_none_or(|left| per_try < left) {
-                wire::set_timeout(request.headers_mut(), per_try);
-                capped = Some(per_try);
-            }
-        }
+            .get::<PerAttemptTimeout>()
+            .map(|cut| cut.0);
         let shared = Arc::clone(&self.shared);
         let channel = replica.channel.clone();
         let in_flight = InFlight::start(Arc::clone(&replica));
@@ -457,7 +451,7 @@ impl Service<http::Request<Body>> for Balancer {
                 },
                 None => sent.await.map_err(BoxError::from),
             };
-            if let Some(per_try) = capped {
+            if let Some(per_try) = per_try {
                 match &mut answer {
                     Ok(response) => per_try_expired(response, &replica.url, per_try),
                     // The channel keeps a timer of its own for the `grpc-timeout` it sent

@@ -1,13 +1,10 @@
-//! How a hop's balancer bounds attempts and ejects replicas.
+//! How a hop's balancer ejects replicas.
 
 use std::time::Duration;
 
-/// How a [`Balancer`](super::Balancer) bounds attempts and ejects replicas; see the module docs.
+/// How a [`Balancer`](super::Balancer) ejects replicas; see the module docs.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BalanceSettings {
-    /// The longest one attempt may take at one replica (`None`: until the call's
-    /// deadline).
-    pub per_try_timeout: Option<Duration>,
     /// Own failures in a row that eject a replica (0: never eject).
     pub consecutive_failures: u32,
     /// How long a first ejection lasts; the n-th lasts n times as long.
@@ -30,10 +27,9 @@ pub struct BalanceSettings {
 }
 
 impl Default for BalanceSettings {
-    /// gRFC A50's defaults; no per-attempt timeout.
+    /// gRFC A50's defaults.
     fn default() -> Self {
         Self {
-            per_try_timeout: None,
             consecutive_failures: 5,
             base_ejection: Duration::from_secs(30),
             max_ejection: Duration::from_secs(300),
@@ -45,11 +41,3 @@ impl Default for BalanceSettings {
         }
     }
 }
-
-/// A call's own per-attempt timeout, which the balancer takes over its own setting: a
-/// method config's `retrychainPerTryTimeout` (put on the request by the retry layer), or
-/// `None` where the caller knows an attempt may legitimately take the call's whole time —
-/// in every-layer mode one attempt holds every retry below it, so a per-attempt cut sized
-/// for one call would cut the storm short.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PerTryTimeout(pub Option<Duration>);

@@ -181,13 +181,23 @@ impl HopArgs {
             .is_some_and(|d| d.contains(',') || d.trim().starts_with("dns:"))
     }
 
-    /// How the hop's balancer bounds attempts and ejects replicas.
+    /// The per-attempt timeout of an edge-only or single call: `--per-try-timeout-ms`, or
+    /// over replicas the default.
+    pub fn per_try(&self) -> Option<std::time::Duration> {
+        self.per_try_timeout_ms
+            .or_else(|| self.replicated().then_some(REPLICATED_PER_TRY_TIMEOUT_MS))
+            .map(std::time::Duration::from_millis)
+    }
+
+    /// The per-attempt timeout of an every-layer call: only `--per-try-timeout-ms` (see
+    /// `HopSettings::every_layer_per_try`).
+    pub fn every_layer_per_try(&self) -> Option<std::time::Duration> {
+        self.per_try_timeout_ms.map(std::time::Duration::from_millis)
+    }
+
+    /// How the hop's balancer ejects replicas.
     pub fn balance(&self) -> resilience::balance::BalanceSettings {
-        let per_try = self
-            .per_try_timeout_ms
-            .or_else(|| self.replicated().then_some(REPLICATED_PER_TRY_TIMEOUT_MS));
         resilience::balance::BalanceSettings {
-            per_try_timeout: per_try.map(std::time::Duration::from_millis),
             consecutive_failures: self.eject_after_failures,
             base_ejection: std::time::Duration::from_millis(self.ejection_base_ms),
             max_ejection: std::time::Duration::from_millis(self.ejection_max_ms),
