@@ -7,7 +7,7 @@
 //!
 //! | header | read | written |
 //! |---|---|---|
-//! | [`TIMEOUT`] | by a server as a request arrives (`DeadlineLayer`); by the retry engine for a caller's own deadline | by the retry engine, on each attempt |
+//! | [`TIMEOUT`] | by a server as a request arrives (`DeadlineLayer`, the first layer, once); by the retry engine as a call enters it, for a caller's own deadline (once per call) | by the retry engine, once per attempt (`replay`: the time left, or the per-attempt timeout where it ends first) |
 //! | [`PREVIOUS_ATTEMPTS`] | by a server as a request arrives | by the retry engine, on each retry or hedge |
 //! | [`PUSHBACK`] | by the retry engine, on each failed attempt | by a server (or a layer that gives up) on its failure |
 //! | [`IDEMPOTENCY_KEY`], [`RETRY_MODE`], [`TRACEPARENT`] | by a service's handler | by a hop's handler, on its downstream call; [`TRACEPARENT`] per attempt while exporting traces |
