@@ -9,7 +9,7 @@
 //! refusal); packet loss drops a random share of them (`-m statistic`), which TCP turns into
 //! retransmissions and latency. Added latency would need `tc netem`, which this kernel does
 //! not have; the nemesis adds it with the caller's own fault knob instead (see
-//! `nemesis.rs`).
+//! `nemesis/lab.rs`).
 
 use std::process::Command;
 

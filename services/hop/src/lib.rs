@@ -34,8 +34,8 @@ use std::{
 
 use bytes::Bytes;
 use resilience::{
-    Balancer, PropagateDeadlineLayer, RetryLayer, ServiceConfig,
-    client::RetryService, propagate::PropagateDeadline, wire,
+    Balancer, PropagateDeadlineLayer, RetryLayer, ServiceConfig, client::RetryService,
+    propagate::PropagateDeadline, wire,
 };
 use retrychain_node::{
     AccountId, AmountCents, Caller, IdempotencyKey, Node, RetryMode, RpcScope,

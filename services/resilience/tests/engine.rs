@@ -1,6 +1,6 @@
 //! The retry engine through its in-process face ([`RetryCalls`]) on paused time: the loop
 //! every caller shares (a hop's gRPC calls go through the same `engine::retry`; their
-//! wire-specific parts are in a6.rs). Each test is an exact schedule.
+//! wire-specific parts are in a6/). Each test is an exact schedule.
 
 #![allow(clippy::unwrap_used, missing_docs)] // tests: a panic is the failure report
 

@@ -139,7 +139,12 @@ async fn hop(
             }
             let expected = args.tls_downstream_identity(&name)?;
             let connector = retrychain_tls::Connector::new(server.tls.clone(), expected);
-            Balancer::start_tls(downstream.clone(), args.balance(), connector).await
+            Balancer::start_with_connector(
+                downstream.clone(),
+                args.balance(),
+                resilience::balance::Connector::new(connector),
+            )
+            .await
         }
         None => {
             if let Downstream::Urls(urls) = &downstream

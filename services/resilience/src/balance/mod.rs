@@ -64,7 +64,7 @@ mod settings;
 
 use ejection::Ejector;
 use replica::{Health, InFlight, Load, Outcome, Replica};
-pub use resolve::{Downstream, DownstreamError, RESOLVE_EVERY};
+pub use resolve::{Connector, Downstream, DownstreamError, RESOLVE_EVERY};
 use resolve::{channel, resolve};
 pub use settings::BalanceSettings;
 
@@ -138,8 +138,8 @@ type Eligible<'a> = &'a dyn Fn(&Arc<Replica>) -> bool;
 struct Shared {
     /// What `--downstream` said, for messages.
     downstream: Downstream,
-    /// The connector of a TLS downstream; `None`: plaintext.
-    tls: Option<retrychain_tls::Connector>,
+    /// How connections are opened (over TLS, say); `None`: plain TCP.
+    connector: Option<Connector>,
     /// The replicas now; replaced whole when the set changes.
     replicas: RwLock<Arc<Vec<Arc<Replica>>>>,
     /// Ids for new replicas.
@@ -165,23 +165,23 @@ impl Balancer {
         Self::start_with(downstream, settings, None).await
     }
 
-    /// [`Balancer::start`] over TLS: every replica's connections are opened by `tls`,
-    /// which presents this service's certificate and accepts only the tier below's
+    /// [`Balancer::start`] with every replica's connections opened by `connector` — over
+    /// TLS, one that presents this service's certificate and accepts only the tier below's
     /// identity; a DNS name's addresses become `https://` URLs.
-    pub async fn start_tls(
+    pub async fn start_with_connector(
         downstream: Downstream,
         settings: BalanceSettings,
-        tls: retrychain_tls::Connector,
+        connector: Connector,
     ) -> Self {
-        Self::start_with(downstream, settings, Some(tls)).await
+        Self::start_with(downstream, settings, Some(connector)).await
     }
 
     async fn start_with(
         downstream: Downstream,
         settings: BalanceSettings,
-        tls: Option<retrychain_tls::Connector>,
+        connector: Option<Connector>,
     ) -> Self {
-        let balancer = Self::new(downstream.clone(), &[], settings, tls);
+        let balancer = Self::new(downstream.clone(), &[], settings, connector);
         match &downstream {
             Downstream::Urls(urls) => balancer.shared.update(urls),
             Downstream::Dns { host, port } => {
@@ -207,10 +207,10 @@ impl Balancer {
         downstream: Downstream,
         urls: &[String],
         settings: BalanceSettings,
-        tls: Option<retrychain_tls::Connector>,
+        connector: Option<Connector>,
     ) -> Self {
         let shared = Arc::new(Shared {
-            tls,
+            connector,
             replicas: RwLock::new(Arc::new(Vec::new())),
             next_id: std::sync::atomic::AtomicU64::new(1),
             rng: Mutex::new(rand::make_rng()),
@@ -270,9 +270,14 @@ impl Balancer {
 }
 
 impl Shared {
-    /// The scheme of a resolved replica's URL.
+    /// The scheme of a resolved replica's URL: `https` when a connector opens the
+    /// connections (the only kind this library is given one for).
     fn scheme(&self) -> &'static str {
-        if self.tls.is_some() { "https" } else { "http" }
+        if self.connector.is_some() {
+            "https"
+        } else {
+            "http"
+        }
     }
 
     fn current(&self) -> Arc<Vec<Arc<Replica>>> {
@@ -297,7 +302,7 @@ impl Shared {
             }
             match current.iter().find(|r| &r.url == url) {
                 Some(known) => next.push(Arc::clone(known)),
-                None => match channel(url, self.tls.as_ref()) {
+                None => match channel(url, self.connector.as_ref()) {
                     Ok(channel) => next.push(Arc::new(Replica {
                         id: self
                             .next_id

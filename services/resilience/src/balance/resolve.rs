@@ -1,7 +1,7 @@
 //! Where a hop's calls go: `--downstream` read (one URL, several, or a `dns:///` name),
 //! the name resolved again every [`RESOLVE_EVERY`], and the channel each replica gets.
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use tonic::transport::{Channel, Endpoint};
 
@@ -96,18 +96,47 @@ impl std::fmt::Display for Downstream {
     }
 }
 
+/// How a replica's connections are opened when not over plain TCP: a connector the
+/// caller supplies (TLS, with the identities it presents and expects), applied to the
+/// endpoint the balancer configured. The balancer knows nothing of what the connector does,
+/// so that this library depends on no TLS stack of its own.
+#[derive(Clone)]
+pub struct Connector(Arc<dyn Fn(&Endpoint) -> Channel + Send + Sync>);
+
+impl std::fmt::Debug for Connector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Connector")
+    }
+}
+
+impl Connector {
+    /// Connections opened by `connector` (a tower service from a URI to an I/O stream, as
+    /// tonic's `Endpoint::connect_with_connector_lazy` takes it).
+    pub fn new<C>(connector: C) -> Self
+    where
+        C: tower::Service<http::Uri> + Clone + Send + Sync + 'static,
+        C::Response: hyper::rt::Read + hyper::rt::Write + Send + Unpin,
+        C::Future: Send,
+        tower::BoxError: From<C::Error> + Send,
+    {
+        Self(Arc::new(move |endpoint: &Endpoint| {
+            endpoint.connect_with_connector_lazy(connector.clone())
+        }))
+    }
+}
+
 /// A lazily connected channel to `url`, with the settings every hop uses; its
-/// connections opened by `tls` when there is one (the TLS handshake counts in the connect
-/// timeout).
+/// connections opened by `connector` when there is one (a TLS handshake then counts in the
+/// connect timeout).
 pub(super) fn channel(
     url: &str,
-    tls: Option<&retrychain_tls::Connector>,
+    connector: Option<&Connector>,
 ) -> Result<Channel, tonic::transport::Error> {
     let endpoint = Endpoint::from_shared(url.to_owned())?
         .tcp_nodelay(true)
         .connect_timeout(Duration::from_secs(2));
-    Ok(match tls {
-        Some(tls) => endpoint.connect_with_connector_lazy(tls.clone()),
+    Ok(match connector {
+        Some(connector) => (connector.0)(&endpoint),
         None => endpoint.connect_lazy(),
     })
 }

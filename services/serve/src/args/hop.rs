@@ -192,7 +192,8 @@ impl HopArgs {
     /// The per-attempt timeout of an every-layer call: only `--per-try-timeout-ms` (see
     /// `HopSettings::every_layer_per_try`).
     pub fn every_layer_per_try(&self) -> Option<std::time::Duration> {
-        self.per_try_timeout_ms.map(std::time::Duration::from_millis)
+        self.per_try_timeout_ms
+            .map(std::time::Duration::from_millis)
     }
 
     /// How the hop's balancer ejects replicas.

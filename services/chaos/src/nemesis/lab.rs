@@ -1,215 +1,20 @@
-//! The nemesis: faults on a seeded schedule ([`plan`]), put into a chain this tool started
-//! and healed again ([`Lab`]).
-//!
-//! A schedule is rounds of every fault kind asked for, each round in a random order, so a
-//! run of a few minutes meets every kind; a fault lasts a random time within bounds and is
-//! followed by a quiet gap (its effect must end within the checker's recovery bound). Now
-//! and then two faults of one round start together — a composite fault, such as a
-//! partition while a replica is frozen. What each fault hits (which replica, which link)
-//! is drawn when it starts, from the same seed.
+//! The lab: the chain under test, and how each fault is made in it and healed.
 
 use std::{collections::BTreeSet, process::Command, time::Duration};
 
 use anyhow::Context;
-use rand::{RngExt, SeedableRng, rngs::SmallRng, seq::SliceRandom};
+use rand::{RngExt, SeedableRng, rngs::SmallRng};
 use retrychain_harness::{ChildService, LocalChain, NAMES, OwnDatabase};
 use retrychain_proto::v1::{Faults, control_client::ControlClient};
-use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 use tonic::transport::{Channel, Endpoint};
 
+use super::schedule::FaultKind;
 use crate::{
     history::FaultWindow,
     net::{Disturbance, Rules},
     workload::{Burst, Workload},
 };
-
-/// A kind of fault.
-#[derive(
-    Debug,
-    Clone,
-    Copy,
-    PartialEq,
-    Eq,
-    PartialOrd,
-    Ord,
-    Hash,
-    clap::ValueEnum,
-    Serialize,
-    Deserialize,
-)]
-#[serde(rename_all = "kebab-case")]
-pub enum FaultKind {
-    /// SIGKILL a service (any replica, the edge included); started again on the same
-    /// ports when healed.
-    Kill,
-    /// SIGSTOP a service; SIGCONT when healed.
-    Freeze,
-    /// SIGTERM a service (it drains); started again when healed.
-    Stop,
-    /// Postgres restarted (`pg_ctl restart -m fast`); with `--postgres ha`, the primary's
-    /// host killed (the monitor fails over) and started again when healed.
-    PgRestart,
-    /// Postgres's processes (the primary's, with `--postgres ha`) SIGSTOPped; SIGCONT when
-    /// healed.
-    PgFreeze,
-    /// `pg_autoctl perform failover` (`--postgres ha` only).
-    PgFailover,
-    /// `pg_autoctl perform switchover` (`--postgres ha` only).
-    PgSwitchover,
-    /// Every packet from one tier to the next dropped (iptables).
-    Partition,
-    /// Every packet from the ledger to Postgres dropped (iptables; with `--postgres ha` the
-    /// standby's and the monitor's as well: one host cut off).
-    DbPartition,
-    /// 20–50% of the packets on one link dropped (iptables `statistic`).
-    Loss,
-    /// 100–500 ms added to every call over one link, by the calling tier's own fault knob
-    /// (this kernel has no `tc netem`).
-    Latency,
-    /// A burst of extra clients sending new charges as fast as they are answered.
-    Overload,
-}
-
-impl FaultKind {
-    /// Every kind.
-    pub const ALL: [FaultKind; 12] = [
-        FaultKind::Kill,
-        FaultKind::Freeze,
-        FaultKind::Stop,
-        FaultKind::PgRestart,
-        FaultKind::PgFreeze,
-        FaultKind::PgFailover,
-        FaultKind::PgSwitchover,
-        FaultKind::Partition,
-        FaultKind::DbPartition,
-        FaultKind::Loss,
-        FaultKind::Latency,
-        FaultKind::Overload,
-    ];
-
-    /// Its name on the command line and in the history.
-    pub fn name(self) -> &'static str {
-        match self {
-            FaultKind::Kill => "kill",
-            FaultKind::Freeze => "freeze",
-            FaultKind::Stop => "stop",
-            FaultKind::PgRestart => "pg-restart",
-            FaultKind::PgFreeze => "pg-freeze",
-            FaultKind::PgFailover => "pg-failover",
-            FaultKind::PgSwitchover => "pg-switchover",
-            FaultKind::Partition => "partition",
-            FaultKind::DbPartition => "db-partition",
-            FaultKind::Loss => "loss",
-            FaultKind::Latency => "latency",
-            FaultKind::Overload => "overload",
-        }
-    }
-
-    /// Only a pg_auto_failover formation can do it.
-    pub fn needs_formation(self) -> bool {
-        matches!(self, FaultKind::PgFailover | FaultKind::PgSwitchover)
-    }
-
-    /// It changes the kernel's packet filter.
-    pub fn needs_iptables(self) -> bool {
-        matches!(
-            self,
-            FaultKind::Partition | FaultKind::DbPartition | FaultKind::Loss
-        )
-    }
-
-    /// It acts on Postgres (two such faults are never paired).
-    fn on_postgres(self) -> bool {
-        matches!(
-            self,
-            FaultKind::PgRestart
-                | FaultKind::PgFreeze
-                | FaultKind::PgFailover
-                | FaultKind::PgSwitchover
-                | FaultKind::DbPartition
-        )
-    }
-}
-
-/// How faults are paced.
-#[derive(Debug, Clone, Copy)]
-pub struct Pacing {
-    /// Calm before the first fault.
-    pub warmup: Duration,
-    /// A fault lasts between these.
-    pub shortest: Duration,
-    /// …
-    pub longest: Duration,
-    /// The calm after a fault lasts between these.
-    pub shortest_gap: Duration,
-    /// …
-    pub longest_gap: Duration,
-    /// The chance that a fault starts together with the next one of its round.
-    pub composite: f64,
-}
-
-/// One fault of the schedule.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Planned {
-    /// When it starts, from the start of the run.
-    pub at: Duration,
-    /// Its kind.
-    pub kind: FaultKind,
-    /// How long it lasts.
-    pub length: Duration,
-}
-
-/// The schedule for a run of `run` with `kinds`, from `seed`: the same three give the same
-/// schedule.
-pub fn plan(seed: u64, kinds: &[FaultKind], run: Duration, pacing: Pacing) -> Vec<Planned> {
-    let mut rng = SmallRng::seed_from_u64(seed);
-    let mut faults = Vec::new();
-    if kinds.is_empty() {
-        return faults;
-    }
-    let between = |rng: &mut SmallRng, low: Duration, high: Duration| {
-        Duration::from_millis(
-            rng.random_range(low.as_millis()..=high.as_millis().max(low.as_millis())) as u64,
-        )
-    };
-    let mut at = pacing.warmup;
-    'rounds: loop {
-        let mut round = kinds.to_vec();
-        round.shuffle(&mut rng);
-        let mut i = 0;
-        while i < round.len() {
-            let length = between(&mut rng, pacing.shortest, pacing.longest);
-            if at + length + pacing.shortest_gap > run {
-                break 'rounds;
-            }
-            faults.push(Planned {
-                at,
-                kind: round[i],
-                length,
-            });
-            let mut end = at + length;
-            if let Some(&next) = round.get(i + 1)
-                && rng.random_bool(pacing.composite.clamp(0.0, 1.0))
-                && !(round[i].on_postgres() && next.on_postgres())
-            {
-                let length = between(&mut rng, pacing.shortest, pacing.longest);
-                if at + length + pacing.shortest_gap <= run {
-                    faults.push(Planned {
-                        at,
-                        kind: next,
-                        length,
-                    });
-                    end = end.max(at + length);
-                    i += 1;
-                }
-            }
-            i += 1;
-            at = end + between(&mut rng, pacing.shortest_gap, pacing.longest_gap);
-        }
-    }
-    faults
-}
 
 /// How to undo a fault.
 #[derive(Debug)]
@@ -236,9 +41,9 @@ enum Undo {
 #[derive(Debug)]
 pub struct Active {
     /// Its kind.
-    kind: FaultKind,
+    pub(super) kind: FaultKind,
     /// What it is, for the history.
-    window: FaultWindow,
+    pub(super) window: FaultWindow,
     /// How to heal it.
     undo: Undo,
 }
@@ -262,9 +67,9 @@ pub struct Lab {
     /// Services killed or stopped whose fault is over but which have not started again yet
     /// (another fault in force may keep them from starting: a ledger cannot start while
     /// Postgres is cut off), with their fault's window; tried again as the nemesis goes on.
-    pending: Vec<(String, FaultWindow)>,
+    pub(super) pending: Vec<(String, FaultWindow)>,
     /// When the run started.
-    start: Instant,
+    pub(super) start: Instant,
 }
 
 /// The port of a `http://host:port` address.
@@ -360,7 +165,7 @@ impl Lab {
             .collect()
     }
 
-    fn ms(&self) -> f64 {
+    pub(super) fn ms(&self) -> f64 {
         self.start.elapsed().as_secs_f64() * 1000.0
     }
 
@@ -424,7 +229,7 @@ impl Lab {
     /// Whether the formation has a primary and a secondary, each in the state the monitor
     /// assigned — as a failover or switchover needs, and as a fault on the primary should
     /// find it (`true` when the database is not a formation).
-    fn formation_settled(&self) -> bool {
+    pub(super) fn formation_settled(&self) -> bool {
         let Some(OwnDatabase::Ha(formation)) = self.database() else {
             return true;
         };
@@ -704,165 +509,12 @@ impl Drop for Thaw {
     }
 }
 
-/// Runs `schedule` on `lab` from `start`, then heals whatever is still in force; the fault
-/// windows in the order they began, and the faults that could not be made (with why).
-pub async fn run(lab: &mut Lab, schedule: &[Planned]) -> (Vec<FaultWindow>, Vec<String>) {
-    let mut windows = Vec::new();
-    let mut skipped = Vec::new();
-    let mut active: Vec<(Instant, Active)> = Vec::new();
-    let start = lab.start;
-    for planned in schedule {
-        let at = start + planned.at;
-        heal_due(lab, &mut active, &mut windows, at).await;
-        tokio::time::sleep_until(at).await;
-        if planned.kind.on_postgres() {
-            // One Postgres fault at a time, on a formation that has settled since the last
-            // (waited for up to 30 s, healing the other faults on time meanwhile).
-            let waited = Instant::now();
-            while active.iter().any(|(_, a)| a.kind.on_postgres()) || !lab.formation_settled() {
-                if waited.elapsed() > Duration::from_secs(30) {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(250)).await;
-                heal_due(lab, &mut active, &mut windows, Instant::now()).await;
-            }
-            if active.iter().any(|(_, a)| a.kind.on_postgres()) || !lab.formation_settled() {
-                let why = format!(
-                    "{} at {:.1} s: another Postgres fault, or the formation not settled after 30 s",
-                    planned.kind.name(),
-                    planned.at.as_secs_f64()
-                );
-                eprintln!("chaos: skipped {why}");
-                skipped.push(why);
-                continue;
-            }
-        }
-        match lab.apply(planned.kind).await {
-            Ok(fault) => {
-                report("began", &fault.window, lab.ms());
-                active.push((Instant::now() + planned.length, fault));
-            }
-            Err(error) => {
-                let why = format!(
-                    "{} at {:.1} s: {error:#}",
-                    planned.kind.name(),
-                    planned.at.as_secs_f64()
-                );
-                eprintln!("chaos: skipped {why}");
-                skipped.push(why);
-            }
-        }
-    }
-    heal_due(
-        lab,
-        &mut active,
-        &mut windows,
-        Instant::now() + Duration::from_secs(3600),
-    )
-    .await;
-    // Every service up again before the load stops (two minutes at most).
-    let waited = Instant::now();
-    while lab.restarts_pending() && waited.elapsed() < Duration::from_secs(120) {
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        windows.extend(lab.retry_pending().await);
-    }
-    for (name, mut window) in std::mem::take(&mut lab.pending) {
-        eprintln!("chaos: {name} did not start again within two minutes of its fault's end");
-        window.healed_ms = lab.ms();
-        windows.push(window);
-    }
-    windows.sort_by(|a, b| a.began_ms.total_cmp(&b.began_ms));
-    (windows, skipped)
-}
-
-/// Heals every fault in `active` due by `by`, each at its time.
-async fn heal_due(
-    lab: &mut Lab,
-    active: &mut Vec<(Instant, Active)>,
-    windows: &mut Vec<FaultWindow>,
-    by: Instant,
-) {
-    loop {
-        active.sort_by_key(|(due, _)| *due);
-        match active.first() {
-            Some((due, _)) if *due <= by => {
-                let (due, fault) = active.remove(0);
-                tokio::time::sleep_until(due).await;
-                if let Some(window) = lab.heal(fault).await {
-                    report("healed", &window, lab.ms());
-                    windows.push(window);
-                }
-            }
-            _ => break,
-        }
-    }
-    windows.extend(lab.retry_pending().await);
-}
-
-fn report(what: &str, window: &FaultWindow, now_ms: f64) {
+/// Prints a fault's beginning or end, at `now_ms` into the run.
+pub(super) fn report(what: &str, window: &FaultWindow, now_ms: f64) {
     eprintln!(
         "chaos: {:>7.1} s  {what:<6} {} {}",
         now_ms / 1000.0,
         window.kind,
         window.target
     );
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn pacing() -> Pacing {
-        Pacing {
-            warmup: Duration::from_secs(3),
-            shortest: Duration::from_secs(1),
-            longest: Duration::from_secs(5),
-            shortest_gap: Duration::from_secs(2),
-            longest_gap: Duration::from_secs(4),
-            composite: 0.3,
-        }
-    }
-
-    #[test]
-    fn a_seed_makes_one_schedule() {
-        let kinds = FaultKind::ALL;
-        let run = Duration::from_secs(120);
-        assert_eq!(
-            plan(7, &kinds, run, pacing()),
-            plan(7, &kinds, run, pacing())
-        );
-        assert_ne!(
-            plan(7, &kinds, run, pacing()),
-            plan(8, &kinds, run, pacing())
-        );
-    }
-
-    #[test]
-    fn two_minutes_meet_every_kind_and_end_in_time() {
-        let kinds = FaultKind::ALL;
-        let run = Duration::from_secs(120);
-        for seed in 0..50 {
-            let schedule = plan(seed, &kinds, run, pacing());
-            let met: BTreeSet<FaultKind> = schedule.iter().map(|p| p.kind).collect();
-            assert_eq!(met.len(), kinds.len(), "seed {seed}: {schedule:?}");
-            for fault in &schedule {
-                assert!(fault.at >= pacing().warmup);
-                assert!(fault.at + fault.length + pacing().shortest_gap <= run);
-            }
-            for pair in schedule.windows(2) {
-                if pair[0].at == pair[1].at {
-                    assert!(!(pair[0].kind.on_postgres() && pair[1].kind.on_postgres()));
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn names_match_the_command_line() {
-        use clap::ValueEnum;
-        for kind in FaultKind::ALL {
-            let value = kind.to_possible_value().expect("every kind has a name");
-            assert_eq!(value.get_name(), kind.name());
-        }
-    }
 }

@@ -2,8 +2,8 @@
 //! small server that fails on purpose, and printing what the retry layer did.
 //!
 //! ```text
-//! cargo run --example retry_client                       # examples/service-config.json
-//! cargo run --example retry_client -- my-config.json 3   # the server fails 3 calls first
+//! cargo run -p resilience --example retry_client                       # examples/service-config.json
+//! cargo run -p resilience --example retry_client -- my-config.json 3   # the server fails 3 calls first
 //! ```
 //!
 //! Nothing here is retrychain's chain: just `resilience::RetryLayer` over a `Channel`.
