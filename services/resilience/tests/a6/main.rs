@@ -221,3 +221,71 @@ fn slow(script: Vec<(u64, Option<Status>)>) -> Slow {
         ..Slow::default()
     }
 }
+
+/// A transport that answers every call the same scripted way, counting calls: for
+/// answers a tonic server would never give (headers, then a failure in the trailers) and
+/// for calls that reach no server at all.
+struct Fake<E> {
+    calls: Arc<Mutex<u32>>,
+    answer: fn() -> Result<http::Response<tonic::body::Body>, E>,
+}
+
+// By hand: the derive would ask `E: Clone`, and io::Error is not.
+impl<E> Clone for Fake<E> {
+    fn clone(&self) -> Self {
+        Self {
+            calls: Arc::clone(&self.calls),
+            answer: self.answer,
+        }
+    }
+}
+
+impl<E> Fake<E> {
+    fn new(answer: fn() -> Result<http::Response<tonic::body::Body>, E>) -> Self {
+        Self {
+            calls: Arc::default(),
+            answer,
+        }
+    }
+
+    fn calls(&self) -> u32 {
+        *self.calls.lock().unwrap()
+    }
+}
+
+impl<E> tower::Service<http::Request<tonic::body::Body>> for Fake<E> {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = E;
+    type Future = std::future::Ready<Result<Self::Response, E>>;
+
+    fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), E>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: http::Request<tonic::body::Body>) -> Self::Future {
+        *self.calls.lock().unwrap() += 1;
+        std::future::ready((self.answer)())
+    }
+}
+
+/// Response headers (committing the call), and only then a failure, in the trailers.
+fn headers_then_unavailable() -> Result<http::Response<tonic::body::Body>, std::convert::Infallible>
+{
+    let mut trailers = http::HeaderMap::new();
+    trailers.insert("grpc-status", "14".parse().unwrap());
+    trailers.insert("grpc-message", "failed%20after%20headers".parse().unwrap());
+    let frames: Vec<Result<http_body::Frame<bytes::Bytes>, Status>> =
+        vec![Ok(http_body::Frame::trailers(trailers))];
+    let body = tonic::body::Body::new(http_body_util::StreamBody::new(futures::stream::iter(
+        frames,
+    )));
+    Ok(http::Response::builder()
+        .header("content-type", "application/grpc")
+        .body(body)
+        .unwrap())
+}
+
+/// No server: the connection is reset.
+fn connection_reset() -> Result<http::Response<tonic::body::Body>, std::io::Error> {
+    Err(std::io::Error::from(std::io::ErrorKind::ConnectionReset))
+}
