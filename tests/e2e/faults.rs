@@ -342,13 +342,13 @@ async fn polls_to_finish<F: std::future::Future>(charge: F) -> u64 {
 /// every charge whole (a cut key is left started, never settled without its charge).
 #[tokio::test]
 async fn charges_cut_off_at_any_point_leak_no_transaction() {
+    use retrychain_domain::{AccountId, AmountCents, IdempotencyKey};
     use retrychain_ledger::InFlight;
-    use retrychain_node::{AccountId, AmountCents, IdempotencyKey};
 
     let url = database().await;
     let store = key_store(&url, 2).await;
     let account = AccountId::parse(&new_account()).unwrap();
-    let anonymous = retrychain_node::Caller::anonymous();
+    let anonymous = retrychain_domain::Caller::anonymous();
     let deadline = || resilience::Deadline::after(Duration::from_secs(5));
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
     // How many polls a whole charge takes here (the fewest of five): the cut points are
@@ -438,7 +438,7 @@ async fn charges_cut_off_at_any_point_leak_no_transaction() {
         store
             .charge(
                 retrychain_ledger::KeyedCharge {
-                    caller: &retrychain_node::Caller::anonymous(),
+                    caller: &retrychain_domain::Caller::anonymous(),
                     account: &account,
                     key: &key,
                     amount: AmountCents::parse(1).unwrap(),
@@ -484,8 +484,8 @@ async fn charges_cut_off_at_any_point_leak_no_transaction() {
 /// one of them: the first failure makes the store ping idle connections before use.
 #[tokio::test]
 async fn after_a_restart_only_the_first_charge_meets_a_broken_connection() {
+    use retrychain_domain::{AccountId, AmountCents, IdempotencyKey};
     use retrychain_ledger::{InFlight, KeyStore};
-    use retrychain_node::{AccountId, AmountCents, IdempotencyKey};
 
     let _one = ONE_AT_A_TIME.lock().await;
     let cluster = own_cluster().await;
@@ -497,7 +497,7 @@ async fn after_a_restart_only_the_first_charge_meets_a_broken_connection() {
             store
                 .charge(
                     retrychain_ledger::KeyedCharge {
-                        caller: &retrychain_node::Caller::anonymous(),
+                        caller: &retrychain_domain::Caller::anonymous(),
                         account: &account,
                         key: &IdempotencyKey::parse(&new_key()).unwrap(),
                         amount: AmountCents::parse(100).unwrap(),
@@ -551,8 +551,8 @@ async fn after_a_restart_only_the_first_charge_meets_a_broken_connection() {
 /// message, and Postgres wake-up, per charge.
 #[tokio::test]
 async fn giving_a_connection_back_sends_postgres_nothing() {
+    use retrychain_domain::{AccountId, AmountCents, IdempotencyKey};
     use retrychain_ledger::InFlight;
-    use retrychain_node::{AccountId, AmountCents, IdempotencyKey};
 
     let _one = ONE_AT_A_TIME.lock().await;
     let cluster = own_cluster().await;
@@ -568,7 +568,7 @@ async fn giving_a_connection_back_sends_postgres_nothing() {
         store
             .charge(
                 retrychain_ledger::KeyedCharge {
-                    caller: &retrychain_node::Caller::anonymous(),
+                    caller: &retrychain_domain::Caller::anonymous(),
                     account: &account,
                     key: &key,
                     amount: AmountCents::parse(100).unwrap(),

@@ -28,13 +28,13 @@ pub use resilience::wire::{
     PREVIOUS_ATTEMPTS as PREVIOUS_ATTEMPTS_HEADER, PUSHBACK as PUSHBACK_HEADER,
     TIMEOUT as TIMEOUT_HEADER,
 };
+pub use retrychain_domain::metadata::{
+    IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, RETRY_MODE, TRACE_ID, TRACEPARENT,
+};
 pub use retrychain_harness::faults::{delayed, failing, failing_with, losing_replies};
 pub use retrychain_harness::{
     ChainAddrs, ChainClient, ChainSpec, ChildService, InProcessChain, InProcessService, Launch,
     LocalChain, Logs, NAMES, ServiceAddr, client::LEDGER,
-};
-pub use retrychain_node::metadata::{
-    IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, RETRY_MODE, TRACE_ID, TRACEPARENT,
 };
 use retrychain_proto::v1::{
     ChargeReply, ChargeRequest, Faults, Stats, control_client::ControlClient,

@@ -1049,10 +1049,8 @@ async fn storm_and_top_reach_a_chain_over_tls_as_the_operator() {
 /// (UNAUTHENTICATED or PERMISSION_DENIED); the edge's own calls for her are served.
 #[tokio::test]
 async fn a_stolen_tier_key_cannot_charge_or_read_as_another_caller() {
-    use retrychain_node::{
-        Caller,
-        statement::{self, CALLER_SIGNER, CALLER_STATEMENT, Call},
-    };
+    use retrychain_domain::Caller;
+    use retrychain_node::statement::{self, CALLER_SIGNER, CALLER_STATEMENT, Call};
     use std::time::SystemTime;
 
     let dir = tempfile::tempdir().unwrap();

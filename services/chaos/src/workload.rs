@@ -20,8 +20,8 @@ use std::{
 
 use rand::{RngExt, SeedableRng, rngs::SmallRng};
 use resilience::wire::{IDEMPOTENT_REPLAYED, code_name};
+use retrychain_domain::RetryMode;
 use retrychain_harness::charge_request;
-use retrychain_node::RetryMode;
 use retrychain_proto::v1::{GetAccountRequest, payments_client::PaymentsClient};
 use tokio::{task::JoinHandle, time::Instant};
 use tonic::{Code, transport::Channel};

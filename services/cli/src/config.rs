@@ -4,8 +4,8 @@
 //! from their crate).
 
 use clap::{Args, Parser, Subcommand};
+use retrychain_domain::RetryMode;
 use retrychain_harness::Postgres;
-use retrychain_node::RetryMode;
 use retrychain_serve::{ServiceCommand, args::LogFormatArg};
 
 /// Five chained gRPC services that show how to retry safely: idempotency keys, shrinking

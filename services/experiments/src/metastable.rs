@@ -31,8 +31,8 @@ use std::{
 
 use anyhow::Context;
 use futures::future::join_all;
+use retrychain_domain::RetryMode;
 use retrychain_harness::charge_request;
-use retrychain_node::RetryMode;
 use retrychain_proto::v1::{
     Faults, GetStatsRequest, control_client::ControlClient, payments_client::PaymentsClient,
 };

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use retrychain_node::{
+use retrychain_domain::{
     RetryMode,
     metadata::{IDEMPOTENCY_KEY, RETRY_MODE},
 };

@@ -37,10 +37,13 @@ use resilience::{
     Balancer, PropagateDeadlineLayer, RetryLayer, ServiceConfig, client::RetryService,
     propagate::PropagateDeadline, wire,
 };
-use retrychain_node::{
-    AccountId, AmountCents, Caller, IdempotencyKey, Node, RetryMode, RpcScope,
-    faults::{FaultLayer, Faulty},
+use retrychain_domain::{
+    AccountId, AmountCents, Caller, IdempotencyKey, RetryMode,
     metadata::{self, CALLER, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, RETRY_MODE, TRACE_ID},
+};
+use retrychain_node::{
+    Node, RpcScope,
+    faults::{FaultLayer, Faulty},
     statement::{CALLER_SIGNER, CALLER_STATEMENT, Call},
     telemetry::{InjectTrace, InjectTraceLayer},
 };

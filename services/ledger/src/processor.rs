@@ -24,7 +24,8 @@ use std::sync::{
 
 use rand::RngExt;
 use resilience::{Attempt, Deadline};
-use retrychain_node::{AccountId, IdempotencyKey, Node, faults::failure, stats::Counters};
+use retrychain_domain::{AccountId, IdempotencyKey};
+use retrychain_node::{Node, faults::failure, stats::Counters};
 use tonic::{Code, Status};
 
 use crate::store::{KeyStore, ProcessorCharge, StoreError};

@@ -5,13 +5,11 @@
 use std::{sync::Arc, time::Duration};
 
 use resilience::{AttemptRequest, CallRequest, Deadline, RetryCalls, RetryLayer, ServiceConfig};
-use retrychain_node::{
-    AccountId, AmountCents, Caller, IdempotencyKey, Node, RetryMode, RpcScope,
-    faults::lost_reply,
+use retrychain_domain::{
+    AccountId, AmountCents, Caller, IdempotencyKey, RetryMode,
     metadata::{self, IDEMPOTENT_REPLAYED},
-    statement::Call,
-    stats::Counters,
 };
+use retrychain_node::{Node, RpcScope, faults::lost_reply, statement::Call, stats::Counters};
 use retrychain_proto::v1::{
     Account, ChargeReply, ChargeRequest, GetAccountRequest, payments_server::Payments,
 };

@@ -36,8 +36,9 @@ use resilience::wire::{self, AUTHORIZATION, CALLER};
 use retrychain_tls::Tokens;
 use tonic::Status;
 
+use retrychain_domain::Caller;
+
 use crate::{
-    Caller,
     authz::{PeerIdentity, calls_service},
     statement::{CALLER_SIGNER, CALLER_STATEMENT},
 };

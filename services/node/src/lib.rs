@@ -1,9 +1,9 @@
-//! What every retrychain service shares, whatever its role.
+//! What every retrychain service shares to serve, whatever its role. The values its
+//! requests carry (the key, the account, the amount, the caller, the retry mode, the trace
+//! context) are `retrychain-domain`'s.
 //!
 //! # Layout
 //!
-//! - [`domain`]: `IdempotencyKey`, `AccountId`, `AmountCents` — parsed, never re-checked.
-//! - [`metadata`]: the contract's metadata keys, [`RetryMode`], W3C [`TraceContext`].
 //! - [`stats`]: [`Counters`], which are also the retry loops' observer.
 //! - [`metrics`]: the same counters (and a few gauges) as Prometheus metrics on the admin
 //!   port's `/metrics`.
@@ -26,12 +26,10 @@ pub mod admin_tls;
 pub mod authz;
 pub mod callers;
 pub mod control;
-pub mod domain;
 pub mod faults;
 pub mod h2;
 pub mod limits;
 pub mod log_writer;
-pub mod metadata;
 pub mod metrics;
 pub mod node;
 pub mod rpc;
@@ -40,9 +38,7 @@ pub mod statement;
 pub mod stats;
 pub mod telemetry;
 
-pub use domain::{AccountId, AmountCents, Caller, IdempotencyKey, InvalidCaller, InvalidInput};
 pub use faults::FaultSwitch;
-pub use metadata::{RetryMode, TraceContext};
 pub use node::{Node, NodeConfig, Statements};
 pub use rpc::RpcScope;
 pub use server::{

@@ -7,10 +7,11 @@ use std::{sync::Arc, time::Duration};
 use resilience::{AdmissionSettings, ConcurrencyLimit, RetryObserver, ServiceConfig, Throttle};
 use retrychain_proto::v1::Stats;
 
+use retrychain_domain::metadata::{self, RetryMode};
+
 use crate::{
     faults::FaultSwitch,
     limits,
-    metadata::{self, RetryMode},
     stats::{Counters, DatabaseGauges},
 };
 
@@ -138,7 +139,7 @@ impl Node {
     /// into `metadata`, valid for the call's `timeout`; elsewhere does nothing.
     pub fn state_caller(
         &self,
-        caller: &crate::Caller,
+        caller: &retrychain_domain::Caller,
         call: &crate::statement::Call<'_>,
         timeout: std::time::Duration,
         metadata: &mut tonic::metadata::MetadataMap,
@@ -153,12 +154,12 @@ impl Node {
     }
 
     /// The caller of `call`: at the ledger ([`Statements::Check`]) from the statement the
-    /// edge signed, else from `x-caller` (see [`crate::metadata::caller`]).
+    /// edge signed, else from `x-caller` (see [`retrychain_domain::metadata::caller`]).
     pub fn caller_of(
         &self,
         metadata: &tonic::metadata::MetadataMap,
         call: &crate::statement::Call<'_>,
-    ) -> Result<crate::Caller, tonic::Status> {
+    ) -> Result<retrychain_domain::Caller, tonic::Status> {
         match (&self.statements, &self.tls) {
             (Statements::Check(signer), Some(server)) => crate::statement::verify(
                 &server.tls,

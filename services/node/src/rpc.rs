@@ -16,11 +16,12 @@ use tonic::{
 };
 use tracing::{Instrument, Span, field};
 
-use crate::{
-    IdempotencyKey, Node, TraceContext,
+use retrychain_domain::{
+    IdempotencyKey, TraceContext,
     metadata::{IDEMPOTENCY_KEY, TRACE_ID, TRACEPARENT},
-    stats::Counters,
 };
+
+use crate::{Node, stats::Counters};
 
 /// Writes a call's final line if its handler is dropped before it answered.
 struct Unfinished<'a>(Option<&'a RpcScope>);

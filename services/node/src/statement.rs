@@ -33,7 +33,7 @@ use tonic::{
     metadata::{BinaryMetadataValue, MetadataKey, MetadataMap},
 };
 
-use crate::{Caller, metadata::CALLER};
+use retrychain_domain::{Caller, metadata::CALLER};
 
 /// The edge's statement of a call's caller, and its signature (binary metadata).
 pub const CALLER_STATEMENT: &str = "x-caller-statement-bin";
@@ -243,7 +243,7 @@ pub fn verify(
     } else {
         Caller::parse(&statement.caller).map_err(|_| malformed())?
     };
-    let named = crate::metadata::caller(metadata)?;
+    let named = retrychain_domain::metadata::caller(metadata)?;
     if metadata.get(CALLER).is_some() && named != caller {
         return Err(Status::permission_denied(format!(
             "x-caller names {named}, the edge's signed statement {caller}"

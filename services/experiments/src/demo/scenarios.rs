@@ -17,8 +17,8 @@ use resilience::{
     Backoff, BackoffKind, RetryLayer, ServiceConfig,
     service_config::{CallPolicy, RetryPolicyConfig},
 };
+use retrychain_domain::{RetryMode, metadata};
 use retrychain_harness::{ChainAddrs, ChainClient, InProcessService, charge_request};
-use retrychain_node::{RetryMode, metadata};
 use retrychain_proto::v1::{
     ChargeReply, ChargeRequest, Faults, Stats, payments_client::PaymentsClient,
 };

@@ -49,7 +49,7 @@ pub struct StormArgs {
     pub honour_pushback: bool,
     /// Send `x-retry-mode` (honoured by services started with --allow-retry-mode-override).
     #[arg(long, value_enum, env = "RETRYCHAIN_STORM_RETRY_MODE")]
-    pub retry_mode: Option<retrychain_node::RetryMode>,
+    pub retry_mode: Option<retrychain_domain::RetryMode>,
     /// Ledger fault during the run: probability that a processor call fails.
     #[arg(long, default_value_t = 0.0, env = "RETRYCHAIN_STORM_FAIL_RATE")]
     pub fail_rate: f64,

@@ -5,7 +5,7 @@
 //! it.
 
 use resilience::Deadline;
-use retrychain_node::{AccountId, AmountCents, Caller, IdempotencyKey};
+use retrychain_domain::{AccountId, AmountCents, Caller, IdempotencyKey};
 use sqlx::{Row, postgres::PgRow};
 use tonic::Code;
 use uuid::Uuid;

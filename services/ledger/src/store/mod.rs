@@ -93,7 +93,7 @@ use std::{
 
 use prometheus_client::metrics::histogram::Histogram;
 use resilience::Deadline;
-use retrychain_node::{AccountId, AmountCents, Caller, IdempotencyKey};
+use retrychain_domain::{AccountId, AmountCents, Caller, IdempotencyKey};
 use sqlx::{AssertSqlSafe, Connection, PgConnection, Row};
 
 use tracing::Instrument;

@@ -527,7 +527,11 @@ fn tracer_provider(service: &str) -> Option<SdkTracerProvider> {
 /// Starts a sampled request's `span` (a server span) in its trace: the child of the
 /// caller's span when a `traceparent` came (`trace.parent_id`), else the root of the trace
 /// `trace.trace_id`. `tracestate`, if the caller sent one, is kept.
-pub fn continue_trace(span: &Span, trace: &crate::metadata::TraceContext, metadata: &MetadataMap) {
+pub fn continue_trace(
+    span: &Span,
+    trace: &retrychain_domain::metadata::TraceContext,
+    metadata: &MetadataMap,
+) {
     let Ok(trace_id) = TraceId::from_hex(trace.trace_id.as_str()) else {
         return;
     };
@@ -553,9 +557,9 @@ pub fn continue_trace(span: &Span, trace: &crate::metadata::TraceContext, metada
 /// reaches the wire. Exporting, it is the current span's (placed below a retry layer, each
 /// attempt's span is the parent of the server's); otherwise the [`TraceContext`] the
 /// handler put in the call's extensions (this hop as the next one's parent), as a
-/// [`TraceParent`](crate::metadata::TraceParent).
+/// [`TraceParent`](retrychain_domain::metadata::TraceParent).
 ///
-/// [`TraceContext`]: crate::TraceContext
+/// [`TraceContext`]: retrychain_domain::TraceContext
 #[derive(Debug, Clone, Copy, Default)]
 pub struct InjectTraceLayer;
 
@@ -592,7 +596,7 @@ where
     fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
         let ours = request
             .extensions()
-            .get::<crate::metadata::TraceParent>()
+            .get::<retrychain_domain::metadata::TraceParent>()
             .cloned();
         // The attempt span's own context only for a request whose spans are exported
         // (and calls made outside a request, when exporting); otherwise this hop's.

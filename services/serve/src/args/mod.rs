@@ -135,7 +135,7 @@ mod tests {
     use std::time::Duration;
 
     use resilience::BackoffKind;
-    use retrychain_node::RetryMode;
+    use retrychain_domain::RetryMode;
 
     use super::*;
 

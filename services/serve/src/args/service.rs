@@ -7,7 +7,8 @@ use resilience::{
     Backoff, BackoffKind, ServiceConfig,
     service_config::{CallPolicy, RetryPolicyConfig},
 };
-use retrychain_node::{RetryMode, telemetry::LogFormat};
+use retrychain_domain::RetryMode;
+use retrychain_node::telemetry::LogFormat;
 use serde::Serialize;
 
 use super::value::as_value_name;

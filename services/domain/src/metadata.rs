@@ -6,7 +6,7 @@ use std::{fmt, str::FromStr};
 use rand::RngExt;
 use tonic::{Status, metadata::MetadataMap};
 
-use crate::{Caller, IdempotencyKey};
+use crate::values::{Caller, IdempotencyKey};
 
 pub use resilience::wire::{
     AUTHORIZATION, CALLER, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, RETRY_MODE, TRACE_ID, TRACEPARENT,
