@@ -66,7 +66,6 @@ impl Ledger {
         min_attempt: Duration,
         in_flight: InFlight,
     ) -> Self {
-        let _ = node.database.set(Arc::new(store.clone()));
         let processor = Arc::new(Processor::new(Arc::clone(&node), store.clone()));
         let service: ProcessorService = BoxCloneSyncService::new(tower::service_fn(
             move |call: AttemptRequest<ProcessorCharge>| {

@@ -80,7 +80,7 @@ pub fn registry(node: &Arc<Node>) -> Registry {
         "How long each Payments call refused as overloaded took to answer, from its arrival",
         counters.shed_seconds.clone(),
     );
-    if let Some(db) = node.database.get() {
+    if let Some(db) = &node.database {
         registry.register(
             "ledger_db_round_trip_seconds",
             "Time of each database round trip of a request (a statement, BEGIN, COMMIT), by the ledger's clock",
@@ -267,10 +267,10 @@ impl Collector for NodeCollector {
                 budget.reject_probability(),
             )?;
         }
-        if let Some(balancer) = node.downstream.get() {
+        if let Some(balancer) = &node.downstream {
             Self::endpoints(&mut encoder, &balancer.endpoints())?;
         }
-        if let Some(db) = node.database.get() {
+        if let Some(db) = &node.database {
             Self::counter(
                 &mut encoder,
                 "ledger_executions",

@@ -40,11 +40,12 @@ pub struct Node {
     /// How this service's calls are retried or hedged, per method: the service config from
     /// `--service-config`, or built from the flags, parsed once and shared by every layer.
     pub policy: Arc<ServiceConfig>,
-    /// The ledger's database gauges for `/metrics`, once it has connected.
-    pub database: std::sync::OnceLock<Arc<dyn DatabaseGauges>>,
+    /// The ledger's database gauges for `/metrics` (its store, connected before the node
+    /// is built); `None` elsewhere.
+    pub database: Option<Arc<dyn DatabaseGauges>>,
     /// A hop's replicas below, for their per-endpoint calls, failures and ejections in
-    /// `/metrics`, once its balancer has started.
-    pub downstream: std::sync::OnceLock<resilience::Balancer>,
+    /// `/metrics` (its balancer, started before the node is built); `None` at the ledger.
+    pub downstream: Option<resilience::Balancer>,
     /// Bounds on the public port's connections.
     pub connection_limits: limits::ConnectionLimits,
     /// Admission of Payments calls (`resilience::admission`): by deadline at the edge, by
@@ -63,7 +64,9 @@ pub struct Node {
     shed_baseline: std::sync::Mutex<(u64, u64)>,
 }
 
-/// How a [`Node`] is set up; the rest of its state starts empty.
+/// How a [`Node`] is set up, with everything it holds already made: a node is complete
+/// when it is built, and nothing is filled in later. The rest of its state (counters,
+/// faults, the admission limit) starts empty.
 #[derive(Debug, Clone)]
 pub struct NodeConfig {
     /// See [`Node::name`].
@@ -90,6 +93,10 @@ pub struct NodeConfig {
     pub callers: Option<crate::callers::CallersSettings>,
     /// See [`Node::statements`].
     pub statements: Statements,
+    /// See [`Node::database`].
+    pub database: Option<Arc<dyn DatabaseGauges>>,
+    /// See [`Node::downstream`].
+    pub downstream: Option<resilience::Balancer>,
 }
 
 /// What a service does with the signed statement of each call's caller
@@ -118,8 +125,8 @@ impl Node {
             allow_retry_mode_override: config.allow_retry_mode_override,
             budget: config.budget,
             policy: config.policy,
-            database: std::sync::OnceLock::new(),
-            downstream: std::sync::OnceLock::new(),
+            database: config.database,
+            downstream: config.downstream,
             connection_limits: config.connection_limits,
             admission: Arc::new(ConcurrencyLimit::new(config.admission).observing_refusals({
                 let shed_seconds = counters.shed_seconds.clone();
@@ -198,7 +205,7 @@ impl Node {
         stats.shed = first.saturating_sub(first_then) + retries;
         stats.shed_retries = retries;
         stats.concurrency_limit = self.admission.limit() as u64;
-        if let Some(db) = self.database.get() {
+        if let Some(db) = &self.database {
             (stats.resumed, stats.stale_owner_refusals) = db.takeovers();
         }
         stats.in_flight = self.admission.in_flight() as u64;

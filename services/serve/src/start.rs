@@ -184,8 +184,8 @@ async fn hop(
         tls,
         callers,
         statements,
+        Served::Hop(replicas.clone()),
     )?;
-    let _ = node.downstream.set(replicas.clone());
     let hop = Hop::new(
         Arc::clone(&node),
         role,
@@ -252,7 +252,16 @@ async fn ledger(
     let listeners = bind(service, "0.0.0.0:50055").await?;
     let statements = args.statements(tls.is_some())?;
     tracing::info!(?statements, "callers below the edge");
-    let node = node(service, name, None, policies.config, tls, None, statements)?;
+    let node = node(
+        service,
+        name,
+        None,
+        policies.config,
+        tls,
+        None,
+        statements,
+        Served::Ledger(Arc::new(store.clone())),
+    )?;
     let in_flight = match args.in_flight {
         InFlightArg::Wait => InFlight::Wait,
         InFlightArg::Reject => InFlight::Reject,
@@ -374,6 +383,16 @@ fn server_tls(service: &ServiceArgs, name: &str, edge: bool) -> anyhow::Result<O
 /// How often a service looks for new TLS material.
 const TLS_WATCH_EVERY: Duration = Duration::from_secs(1);
 
+/// What a node serves from, made before it: a hop's replicas below, or the ledger's
+/// store.
+enum Served {
+    /// A hop's balancer.
+    Hop(Balancer),
+    /// The ledger's store, as its database gauges.
+    Ledger(Arc<dyn retrychain_node::metrics::DatabaseGauges>),
+}
+
+#[allow(clippy::too_many_arguments)] // one per part of a node, each made by its caller
 fn node(
     service: &ServiceArgs,
     name: String,
@@ -382,7 +401,12 @@ fn node(
     tls: Option<ServerTls>,
     callers: Option<retrychain_node::callers::CallersSettings>,
     statements: Statements,
+    served: Served,
 ) -> anyhow::Result<Arc<Node>> {
+    let (database, downstream) = match served {
+        Served::Hop(balancer) => (None, Some(balancer)),
+        Served::Ledger(database) => (Some(database), None),
+    };
     let admission = service
         .admission(callers.is_some())
         .map_err(|error| anyhow::anyhow!("--min-concurrency / --max-in-flight: {error}"))?;
@@ -403,6 +427,8 @@ fn node(
         tls,
         callers,
         statements,
+        database,
+        downstream,
     })))
 }
 
