@@ -14,6 +14,7 @@ COPY services/proto/Cargo.toml services/proto/build.rs services/proto/
 COPY proto proto
 COPY services/resilience/Cargo.toml services/resilience/
 COPY services/tempgres/Cargo.toml services/tempgres/
+COPY services/domain/Cargo.toml services/domain/
 COPY services/node/Cargo.toml services/node/
 COPY services/hop/Cargo.toml services/hop/
 COPY services/ledger/Cargo.toml services/ledger/
@@ -24,7 +25,7 @@ COPY services/experiments/Cargo.toml services/experiments/
 COPY services/top/Cargo.toml services/top/
 COPY services/chaos/Cargo.toml services/chaos/
 COPY services/tls/Cargo.toml services/tls/
-RUN for crate in proto resilience tempgres node hop ledger bench serve harness experiments top chaos tls cli; do \
+RUN for crate in proto resilience tempgres domain node hop ledger bench serve harness experiments top chaos tls cli; do \
       mkdir -p services/$crate/src && touch services/$crate/src/lib.rs; \
     done \
  && mkdir -p services/bench/src/bin \
