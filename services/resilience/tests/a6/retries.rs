@@ -139,6 +139,37 @@ async fn each_attempt_gets_the_time_left_and_none_starts_past_the_deadline() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn each_attempt_is_sent_the_per_attempt_timeout_or_the_time_left_whichever_ends_first() {
+    // The same schedule with a 300 ms per-attempt timeout: the first two attempts are cut
+    // to it (1 s and 600 ms left), the last is sent its 200 ms left.
+    let server = Scripted::failing(unavailable(10));
+    let layer = RetryLayer::new(config(
+        r#"{"maxAttempts": 5, "initialBackoff": "0.4s", "maxBackoff": "0.4s",
+             "backoffMultiplier": 1, "retrychainJitter": "exponential",
+             "retryableStatusCodes": ["UNAVAILABLE"]}"#,
+        "",
+    ))
+    .per_try_timeout(Some(Duration::from_millis(300)));
+    let mut client = client_of(layer, &server);
+    let mut request = Request::new(ChargeRequest {
+        account_id: "a".into(),
+        amount_cents: 1,
+    });
+    request.set_timeout(Duration::from_secs(1));
+    let status = client.charge(request).await.expect_err("fails");
+    assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+    let timeouts: Vec<Duration> = server
+        .seen()
+        .iter()
+        .map(|s| resilience::wire::parse_timeout(s.timeout.as_deref().unwrap()).unwrap())
+        .collect();
+    assert_eq!(
+        timeouts,
+        [300, 300, 200].map(Duration::from_millis).to_vec()
+    );
+}
+
+#[tokio::test(start_paused = true)]
 async fn methods_without_a_retry_policy_pass_through() {
     let server = Scripted::failing(unavailable(3));
     let config = ServiceConfig::parse(
