@@ -13,6 +13,7 @@ COPY Cargo.toml Cargo.lock ./
 COPY services/proto/Cargo.toml services/proto/build.rs services/proto/
 COPY proto proto
 COPY services/resilience/Cargo.toml services/resilience/
+COPY services/idempotency/Cargo.toml services/idempotency/
 COPY services/tempgres/Cargo.toml services/tempgres/
 COPY services/domain/Cargo.toml services/domain/
 COPY services/node/Cargo.toml services/node/
@@ -25,14 +26,19 @@ COPY services/experiments/Cargo.toml services/experiments/
 COPY services/top/Cargo.toml services/top/
 COPY services/chaos/Cargo.toml services/chaos/
 COPY services/tls/Cargo.toml services/tls/
-RUN for crate in proto resilience tempgres domain node hop ledger bench serve harness experiments top chaos tls cli; do \
+COPY examples/reservations/Cargo.toml examples/reservations/
+RUN for crate in proto resilience idempotency tempgres domain node hop ledger bench serve harness experiments top chaos tls cli; do \
       mkdir -p services/$crate/src && touch services/$crate/src/lib.rs; \
+    done \
+ && for example in reservations; do \
+      mkdir -p examples/$example/src && touch examples/$example/src/lib.rs; \
     done \
  && mkdir -p services/bench/src/bin \
  && echo 'fn main() {}' > services/bench/src/bin/hop-cost.rs \
  && echo 'fn main() {}' > services/cli/src/main.rs \
  && cargo build --release --locked --bin retrychain \
  && rm -rf target/release/.fingerprint/retrychain* target/release/.fingerprint/resilience-* \
+           target/release/.fingerprint/idempotency-* target/release/deps/*idempotency* \
            target/release/.fingerprint/tempgres-* target/release/deps/*retrychain* \
            target/release/deps/*resilience* target/release/deps/*tempgres* \
            target/release/build/retrychain-*

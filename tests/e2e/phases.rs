@@ -305,9 +305,7 @@ async fn a_charge_nobody_comes_back_for_is_finished_by_the_completer() {
     assert_eq!(charges_of(&url, &account, &key).await, 1);
     assert_eq!(processor_record(&url, &account, &key).await, Some((700, 2)));
     assert!(
-        ledger
-            .log()
-            .contains("completer resumed an abandoned charge"),
+        ledger.log().contains("completer resumed an abandoned key"),
         "the completer says what it did"
     );
     ledger.stop().await;

@@ -1,13 +1,54 @@
-//! The charge protocol: phase 1 (claim the key), the processor called with no transaction
-//! open and the lease renewed meanwhile, phase 2 (the effect and the reply together), and
-//! what a request does when it finds its key running or settled.
+//! A charge as the idempotency library's first user: the library runs the protocol
+//! ([`idempotency::Phases`]: claim, the processor call with the lease renewed, the effect
+//! and the reply recorded, waiting, resuming); this module is where the ledger keeps its
+//! keys ([`Persistence`] over [`super::sql`]'s statements), what its fingerprint and saved
+//! reply are (the amount; the charge's id and the balance after it), and the processor
+//! call as the step between the phases.
+
+use idempotency::{
+    Abandoned, Claim, KeyId, Look, Outcome, Persistence, Record, SavedError, State, Step, TakeOver,
+};
+use sqlx::postgres::PgRow;
+use tokio::time::Instant;
 
 use super::*;
 
+/// A committed charge's reply, as saved on its key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SavedReply {
+    /// The charge's id.
+    pub charge_id: Uuid,
+    /// The account charged.
+    pub account_id: String,
+    /// The amount charged.
+    pub amount_cents: i64,
+    /// The balance right after the charge.
+    pub balance_cents: i64,
+}
+
+/// What a charge request came to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ChargeOutcome {
+    /// This request finished the charge (a fresh key, or one it resumed).
+    Executed(SavedReply),
+    /// The key was settled with the same parameters: its saved reply, nothing charged.
+    Replayed(SavedReply),
+}
+
+/// What phase 2 saves on a key: the charge's id and the balance right after it (the
+/// account and the amount are the key's scope and fingerprint).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Recorded {
+    /// The charge's id.
+    pub charge_id: Uuid,
+    /// The balance after it.
+    pub balance_cents: i64,
+}
+
 impl KeyStore {
-    /// Charges `amount` to `account` once per `key`, in phases; see the module docs.
-    /// `process` is the processor call, made with no transaction open and no connection
-    /// held, when this request holds the key (claimed, or taken over to resume).
+    /// Charges `amount` to `account` once per `key`, in phases; see the module docs of
+    /// [`super`]. `process` is the processor call, made with no transaction open and no
+    /// connection held, when this request holds the key (claimed, or taken over to resume).
     pub async fn charge<F, Fut>(
         &self,
         request: KeyedCharge<'_>,
@@ -26,90 +67,74 @@ impl KeyStore {
             in_flight,
             processor_key,
         } = request;
-        // Same-key requests of this process: one at a time, the others waiting in memory
-        // (or, with --in-flight reject, only a look at the key's row).
-        let _turn = match self.keys.try_lock(account.as_str(), key.as_str()) {
-            Some(turn) => Some(turn),
-            None if in_flight == InFlight::Reject => None,
-            None => {
-                self.gauges.key_waits.fetch_add(1, Ordering::Relaxed);
-                let turn = tokio::time::timeout_at(
-                    deadline.instant(),
-                    self.keys.lock(account.as_str(), key.as_str()),
-                )
-                .await
-                .map_err(|_| {
-                    StoreError::DeadlineWhileWaiting(
-                        "waiting for a request with the same key to finish",
-                    )
-                })?;
-                Some(turn)
-            }
-        };
-        let charge = Charge {
-            caller,
-            account,
-            key,
-            amount,
-            deadline,
-            owner: Uuid::new_v4(),
-            processor_key,
-        };
         if self.skip_key_claim {
-            self.forget_key(&charge).await?;
+            self.forget_key(account, key, deadline).await?;
         }
-        let mut poll = POLL_MIN;
-        loop {
-            match self.claim(&charge).await? {
-                Claim::Settled(outcome) => return outcome,
-                Claim::Ours {
-                    processor_key,
-                    resumed,
-                } => {
-                    if resumed {
-                        self.gauges.resumed.fetch_add(1, Ordering::Relaxed);
-                        tracing::info!("resuming a charge whose owner's lease passed");
-                    }
-                    let call = ProcessorCharge {
-                        key: processor_key,
-                        amount_cents: amount.get(),
-                    };
-                    let Some(processed) = self.holding_lease(&charge, process(call)).await else {
-                        // Taken over while the processor worked: its new owner settles it.
-                        self.stale::<()>();
-                        continue;
-                    };
-                    match self.settle_phase_two(&charge, processed).await? {
-                        Some(outcome) => return outcome,
-                        // Taken over meanwhile: its new owner settles it; wait for that.
-                        None => continue,
-                    }
-                }
-                Claim::Running if in_flight == InFlight::Reject => {
-                    return Err(StoreError::InFlight);
-                }
-                Claim::Running => {
-                    if poll == POLL_MIN {
-                        self.gauges.key_waits.fetch_add(1, Ordering::Relaxed);
-                    }
-                    self.wait_while_running(&charge, &mut poll).await?;
-                }
-            }
-        }
+        let amount = amount.get();
+        let outcome = self
+            .phases
+            .run(
+                self,
+                idempotency::Request {
+                    id: KeyId {
+                        scope: account.as_str(),
+                        key: key.as_str(),
+                    },
+                    caller: caller.as_str(),
+                    fingerprint: &amount,
+                    step_key: processor_key,
+                    deadline: deadline.instant(),
+                    in_flight,
+                },
+                |step| process(processor_charge(step)),
+            )
+            .await?;
+        let saved = |recorded: Recorded| SavedReply {
+            charge_id: recorded.charge_id,
+            account_id: account.as_str().to_owned(),
+            amount_cents: amount,
+            balance_cents: recorded.balance_cents,
+        };
+        Ok(match outcome {
+            Outcome::Executed(recorded) => ChargeOutcome::Executed(saved(recorded)),
+            Outcome::Replayed(recorded) => ChargeOutcome::Replayed(saved(recorded)),
+        })
+    }
+
+    /// Resumes up to `batch` keys nobody came back for (see [`TAKE_OVER`]): each taken
+    /// over, its processor called again under its own processor key and amount, then
+    /// finished, failed or released. Returns how many were taken over.
+    pub async fn complete_abandoned<F, Fut>(
+        &self,
+        batch: i64,
+        process: F,
+    ) -> Result<usize, StoreError>
+    where
+        F: Fn(ProcessorCharge) -> Fut,
+        Fut: Future<Output = Result<(), tonic::Status>>,
+    {
+        self.phases
+            .complete_abandoned(self, batch, |step| process(processor_charge(step)))
+            .await
     }
 
     /// [`StoreOptions::skip_key_claim`]: the key's record deleted unless a request holds
     /// it — the bug the chaos checker must catch.
-    pub(super) async fn forget_key(&self, charge: &Charge<'_>) -> Result<(), StoreError> {
-        self.with_connection(charge.deadline, async |conn, rt| {
+    async fn forget_key(
+        &self,
+        account: &AccountId,
+        key: &IdempotencyKey,
+        deadline: Deadline,
+    ) -> Result<(), StoreError> {
+        self.with_connection(deadline, async |conn, rt| {
             rt.bound(
                 "forgetting the key (--test-skip-key-claim)",
                 sqlx::query(
                     "DELETE FROM idempotency_keys \
                      WHERE account_id = $1 AND idempotency_key = $2 AND state <> 'started'",
                 )
-                .bind(charge.account.as_str())
-                .bind(charge.key.as_str())
+                .bind(account.as_str())
+                .bind(key.as_str())
                 .execute(conn),
             )
             .await?;
@@ -117,254 +142,237 @@ impl KeyStore {
         })
         .await
     }
+}
 
-    /// Phase 1, or a later look at the key ([`CLAIM`]).
-    pub(super) async fn claim(&self, charge: &Charge<'_>) -> Result<Claim, StoreError> {
-        let row = self
-            .with_connection(charge.deadline, async |conn, rt| {
-                let row = rt
-                    .bound(
-                        "claiming the key",
-                        sqlx::query(CLAIM)
-                            .bind(charge.account.as_str())
-                            .bind(charge.key.as_str())
-                            .bind(charge.amount.get())
-                            .bind(charge.owner)
-                            .bind(LEASE.as_secs_f64())
-                            .bind(charge.processor_key)
-                            .bind(charge.caller.as_str())
-                            .fetch_optional(conn)
-                            .instrument(
-                                tracing::info_span!(target: resilience::TRACE_ONLY, "claim_key"),
-                            ),
-                    )
-                    .await?;
-                Ok(row.as_ref().map(KeyRow::read).transpose()?)
+/// The processor call for a key: under the processor key saved with its claim, for the
+/// amount bound to it.
+fn processor_charge(step: Step<i64>) -> ProcessorCharge {
+    ProcessorCharge {
+        key: step.step_key,
+        amount_cents: step.fingerprint,
+    }
+}
+
+/// A key's row as [`CLAIM`] returns it.
+fn record(row: &PgRow) -> Result<Record<i64, Recorded>, StoreError> {
+    let reply = match (
+        row.try_get::<Option<Uuid>, _>("charge_id")?,
+        row.try_get::<Option<i64>, _>("balance_cents")?,
+    ) {
+        (Some(charge_id), Some(balance_cents)) => Some(Recorded {
+            charge_id,
+            balance_cents,
+        }),
+        _ => None,
+    };
+    let error = match row.try_get::<Option<i32>, _>("error_code")? {
+        Some(code) => Some(SavedError {
+            code,
+            message: row
+                .try_get::<Option<String>, _>("error_message")?
+                .unwrap_or_default(),
+        }),
+        None => None,
+    };
+    let state: String = row.try_get("state")?;
+    Ok(Record {
+        inserted: row.try_get("inserted")?,
+        state: State::parse(&state).ok_or_else(|| {
+            StoreError::Database(sqlx::Error::Protocol(format!(
+                "an idempotency key in an unknown state {state:?}"
+            )))
+        })?,
+        fingerprint: row.try_get("request_amount_cents")?,
+        reply,
+        owner: row.try_get("lease_owner")?,
+        step_key: row.try_get("processor_key")?,
+        error,
+    })
+}
+
+/// The ledger's keys: [`super::sql`]'s statements on the store's pool, each under the
+/// round-trip bound. A claim and a look wait for a connection behind the charges under
+/// way; every write after the processor call goes ahead of them
+/// (`KeyStore::finishing`).
+impl Persistence for KeyStore {
+    type Fingerprint = i64;
+    type Reply = Recorded;
+    type Effect = ();
+    type Error = StoreError;
+
+    async fn claim(
+        &self,
+        claim: Claim<'_, i64>,
+    ) -> Result<Option<Record<i64, Recorded>>, StoreError> {
+        self.with_connection(Deadline::at(claim.deadline), async |conn, rt| {
+            let row = rt
+                .bound(
+                    "claiming the key",
+                    sqlx::query(CLAIM)
+                        .bind(claim.id.scope)
+                        .bind(claim.id.key)
+                        .bind(*claim.fingerprint)
+                        .bind(claim.owner)
+                        .bind(claim.lease.as_secs_f64())
+                        .bind(claim.step_key)
+                        .bind(claim.caller)
+                        .fetch_optional(conn)
+                        .instrument(
+                            tracing::info_span!(target: resilience::TRACE_ONLY, "claim_key"),
+                        ),
+                )
+                .await?;
+            row.as_ref().map(record).transpose()
+        })
+        .await
+    }
+
+    async fn finish(
+        &self,
+        id: KeyId<'_>,
+        owner: Uuid,
+        (): &(),
+        deadline: Instant,
+    ) -> Result<Option<Recorded>, StoreError> {
+        let charge_id = Uuid::new_v4();
+        let balance = self
+            .finishing(Deadline::at(deadline), async |conn, rt| {
+                rt.bound(
+                    "recording the charge",
+                    sqlx::query_scalar::<_, i64>(FINISH)
+                        .bind(id.scope)
+                        .bind(id.key)
+                        .bind(owner)
+                        .bind(charge_id)
+                        .fetch_optional(conn)
+                        .instrument(
+                            tracing::info_span!(target: resilience::TRACE_ONLY, "record_charge"),
+                        ),
+                )
+                .await
             })
             .await?;
-        match row {
-            Some(row) => Ok(judge(charge, row)),
-            None => Err(StoreError::NotOwner),
-        }
+        Ok(balance.map(|balance_cents| Recorded {
+            charge_id,
+            balance_cents,
+        }))
     }
 
-    /// `call` (the processor's), while this request renews its lease on the key every
-    /// third of [`LEASE`]; `None` if a renewal found the key taken over (the call is then
-    /// dropped: the processor deduplicates, and the new owner calls it again).
-    pub(super) async fn holding_lease<Fut>(
+    async fn fail(
         &self,
-        charge: &Charge<'_>,
-        call: Fut,
-    ) -> Option<Processed>
-    where
-        Fut: Future<Output = Result<(), tonic::Status>>,
-    {
-        let renewing = async {
-            loop {
-                tokio::time::sleep(LEASE / 3).await;
-                let renewed = self
-                    .finishing(Deadline::after(LEASE / 3), async |conn, rt| {
-                        rt.bound(
-                            "renewing the key's lease",
-                            sqlx::query(RENEW)
-                                .bind(charge.account.as_str())
-                                .bind(charge.key.as_str())
-                                .bind(charge.owner)
-                                .bind(LEASE.as_secs_f64())
-                                .execute(conn),
-                        )
-                        .await
-                    })
-                    .await;
-                match renewed {
-                    Ok(done) if done.rows_affected() == 0 => return,
-                    // Renewed; or the database did not answer: go on (phase 2's guard
-                    // still refuses a stale owner).
-                    _ => {}
-                }
-            }
-        };
-        tokio::select! {
-            answered = call => Some(match answered {
-                Ok(()) => Processed::Charged,
-                Err(status) if refused_for_good(&status) => Processed::Refused(status),
-                Err(status) => Processed::Failed(status),
-            }),
-            () = renewing => None,
-        }
-    }
-
-    /// Waits, holding no connection, until the key another instance runs is settled or
-    /// its lease passes (then the caller claims again), or the deadline.
-    pub(super) async fn wait_while_running(
-        &self,
-        charge: &Charge<'_>,
-        pause: &mut Duration,
-    ) -> Result<(), StoreError> {
-        loop {
-            let left = charge.deadline.remaining();
-            if left <= *pause {
-                return Err(StoreError::DeadlineWhileWaiting(
-                    "waiting for a request with the same key to finish",
-                ));
-            }
-            tokio::time::sleep(*pause).await;
-            *pause = (*pause * 2).min(POLL_MAX);
-            let changed = self
-                .with_connection(charge.deadline, async |conn, rt| {
-                    let row = rt
-                        .bound(
-                            "looking at a running key",
-                            sqlx::query(LOOK)
-                                .bind(charge.account.as_str())
-                                .bind(charge.key.as_str())
-                                .fetch_optional(conn),
-                        )
-                        .await?;
-                    Ok(match row {
-                        None => true,
-                        Some(row) => {
-                            let state: String = row.try_get("state")?;
-                            let expired: Option<bool> = row.try_get("expired")?;
-                            state != "started" || expired.unwrap_or(true)
-                        }
-                    })
-                })
-                .await?;
-            if changed {
-                return Ok(());
-            }
-        }
-    }
-
-    /// Phase 2 for `processed`: finished, failed, or released. `None` when the key was
-    /// taken over meanwhile (nothing written; its new owner settles it).
-    pub(super) async fn settle_phase_two(
-        &self,
-        charge: &Charge<'_>,
-        processed: Processed,
-    ) -> Result<Option<Result<ChargeOutcome, StoreError>>, StoreError> {
-        // Phase 2 outlives the request's deadline if it must: the processor has answered,
-        // and what it did is to be recorded now rather than resumed later. The round-trip
-        // and acquire bounds hold for each try.
-        let phase_two = Deadline::after(self.acquire_timeout + self.round_trip_timeout);
-        match processed {
-            Processed::Charged => {
-                let charge_id = Uuid::new_v4();
-                let patience = Deadline::after(PHASE_TWO_PATIENCE);
-                let finished = loop {
-                    // Each try waits for a connection while the pool's queue moves, within
-                    // patience; one that ends because none came back is tried again.
-                    let finished = self
-                        .finishing(
-                            patience,
-                            async |conn, rt| {
-                                rt.bound(
-                                    "recording the charge",
-                                    sqlx::query_scalar::<_, i64>(FINISH)
-                                        .bind(charge.account.as_str())
-                                        .bind(charge.key.as_str())
-                                        .bind(charge.owner)
-                                        .bind(charge_id)
-                                        .fetch_optional(conn)
-                                        .instrument(tracing::info_span!(target: resilience::TRACE_ONLY, "record_charge")),
-                                )
-                                .await
-                            },
-                        )
-                        .await;
-                    match finished {
-                        // The database did not answer: it may be restarting or failing
-                        // over; tried again, briefly spaced, while patience lasts (a try
-                        // whose commit was lost finds the key finished: no row, handled as
-                        // taken over, and the claim then replays it).
-                        Err(
-                            StoreError::Unavailable(_) | StoreError::Lost(_) | StoreError::Busy(_),
-                        ) if patience.remaining() > Duration::from_millis(100) => {
-                            tokio::time::sleep(Duration::from_millis(100)).await;
-                        }
-                        other => break other,
-                    }
-                };
-                match finished {
-                    Ok(Some(balance_cents)) => Ok(Some(Ok(ChargeOutcome::Executed(SavedReply {
-                        charge_id,
-                        account_id: charge.account.as_str().to_owned(),
-                        amount_cents: charge.amount.get(),
-                        balance_cents,
-                    })))),
-                    Ok(None) => Ok(self.stale()),
-                    // The balance cannot take it: the key fails with that, for good.
-                    Err(StoreError::BalanceOverflow) => {
-                        let status =
-                            tonic::Status::out_of_range(StoreError::BalanceOverflow.to_string());
-                        self.fail(charge, &status)
-                            .await
-                            .map(|done| done.then_some(Err(StoreError::BalanceOverflow)))
-                    }
-                    Err(error) => Err(error),
-                }
-            }
-            Processed::Refused(status) => Ok(self
-                .fail(charge, &status)
-                .await?
-                .then_some(Err(StoreError::Processor(status)))),
-            Processed::Failed(status) => {
-                // Best effort: if the release is lost, the lease passes by itself.
-                let _ = self
-                    .finishing(phase_two, async |conn, rt| {
-                        rt.bound(
-                            "releasing the key",
-                            sqlx::query(RELEASE)
-                                .bind(charge.account.as_str())
-                                .bind(charge.key.as_str())
-                                .bind(charge.owner)
-                                .execute(conn),
-                        )
-                        .await
-                    })
-                    .await;
-                Ok(Some(Err(StoreError::Processor(status))))
-            }
-        }
-    }
-
-    /// The key failed for good with `status`; false when it was taken over meanwhile.
-    pub(super) async fn fail(
-        &self,
-        charge: &Charge<'_>,
-        status: &tonic::Status,
+        id: KeyId<'_>,
+        owner: Uuid,
+        error: &tonic::Status,
+        deadline: Instant,
     ) -> Result<bool, StoreError> {
-        let phase_two = Deadline::after(self.acquire_timeout + self.round_trip_timeout);
         let failed = self
-            .finishing(phase_two, async |conn, rt| {
+            .finishing(Deadline::at(deadline), async |conn, rt| {
                 rt.bound(
                     "saving the processor's refusal",
                     sqlx::query(FAIL)
-                        .bind(charge.account.as_str())
-                        .bind(charge.key.as_str())
-                        .bind(charge.owner)
-                        .bind(status.code() as i32)
-                        .bind(status.message())
+                        .bind(id.scope)
+                        .bind(id.key)
+                        .bind(owner)
+                        .bind(error.code() as i32)
+                        .bind(error.message())
                         .execute(conn),
                 )
                 .await
             })
             .await?;
-        if failed.rows_affected() == 0 {
-            let _ = self.stale::<()>();
-            return Ok(false);
-        }
-        Ok(true)
+        Ok(failed.rows_affected() > 0)
     }
 
-    /// The key is someone else's now (phase 2 refused, or a renewal found it taken): this
-    /// request writes nothing more, and waits for the new owner's outcome.
-    pub(super) fn stale<T>(&self) -> Option<T> {
-        self.gauges.stale_owner.fetch_add(1, Ordering::Relaxed);
-        tracing::warn!(
-            "the key was taken over while this request held it (its lease passed): it writes nothing more; the new owner settles it"
-        );
-        None
+    async fn renew(
+        &self,
+        id: KeyId<'_>,
+        owner: Uuid,
+        lease: Duration,
+        deadline: Instant,
+    ) -> Result<bool, StoreError> {
+        let renewed = self
+            .finishing(Deadline::at(deadline), async |conn, rt| {
+                rt.bound(
+                    "renewing the key's lease",
+                    sqlx::query(RENEW)
+                        .bind(id.scope)
+                        .bind(id.key)
+                        .bind(owner)
+                        .bind(lease.as_secs_f64())
+                        .execute(conn),
+                )
+                .await
+            })
+            .await?;
+        Ok(renewed.rows_affected() > 0)
+    }
+
+    async fn release(
+        &self,
+        id: KeyId<'_>,
+        owner: Uuid,
+        deadline: Instant,
+    ) -> Result<(), StoreError> {
+        self.finishing(Deadline::at(deadline), async |conn, rt| {
+            rt.bound(
+                "releasing the key",
+                sqlx::query(RELEASE)
+                    .bind(id.scope)
+                    .bind(id.key)
+                    .bind(owner)
+                    .execute(conn),
+            )
+            .await
+            .map(drop)
+        })
+        .await
+    }
+
+    async fn look(&self, id: KeyId<'_>, deadline: Instant) -> Result<Look, StoreError> {
+        self.with_connection(Deadline::at(deadline), async |conn, rt| {
+            let row = rt
+                .bound(
+                    "looking at a running key",
+                    sqlx::query(LOOK)
+                        .bind(id.scope)
+                        .bind(id.key)
+                        .fetch_optional(conn),
+                )
+                .await?;
+            Ok(idempotency::postgres::look(row.as_ref())?)
+        })
+        .await
+    }
+
+    async fn take_over(
+        &self,
+        take: TakeOver,
+        deadline: Instant,
+    ) -> Result<Vec<Abandoned<i64>>, StoreError> {
+        self.with_connection(Deadline::at(deadline), async |conn, rt| {
+            let rows = rt
+                .bound(
+                    "taking over abandoned keys",
+                    sqlx::query(TAKE_OVER)
+                        .bind(take.owner)
+                        .bind(take.lease.as_secs_f64())
+                        .bind(take.abandoned_after.as_secs_f64())
+                        .bind(take.batch)
+                        .bind(take.released_after.as_secs_f64())
+                        .fetch_all(conn),
+                )
+                .await?;
+            rows.iter()
+                .map(|row| {
+                    Ok(Abandoned {
+                        scope: row.try_get("account_id")?,
+                        key: row.try_get("idempotency_key")?,
+                        fingerprint: row.try_get("request_amount_cents")?,
+                        step_key: row.try_get("processor_key")?,
+                    })
+                })
+                .collect()
+        })
+        .await
     }
 }

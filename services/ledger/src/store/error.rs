@@ -79,6 +79,45 @@ impl StoreError {
     }
 }
 
+/// How the idempotency phases treat a store error: a database that did not answer, lost a
+/// connection or was busy may answer a moment later (phase 2 is tried again, briefly); a
+/// balance that cannot take the charge fails its key for good.
+impl idempotency::Failure for StoreError {
+    fn is_transient(&self) -> bool {
+        matches!(
+            self,
+            StoreError::Unavailable(_) | StoreError::Lost(_) | StoreError::Busy(_)
+        )
+    }
+
+    fn fails_key(&self) -> Option<tonic::Status> {
+        matches!(self, StoreError::BalanceOverflow)
+            .then(|| tonic::Status::out_of_range(StoreError::BalanceOverflow.to_string()))
+    }
+}
+
+/// What the idempotency phases came to, as the ledger says it: the fingerprint is the amount.
+impl From<idempotency::Error<i64, StoreError>> for StoreError {
+    fn from(error: idempotency::Error<i64, StoreError>) -> Self {
+        use idempotency::Error as E;
+        match error {
+            E::Reused { saved, requested } => StoreError::KeyReused { saved, requested },
+            E::ScopeRefused => StoreError::NotOwner,
+            E::InFlight => StoreError::InFlight,
+            E::DeadlineWhileWaiting(what) => StoreError::DeadlineWhileWaiting(what),
+            E::Step(status) => StoreError::Processor(status),
+            E::Failed(saved) => StoreError::Failed {
+                code: Code::from_i32(saved.code),
+                message: saved.message,
+            },
+            E::NoReply => StoreError::Database(sqlx::Error::Protocol(
+                "a finished idempotency key has no saved reply".into(),
+            )),
+            E::Store(error) => error,
+        }
+    }
+}
+
 /// The one classification of database failures; `service.rs` maps the result to a status.
 impl From<sqlx::Error> for StoreError {
     fn from(error: sqlx::Error) -> Self {

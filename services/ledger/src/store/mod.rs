@@ -1,5 +1,11 @@
 //! The key store: idempotency keys, charges and balances in Postgres, in atomic phases.
 //!
+//! The protocol (which phase comes when, the lease, waiting, resuming, the completer) is
+//! the `idempotency` library's, [`idempotency::Phases`]; the ledger is its first user. What
+//! is the ledger's own is here: a charge's statements, one per phase ([`sql`]; the
+//! [`idempotency::Persistence`] in `charge.rs`), its connections and their bounds, and how
+//! a failure is classified ([`StoreError`]).
+//!
 //! # Why phases
 //!
 //! The payment processor stands for a remote system (a card network, a provider). Held
@@ -49,7 +55,7 @@
 //! - **A request that finds the key running** under a live lease waits for it (polling the
 //!   row, holding no connection between polls) and replays its outcome, takes it over once
 //!   the lease passes, or — with `--in-flight reject` — is refused with ABORTED at once.
-//!   Same-key requests of this process wait in memory first ([`KeyLocks`]).
+//!   Same-key requests of this process wait in memory first ([`idempotency::KeyLocks`]).
 //! - **The completer** ([`KeyStore::complete_abandoned`], run by the ledger every second)
 //!   takes over keys nobody came back for, so no charge stays half-done: finished, or
 //!   failed with the processor's error. A key whose owner vanished holding it is due 2 s
@@ -100,24 +106,21 @@ use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::{
-    key_locks::KeyLocks,
     pool::{AcquireError, Checkout, Pool, PoolOptions, Queue},
     primary::{Hosts, Primary},
 };
 
 mod charge;
-mod completer;
 mod connection;
-mod decide;
 mod error;
 mod reads;
 mod retention;
 pub mod sql;
 
-use decide::{Charge, Claim, KeyRow, Processed, judge, refused_for_good};
-pub use decide::{ChargeOutcome, SavedReply};
+pub use charge::{ChargeOutcome, Recorded, SavedReply};
 pub use error::StoreError;
 use error::{RoundTrip, is_lock_timeout};
+pub use idempotency::InFlight;
 use sql::LOOK;
 pub use sql::{CLAIM, FAIL, FINISH, RELEASE, RENEW, TAKE_OVER};
 
@@ -146,23 +149,6 @@ pub const COMPLETER_CALL: Duration = Duration::from_secs(5);
 /// How long phase 2 is tried again, after the processor charged, while the database does
 /// not answer (a restart, a failover): recorded now rather than resumed later.
 pub const PHASE_TWO_PATIENCE: Duration = Duration::from_secs(3);
-
-/// The first pause between two looks at a key another ledger instance is running;
-/// doubled each time up to [`POLL_MAX`].
-const POLL_MIN: Duration = Duration::from_millis(5);
-
-/// The longest pause between two looks.
-const POLL_MAX: Duration = Duration::from_millis(50);
-
-/// What a same-key request does while the first one is still running.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum InFlight {
-    /// Wait for the first to finish, then replay its outcome (or resume it, if its lease
-    /// passes).
-    Wait,
-    /// Refuse at once with ABORTED, Stripe-style (a settled key still replays).
-    Reject,
-}
 
 /// One call the processor is to make: under which key, for how much. The processor
 /// remembers both, and refuses the key with other parameters.
@@ -202,8 +188,9 @@ pub struct KeyStore {
     /// Connections: nothing is sent when one is taken or given back; one is pinged before
     /// use only after a connection was lost (see [`crate::pool`]).
     pool: Pool,
-    /// Same-key requests of this process queue here, holding no connection.
-    keys: Arc<KeyLocks>,
+    /// The protocol, shared by every charge of this process: same-key requests queue in
+    /// it, holding no connection, and it counts waits and take-overs.
+    phases: Arc<idempotency::Phases>,
     /// Gauges and counts for `/metrics`.
     gauges: Arc<StoreGauges>,
     /// Longest wait for a connection ([`StoreOptions::acquire_timeout`]).
@@ -234,12 +221,6 @@ impl Drop for AbortOnDrop {
 struct StoreGauges {
     /// Requests waiting for a connection now.
     acquiring: AtomicU64,
-    /// Requests that waited for another request with their key, since start.
-    key_waits: AtomicU64,
-    /// Keys taken over and resumed (a request's or the completer's), since start.
-    resumed: AtomicU64,
-    /// Phase 2s refused because the key had been taken over meanwhile, since start.
-    stale_owner: AtomicU64,
     /// Round-trip times.
     round_trips: Histogram,
 }
@@ -248,9 +229,6 @@ impl Default for StoreGauges {
     fn default() -> Self {
         Self {
             acquiring: AtomicU64::default(),
-            key_waits: AtomicU64::default(),
-            resumed: AtomicU64::default(),
-            stale_owner: AtomicU64::default(),
             round_trips: Histogram::new(retrychain_node::metrics::round_trip_buckets()),
         }
     }
@@ -288,7 +266,7 @@ impl retrychain_node::metrics::DatabaseGauges for KeyStore {
     }
 
     fn key_waits_total(&self) -> u64 {
-        self.gauges.key_waits.load(Ordering::Relaxed)
+        self.phases.key_waits()
     }
 
     fn round_trip_seconds(&self) -> Histogram {
@@ -440,7 +418,14 @@ impl KeyStore {
         }
         Ok(Self {
             pool,
-            keys: Arc::new(KeyLocks::default()),
+            phases: Arc::new(idempotency::Phases::new(idempotency::Policy {
+                lease: LEASE,
+                abandoned_after: ABANDONED_AFTER,
+                released_after: RELEASED_AFTER,
+                phase_two_patience: PHASE_TWO_PATIENCE,
+                write_within: options.acquire_timeout + options.round_trip_timeout,
+                ..idempotency::Policy::default()
+            })),
             gauges: Arc::default(),
             acquire_timeout: options.acquire_timeout,
             round_trip_timeout: options.round_trip_timeout,
@@ -452,14 +437,11 @@ impl KeyStore {
 
     /// Same-key requests running or waiting in this process.
     pub fn keys_in_flight(&self) -> usize {
-        self.keys.len()
+        self.phases.keys_in_flight()
     }
 
     /// Keys taken over and resumed, and phase 2s refused to a stale owner, since start.
     pub fn takeovers(&self) -> (u64, u64) {
-        (
-            self.gauges.resumed.load(Ordering::Relaxed),
-            self.gauges.stale_owner.load(Ordering::Relaxed),
-        )
+        self.phases.takeovers()
     }
 }

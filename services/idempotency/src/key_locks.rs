@@ -1,12 +1,12 @@
 //! Same-key requests queue in memory, not on a database connection.
 //!
 //! Without this, a second request for a key whose first request is still running would
-//! block inside Postgres on the first one's uncommitted key row, holding a pooled
-//! connection the whole time: a burst of duplicates (a client retrying in a loop, a
-//! double-click storm) could take every connection and starve other accounts. With it,
-//! duplicates in this process wait here, on a per-key async mutex, and go to the database
-//! only when the first has finished (to replay its reply). Duplicates arriving at *another*
-//! ledger instance still meet at the key row, as before.
+//! poll the database, or block inside it on the first one's uncommitted row, holding a
+//! pooled connection: a burst of duplicates (a client retrying in a loop, a double-click
+//! storm) could take every connection and starve other scopes. With it, duplicates in this
+//! process wait here, on a per-key async mutex, and go to the database only when the first
+//! has finished (to replay its reply). Duplicates arriving at *another* process still meet
+//! at the key's record.
 
 use std::{
     collections::HashMap,
@@ -15,10 +15,10 @@ use std::{
 
 use tokio::sync::OwnedMutexGuard;
 
-/// The key of one logical operation: keys are scoped per account.
+/// The key of one logical operation: keys are unique within a scope.
 type Scope = (String, String);
 
-/// One async mutex per (account, key) in flight in this process.
+/// One async mutex per (scope, key) in flight in this process.
 #[derive(Debug, Default)]
 pub struct KeyLocks {
     /// Weak so that an entry lives only while some request holds or waits for it; the last
@@ -39,16 +39,16 @@ pub struct KeyTurn {
 
 impl KeyLocks {
     /// Waits for this key's turn (callers bound the wait by their deadline).
-    pub async fn lock(self: &Arc<Self>, account: &str, key: &str) -> KeyTurn {
-        let scope = (account.to_owned(), key.to_owned());
+    pub async fn lock(self: &Arc<Self>, scope: &str, key: &str) -> KeyTurn {
+        let scope = (scope.to_owned(), key.to_owned());
         let mutex = self.mutex_for(&scope);
         let guard = mutex.lock_owned().await;
         self.turn(scope, guard)
     }
 
     /// This key's turn if no other request of it is running or waiting here.
-    pub fn try_lock(self: &Arc<Self>, account: &str, key: &str) -> Option<KeyTurn> {
-        let scope = (account.to_owned(), key.to_owned());
+    pub fn try_lock(self: &Arc<Self>, scope: &str, key: &str) -> Option<KeyTurn> {
+        let scope = (scope.to_owned(), key.to_owned());
         let mutex = self.mutex_for(&scope);
         let guard = mutex.try_lock_owned().ok()?;
         Some(self.turn(scope, guard))
@@ -116,7 +116,7 @@ mod tests {
         assert!(locks.try_lock("alice", "k").is_none(), "same key waits");
         let other = locks
             .try_lock("bob", "k")
-            .expect("keys are scoped per account");
+            .expect("keys are unique within a scope");
         assert_eq!(locks.len(), 2);
 
         let waiter = {
