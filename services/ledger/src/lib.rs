@@ -16,6 +16,7 @@
 //! - [`service`]: [`Ledger`], the `Payments` service, and the mapping of store errors to
 //!   statuses.
 
+pub mod database;
 mod migrations;
 pub mod pool;
 pub mod primary;

@@ -21,7 +21,7 @@ use tower::{ServiceExt, util::BoxCloneSyncService};
 use tracing::Instrument;
 
 use crate::{
-    processor::{Processor, ProcessorKey},
+    processor::{Processor, ProcessorKey, ProcessorRecord},
     store::{
         ChargeOutcome, InFlight, KeyStore, KeyedCharge, ProcessorCharge, SavedReply, StoreError,
     },
@@ -61,12 +61,13 @@ impl Ledger {
     pub fn new(
         node: Arc<Node>,
         store: KeyStore,
+        processor_record: ProcessorRecord,
         mode: RetryMode,
         margin: Duration,
         min_attempt: Duration,
         in_flight: InFlight,
     ) -> Self {
-        let processor = Arc::new(Processor::new(Arc::clone(&node), store.clone()));
+        let processor = Arc::new(Processor::new(Arc::clone(&node), processor_record));
         let service: ProcessorService = BoxCloneSyncService::new(tower::service_fn(
             move |call: AttemptRequest<ProcessorCharge>| {
                 let processor = Arc::clone(&processor);
@@ -357,10 +358,12 @@ pub async fn run_completer(ledger: Ledger) {
     }
 }
 
-/// Deletes expired keys every `every` until the process ends. A key's retention starts
-/// when it was claimed; after it, the same key is a new request.
+/// Deletes expired keys, and the processor's records of the same age, every `every` until
+/// the process ends. A key's retention starts when it was claimed; after it, the same key
+/// is a new request.
 pub async fn run_retention(
     store: KeyStore,
+    processor_record: ProcessorRecord,
     retention: std::time::Duration,
     every: std::time::Duration,
 ) {
@@ -372,6 +375,13 @@ pub async fn run_retention(
             Ok(0) => {}
             Ok(purged) => tracing::info!(purged, ?retention, "purged expired idempotency keys"),
             Err(error) => tracing::warn!(%error, "retention purge failed; will try again"),
+        }
+        match processor_record.purge_older_than(retention, 1000).await {
+            Ok(0) => {}
+            Ok(purged) => tracing::info!(purged, ?retention, "purged expired processor records"),
+            Err(error) => {
+                tracing::warn!(%error, "processor records' purge failed; will try again")
+            }
         }
     }
 }

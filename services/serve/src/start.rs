@@ -7,7 +7,11 @@ use std::{net::SocketAddr, pin::Pin, sync::Arc, time::Duration};
 use anyhow::Context;
 use resilience::{AdaptiveThrottle, Balancer, Downstream, RetryBudget, ServiceConfig, Throttle};
 use retrychain_hop::{Hop, HopSettings, Role};
-use retrychain_ledger::{InFlight, KeyStore, Ledger, StoreOptions, run_completer, run_retention};
+use retrychain_ledger::{
+    InFlight, KeyStore, Ledger, StoreOptions,
+    processor::{ProcessorRecord, RecordOptions},
+    run_completer, run_retention,
+};
 use retrychain_node::{
     Listeners, Node, NodeConfig, ReadyAddrs, ServeError, Statements, authz::ServerTls, decoding,
     default_admin_addr, forwarding, serve, telemetry,
@@ -248,6 +252,19 @@ async fn ledger(
         },
     )
     .await?;
+    // The simulated processor's own connections: a provider's database, not the key
+    // store's; a quarter of the store's, as it sends one statement per call to the store's
+    // three.
+    let processor_record = ProcessorRecord::open(
+        &args.database_url,
+        RecordOptions {
+            pool_size: (args.db_pool_size as usize / 4).max(2),
+            acquire_timeout: Duration::from_millis(args.db_acquire_timeout_ms),
+            connect_timeout: Duration::from_millis(args.db_connect_timeout_ms),
+            round_trip_timeout: Duration::from_millis(args.db_round_trip_timeout_ms),
+        },
+    )
+    .await?;
     let tls = server_tls(service, &name, false)?;
     let listeners = bind(service, "0.0.0.0:50055").await?;
     let statements = args.statements(tls.is_some())?;
@@ -269,6 +286,7 @@ async fn ledger(
     let ledger = Ledger::new(
         Arc::clone(&node),
         store.clone(),
+        processor_record.clone(),
         service.retry_mode,
         service.margin(),
         service.min_attempt(),
@@ -290,7 +308,7 @@ async fn ledger(
     Ok(Started {
         addrs,
         serving: Box::pin(async move {
-            let purging = tokio::spawn(run_retention(store, retention, every));
+            let purging = tokio::spawn(run_retention(store, processor_record, retention, every));
             let completer = tokio::spawn(run_completer(completing));
             let served = serving.await;
             purging.abort();

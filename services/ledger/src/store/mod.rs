@@ -106,8 +106,9 @@ use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::{
-    pool::{AcquireError, Checkout, Pool, PoolOptions, Queue},
-    primary::{Hosts, Primary},
+    database::{Database, DatabaseOptions},
+    pool::{AcquireError, Checkout, Pool, Queue},
+    primary::Primary,
 };
 
 mod charge;
@@ -201,19 +202,8 @@ pub struct KeyStore {
     skip_key_claim: bool,
     /// Which host the pool writes to; told when a failure suggests it moved.
     primary: Arc<Primary>,
-    /// The tasks that follow the primary and close idle connections, stopped with the
-    /// last clone of the store.
-    _tasks: Arc<[AbortOnDrop; 2]>,
-}
-
-/// Aborts a task when dropped.
-#[derive(Debug)]
-struct AbortOnDrop(tokio::task::AbortHandle);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
+    /// The pool and the primary's follower, stopped with the last clone of the store.
+    _database: Database,
 }
 
 /// What the store counts for `/metrics` and Stats.
@@ -304,62 +294,19 @@ impl KeyStore {
     /// crash of both); then follows the primary for as long as the store lives.
     pub async fn connect(database_url: &str, options: StoreOptions) -> anyhow::Result<Self> {
         use anyhow::Context;
-        // The server gives up on a statement a little before the ledger gives up on the
-        // connection (a live but slow server cancels its own work first), and on a lock
-        // wait a little before that (told apart from a slow statement in the logs).
-        let statement_ms = (options.round_trip_timeout.as_millis() * 3 / 4).max(1);
-        let lock_ms = (statement_ms * 4 / 5).max(1);
-        let (statement_ms, lock_ms) = (statement_ms.to_string(), lock_ms.to_string());
-        let hosts = Hosts::parse(database_url)
-            .context("parsing the database URL")?
-            .map(|host| {
-                // Named, so that an operator (and the failover tests) can tell the
-                // ledger's sessions in pg_stat_activity.
-                let host = match host.get_application_name() {
-                    Some(_) => host,
-                    None => host.application_name("retrychain-ledger"),
-                };
-                host.options([
-                    // Custom plans: a generic plan cached while the key table was empty (say
-                    // after a retention purge) can pick a sequential scan and keep it.
-                    ("plan_cache_mode", "force_custom_plan"),
-                    // The server notices a client host that vanished (no FIN, no RST) within
-                    // about 25 s and ends its session, releasing its locks.
-                    ("tcp_keepalives_idle", "10"),
-                    ("tcp_keepalives_interval", "5"),
-                    ("tcp_keepalives_count", "3"),
-                    ("statement_timeout", statement_ms.as_str()),
-                    ("lock_timeout", lock_ms.as_str()),
-                    // Every charge statement commits on its own; only the purge and the
-                    // migrations open transactions, and none may be left open for long.
-                    ("idle_in_transaction_session_timeout", "60s"),
-                ])
-            });
-        let primary = Primary::find(hosts, options.round_trip_timeout, Duration::from_secs(60))
-            .await
-            .context("finding the database's primary")?;
-        let pool = Pool::new(
-            Arc::clone(&primary),
-            PoolOptions {
-                max_size: options.pool_size as usize,
+        let database = Database::open(
+            database_url,
+            DatabaseOptions {
+                application_name: "retrychain-ledger",
+                pool_size: options.pool_size as usize,
                 connect_timeout: options.connect_timeout,
-                ping_timeout: options.round_trip_timeout,
+                round_trip_timeout: options.round_trip_timeout,
             },
-        );
-        let watcher = AbortOnDrop(tokio::spawn(Arc::clone(&primary).watch()).abort_handle());
-        let reaper = AbortOnDrop(
-            tokio::spawn({
-                let pool = pool.clone();
-                let bound = options.round_trip_timeout;
-                async move {
-                    loop {
-                        tokio::time::sleep(Duration::from_secs(30)).await;
-                        pool.reap_idle(bound);
-                    }
-                }
-            })
-            .abort_handle(),
-        );
+        )
+        .await?;
+        let (pool, primary) = (database.pool.clone(), Arc::clone(&database.primary));
+        // The session's statement timeout, restored after the migrations lift it.
+        let statement_ms = (options.round_trip_timeout.as_millis() * 3 / 4).max(1);
         let started = std::time::Instant::now();
         loop {
             let by =
@@ -431,7 +378,7 @@ impl KeyStore {
             round_trip_timeout: options.round_trip_timeout,
             skip_key_claim: options.skip_key_claim,
             primary,
-            _tasks: Arc::new([watcher, reaper]),
+            _database: database,
         })
     }
 

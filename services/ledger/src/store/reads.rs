@@ -1,5 +1,4 @@
-//! Reads: an account's balance for `GetAccount`, and the simulated processor's own record
-//! of a charge.
+//! Reads: an account's balance for `GetAccount`.
 
 use super::*;
 
@@ -41,31 +40,5 @@ impl KeyStore {
             Some((_, 0, _)) | None => Ok(None),
             Some((balance, charges, _)) => Ok(Some((balance, charges))),
         }
-    }
-
-    /// What the simulated processor keeps (see `processor.rs`): its record of a call under
-    /// `charge.key`, inserted or, for a repeat, counted. Returns the amount the key was
-    /// first charged with.
-    pub async fn processor_record(
-        &self,
-        charge: &ProcessorCharge,
-        deadline: Deadline,
-    ) -> Result<i64, StoreError> {
-        self.finishing(deadline, async |conn, rt| {
-            rt.bound(
-                "the processor's record",
-                sqlx::query_scalar::<_, i64>(
-                    "INSERT INTO processor_charges (processor_key, amount_cents) VALUES ($1, $2) \
-                     ON CONFLICT (processor_key) DO UPDATE \
-                     SET calls = processor_charges.calls + 1, last_call_at = now() \
-                     RETURNING amount_cents",
-                )
-                .bind(&charge.key)
-                .bind(charge.amount_cents)
-                .fetch_one(conn),
-            )
-            .await
-        })
-        .await
     }
 }

@@ -2,12 +2,18 @@
 
 use super::*;
 
+/// One batch of the purge: settled keys older than the window, oldest first.
+const PURGE_KEYS: &str = "DELETE FROM idempotency_keys WHERE ctid IN ( \
+    SELECT ctid FROM idempotency_keys \
+    WHERE created_at < now() - make_interval(secs => $1) AND state <> 'started' \
+    ORDER BY created_at LIMIT $2)";
+
 impl KeyStore {
     /// Deletes keys older than `retention`, `batch` rows per statement so no single
     /// statement holds many locks; returns how many went. Each statement is bounded by
     /// [`PURGE_STATEMENT_BOUND`] (past it, UNAVAILABLE and the connection closed), so a
     /// stalled database does not hold the purge, or its connection, for good. A key still
-    /// started is left to the completer. The processor's own records age out the same way.
+    /// started is left to the completer.
     pub async fn purge_keys_older_than(
         &self,
         retention: Duration,
@@ -18,51 +24,38 @@ impl KeyStore {
             .await?;
         let purge = async {
             let mut purged = 0;
-            for statement in [
-                "DELETE FROM idempotency_keys WHERE ctid IN ( \
-                     SELECT ctid FROM idempotency_keys \
-                     WHERE created_at < now() - make_interval(secs => $1) AND state <> 'started' \
-                     ORDER BY created_at LIMIT $2)",
-                "DELETE FROM processor_charges WHERE ctid IN ( \
-                     SELECT ctid FROM processor_charges \
-                     WHERE first_call_at < now() - make_interval(secs => $1) \
-                     ORDER BY first_call_at LIMIT $2)",
-            ] {
-                loop {
-                    // In a transaction of its own with a server-side statement timeout a
-                    // little under the client's bound, so a batch cut off here does not
-                    // run on.
-                    let batch_done = async {
-                        let server_ms = PURGE_STATEMENT_BOUND.as_millis() * 9 / 10;
-                        let mut tx = conn
-                            .get()
-                            .begin_with(AssertSqlSafe(format!(
-                                "BEGIN; SET LOCAL statement_timeout = {server_ms}"
-                            )))
-                            .await?;
-                        let deleted = sqlx::query(statement)
-                            .bind(retention.as_secs_f64())
-                            .bind(batch)
-                            .execute(&mut *tx)
-                            .await?
-                            .rows_affected();
-                        tx.commit().await?;
-                        Ok::<_, sqlx::Error>(deleted)
-                    };
-                    let deleted = tokio::time::timeout(PURGE_STATEMENT_BOUND, batch_done)
-                        .await
-                        .map_err(|_| {
-                            StoreError::Unavailable(format!(
-                                "Postgres did not finish a purge batch within {PURGE_STATEMENT_BOUND:?}"
-                            ))
-                        })??;
-                    purged += deleted;
-                    if deleted < batch as u64 {
-                        break;
-                    }
+            loop {
+                // In a transaction of its own with a server-side statement timeout a little
+                // under the client's bound, so a batch cut off here does not run on.
+                let batch_done = async {
+                    let server_ms = PURGE_STATEMENT_BOUND.as_millis() * 9 / 10;
+                    let mut tx = conn
+                        .get()
+                        .begin_with(AssertSqlSafe(format!(
+                            "BEGIN; SET LOCAL statement_timeout = {server_ms}"
+                        )))
+                        .await?;
+                    let deleted = sqlx::query(PURGE_KEYS)
+                        .bind(retention.as_secs_f64())
+                        .bind(batch)
+                        .execute(&mut *tx)
+                        .await?
+                        .rows_affected();
+                    tx.commit().await?;
+                    Ok::<_, sqlx::Error>(deleted)
+                };
+                let deleted = tokio::time::timeout(PURGE_STATEMENT_BOUND, batch_done)
+                    .await
+                    .map_err(|_| {
+                        StoreError::Unavailable(format!(
+                            "Postgres did not finish a purge batch within {PURGE_STATEMENT_BOUND:?}"
+                        ))
+                    })??;
+                purged += deleted;
+                if deleted < batch as u64 {
+                    return Ok(purged);
                 }
             }
-            Ok(purged)
         };
         let result = purge.await;
         // Any failure here (a batch cut off, a statement refused) may leave the batch's

@@ -3,8 +3,9 @@
 //!
 //! Like a real provider's idempotency (Stripe's, Adyen's), it remembers every processor
 //! key with the parameters it was first called with, in a record of its own that outlives
-//! a crash of the ledger (the `processor_charges` table: a provider's database, kept in
-//! the ledger's for want of a second system):
+//! a crash of the ledger ([`record`]: the `processor_charges` table, a provider's database
+//! kept in the ledger's for want of a second system, reached through connections of its
+//! own, never through the key store):
 //!
 //! - a repeat with the same parameters is answered as the first call was — it charges
 //!   nothing again (the ledger resumes a charge this way after a crash or a timeout);
@@ -28,7 +29,11 @@ use retrychain_domain::{AccountId, IdempotencyKey};
 use retrychain_node::{Node, faults::failure, stats::Counters};
 use tonic::{Code, Status};
 
-use crate::store::{KeyStore, ProcessorCharge, StoreError};
+use crate::store::ProcessorCharge;
+
+pub mod record;
+
+pub use record::{ProcessorRecord, RecordOptions};
 
 /// The idempotency key the processor receives: the client's key scoped to its account.
 ///
@@ -64,7 +69,7 @@ pub struct Processor {
     /// The ledger's node: its faults steer this processor, its counters count conflicts.
     node: Arc<Node>,
     /// Where the processor keeps its record.
-    record: KeyStore,
+    record: ProcessorRecord,
     /// Calls running now, against `processor_capacity`.
     in_flight: AtomicU32,
 }
@@ -80,7 +85,7 @@ impl Drop for Slot<'_> {
 
 impl Processor {
     /// A processor steered by `node`'s faults, keeping its record through `record`.
-    pub fn new(node: Arc<Node>, record: KeyStore) -> Self {
+    pub fn new(node: Arc<Node>, record: ProcessorRecord) -> Self {
         Self {
             node,
             record,
@@ -124,19 +129,7 @@ impl Processor {
             || Deadline::after(std::time::Duration::from_secs(5)),
             Deadline::at,
         );
-        let first_amount = self
-            .record
-            .processor_record(call, deadline)
-            .await
-            .map_err(|error| {
-                let message = format!(
-                    "payment processor unreachable: its record could not be written ({error})"
-                );
-                match error {
-                    StoreError::DeadlineWhileWaiting(_) => Status::deadline_exceeded(message),
-                    _ => Status::unavailable(message),
-                }
-            })?;
+        let first_amount = self.record.record(call, deadline).await?;
         if first_amount != call.amount_cents {
             Counters::bump(&self.node.counters.processor_conflicts);
             return Err(Status::failed_precondition(format!(

@@ -1,0 +1,117 @@
+//! One way to reach the ledger's database: the primary found (and followed across a
+//! failover) from `DATABASE_URL`, a pool of connections on it, each session set up the
+//! same way. The key store opens one; the simulated processor, which stands for another
+//! system, opens its own.
+
+use std::{sync::Arc, time::Duration};
+
+use anyhow::Context;
+
+use crate::{
+    pool::{Pool, PoolOptions},
+    primary::{Hosts, Primary},
+};
+
+/// How to reach the database.
+#[derive(Debug, Clone, Copy)]
+pub struct DatabaseOptions {
+    /// The name the sessions carry in `pg_stat_activity` (unless the URL names one), so an
+    /// operator and the tests can tell whose they are.
+    pub application_name: &'static str,
+    /// Connections at most.
+    pub pool_size: usize,
+    /// Longest one opening of a connection may take.
+    pub connect_timeout: Duration,
+    /// The client's bound on one round trip; the server's own statement and lock timeouts
+    /// are set a little under it.
+    pub round_trip_timeout: Duration,
+}
+
+/// The primary, followed for as long as this lives, and a pool on it.
+#[derive(Debug, Clone)]
+pub struct Database {
+    /// The connections.
+    pub pool: Pool,
+    /// Which host accepts writes; told when a failure suggests it moved.
+    pub primary: Arc<Primary>,
+    /// The tasks that follow the primary and close idle connections, stopped with the
+    /// last clone.
+    _tasks: Arc<[AbortOnDrop; 2]>,
+}
+
+/// Aborts a task when dropped.
+#[derive(Debug)]
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl Database {
+    /// Finds the primary of `database_url` (one host, or several in libpq's multi-host
+    /// form: see [`crate::primary`]), waiting up to a minute for a database that is still
+    /// starting, and opens a pool on it.
+    pub async fn open(database_url: &str, options: DatabaseOptions) -> anyhow::Result<Self> {
+        // The server gives up on a statement a little before the ledger gives up on the
+        // connection (a live but slow server cancels its own work first), and on a lock
+        // wait a little before that (told apart from a slow statement in the logs).
+        let statement_ms = (options.round_trip_timeout.as_millis() * 3 / 4).max(1);
+        let lock_ms = (statement_ms * 4 / 5).max(1);
+        let (statement_ms, lock_ms) = (statement_ms.to_string(), lock_ms.to_string());
+        let hosts = Hosts::parse(database_url)
+            .context("parsing the database URL")?
+            .map(|host| {
+                let host = match host.get_application_name() {
+                    Some(_) => host,
+                    None => host.application_name(options.application_name),
+                };
+                host.options([
+                    // Custom plans: a generic plan cached while a table was empty (say
+                    // after a retention purge) can pick a sequential scan and keep it.
+                    ("plan_cache_mode", "force_custom_plan"),
+                    // The server notices a client host that vanished (no FIN, no RST) within
+                    // about 25 s and ends its session, releasing its locks.
+                    ("tcp_keepalives_idle", "10"),
+                    ("tcp_keepalives_interval", "5"),
+                    ("tcp_keepalives_count", "3"),
+                    ("statement_timeout", statement_ms.as_str()),
+                    ("lock_timeout", lock_ms.as_str()),
+                    // Every charge statement commits on its own; only the purges and the
+                    // migrations open transactions, and none may be left open for long.
+                    ("idle_in_transaction_session_timeout", "60s"),
+                ])
+            });
+        let primary = Primary::find(hosts, options.round_trip_timeout, Duration::from_secs(60))
+            .await
+            .context("finding the database's primary")?;
+        let pool = Pool::new(
+            Arc::clone(&primary),
+            PoolOptions {
+                max_size: options.pool_size,
+                connect_timeout: options.connect_timeout,
+                ping_timeout: options.round_trip_timeout,
+            },
+        );
+        let watcher = AbortOnDrop(tokio::spawn(Arc::clone(&primary).watch()).abort_handle());
+        let reaper = AbortOnDrop(
+            tokio::spawn({
+                let pool = pool.clone();
+                let bound = options.round_trip_timeout;
+                async move {
+                    loop {
+                        tokio::time::sleep(Duration::from_secs(30)).await;
+                        pool.reap_idle(bound);
+                    }
+                }
+            })
+            .abort_handle(),
+        );
+        Ok(Self {
+            pool,
+            primary,
+            _tasks: Arc::new([watcher, reaper]),
+        })
+    }
+}
