@@ -27,9 +27,9 @@ pub struct KeyId<'a> {
 pub struct Claim<'a, F> {
     /// Which key.
     pub id: KeyId<'a>,
-    /// Who asks. A persistence whose scopes belong to callers refuses another caller's by
-    /// returning no record, before the key is looked at: one caller can neither claim a
-    /// key in another's scope nor be replayed its reply.
+    /// Who asks. A persistence refuses a key that belongs to another caller (or a whole
+    /// scope, where scopes have owners) by returning no record: one caller can neither
+    /// claim another's key nor be replayed its reply.
     pub caller: &'a str,
     /// The request's fingerprint, bound to the key by the claim that inserts it.
     pub fingerprint: &'a F,

@@ -3,7 +3,9 @@
 //! request). The service's own effect runs inside phase 2's transaction ([`PgEffect`]), so
 //! the effect and the saved reply commit together.
 //!
-//! Create the table with [`SCHEMA`] (in your migrations, or [`PgKeys::create_schema`]).
+//! A key belongs to the caller that claimed it: another caller's request under it is
+//! refused ([`crate::Error::ScopeRefused`]), never replayed the reply. Create the table
+//! with [`SCHEMA`] (in your migrations, or [`PgKeys::create_schema`]).
 
 use std::{sync::Arc, time::Duration};
 

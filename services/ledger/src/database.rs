@@ -115,3 +115,55 @@ impl Database {
         })
     }
 }
+
+/// Why a purge stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum PurgeError {
+    /// What Postgres said.
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+    /// A batch took longer than its bound (the connection's state is in doubt).
+    #[error("Postgres did not finish a purge batch within {0:?}")]
+    TooSlow(Duration),
+}
+
+/// Runs `delete` — a `DELETE` of at most `$2` rows older than `$1` seconds — until a batch
+/// deletes fewer than `batch` rows; returns how many went. Each batch is a transaction of
+/// its own, bounded by `bound` on this clock and a little under it on the server's, so no
+/// statement holds many locks or runs on after it is cut off. After an error the
+/// connection's state is in doubt: close it.
+pub async fn purge_in_batches(
+    conn: &mut sqlx::PgConnection,
+    delete: &'static str,
+    retention: Duration,
+    batch: i64,
+    bound: Duration,
+) -> Result<u64, PurgeError> {
+    use sqlx::Connection;
+    let server_ms = bound.as_millis() * 9 / 10;
+    let mut purged = 0;
+    loop {
+        let one_batch = async {
+            let mut tx = conn
+                .begin_with(sqlx::AssertSqlSafe(format!(
+                    "BEGIN; SET LOCAL statement_timeout = {server_ms}"
+                )))
+                .await?;
+            let deleted = sqlx::query(delete)
+                .bind(retention.as_secs_f64())
+                .bind(batch)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+            tx.commit().await?;
+            Ok::<_, sqlx::Error>(deleted)
+        };
+        let deleted = tokio::time::timeout(bound, one_batch)
+            .await
+            .map_err(|_| PurgeError::TooSlow(bound))??;
+        purged += deleted;
+        if deleted < batch as u64 {
+            return Ok(purged);
+        }
+    }
+}

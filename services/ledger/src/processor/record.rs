@@ -8,11 +8,10 @@
 use std::time::Duration;
 
 use resilience::Deadline;
-use sqlx::{AssertSqlSafe, Connection};
 use tonic::Status;
 
 use crate::{
-    database::{Database, DatabaseOptions},
+    database::{Database, DatabaseOptions, PurgeError, purge_in_batches},
     pool::{AcquireError, Queue},
     store::{ProcessorCharge, StoreError},
 };
@@ -113,8 +112,8 @@ impl ProcessorRecord {
         result.map_err(unreachable)
     }
 
-    /// Deletes records older than `retention`, `batch` rows per statement, each batch in a
-    /// transaction of its own under a server-side statement timeout; returns how many went.
+    /// Deletes records older than `retention`, `batch` rows per statement (see
+    /// [`purge_in_batches`]); returns how many went.
     pub async fn purge_older_than(&self, retention: Duration, batch: i64) -> anyhow::Result<u64> {
         let by = tokio::time::Instant::now() + self.options.acquire_timeout;
         let mut conn = self
@@ -123,37 +122,12 @@ impl ProcessorRecord {
             .acquire(by, self.options.acquire_timeout, Queue::Back)
             .await
             .map_err(|error| anyhow::anyhow!(acquire_failure(error)))?;
-        let purge = async {
-            let mut purged = 0;
-            loop {
-                let server_ms = PURGE_BATCH_BOUND.as_millis() * 9 / 10;
-                let one_batch = async {
-                    let mut tx = conn
-                        .get()
-                        .begin_with(AssertSqlSafe(format!(
-                            "BEGIN; SET LOCAL statement_timeout = {server_ms}"
-                        )))
-                        .await?;
-                    let deleted = sqlx::query(PURGE)
-                        .bind(retention.as_secs_f64())
-                        .bind(batch)
-                        .execute(&mut *tx)
-                        .await?
-                        .rows_affected();
-                    tx.commit().await?;
-                    Ok::<_, sqlx::Error>(deleted)
-                };
-                let deleted = tokio::time::timeout(PURGE_BATCH_BOUND, one_batch)
-                    .await
-                    .map_err(|_| anyhow::anyhow!("a purge batch took over {PURGE_BATCH_BOUND:?}"))?
-                    .map_err(|error| anyhow::anyhow!(self.noted(error)))?;
-                purged += deleted;
-                if deleted < batch as u64 {
-                    return Ok(purged);
-                }
-            }
-        };
-        let result: anyhow::Result<u64> = purge.await;
+        let result = purge_in_batches(conn.get(), PURGE, retention, batch, PURGE_BATCH_BOUND)
+            .await
+            .map_err(|error| match error {
+                PurgeError::Database(error) => anyhow::anyhow!(self.noted(error)),
+                slow => anyhow::anyhow!(slow),
+            });
         // A batch cut off may leave its transaction open on the server: closed, not reused.
         conn.settle(result.is_ok());
         result

@@ -100,7 +100,7 @@ use std::{
 use prometheus_client::metrics::histogram::Histogram;
 use resilience::Deadline;
 use retrychain_domain::{AccountId, AmountCents, Caller, IdempotencyKey};
-use sqlx::{AssertSqlSafe, Connection, PgConnection, Row};
+use sqlx::{AssertSqlSafe, PgConnection, Row};
 
 use tracing::Instrument;
 use uuid::Uuid;
