@@ -115,13 +115,14 @@ mod charge;
 mod connection;
 mod error;
 mod reads;
+mod reply;
 mod retention;
 pub mod sql;
 
-pub use charge::{ChargeOutcome, Recorded, SavedReply};
 pub use error::StoreError;
 use error::{RoundTrip, is_lock_timeout};
 pub use idempotency::InFlight;
+pub use reply::{ChargeOutcome, Recorded, SavedReply};
 use sql::LOOK;
 pub use sql::{CLAIM, FAIL, FINISH, RELEASE, RENEW, TAKE_OVER};
 
