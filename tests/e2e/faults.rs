@@ -748,9 +748,14 @@ async fn deadlines_cut_at_every_step_leave_the_ledgers_pool_clean() {
             Duration::from_millis(ms),
         )
         .await;
+        // Cut off by its deadline; or, while earlier charges (which run on after their
+        // callers left) hold both connections, refused at once as overloaded because the
+        // pool's queue would not reach it in time — never any other failure.
         if let Err(status) = result {
+            let overloaded = status.code() == Code::Unavailable
+                && status.metadata().get("retrychain-overloaded").is_some();
             assert!(
-                matches!(status.code(), Code::DeadlineExceeded | Code::Cancelled),
+                overloaded || matches!(status.code(), Code::DeadlineExceeded | Code::Cancelled),
                 "{ms} ms: {status:?}"
             );
         }

@@ -78,7 +78,12 @@ impl Service {
 
 /// Serves on `addr` with the database at `database_url`.
 pub async fn run(addr: SocketAddr, database_url: &str) -> anyhow::Result<()> {
-    let pool = PgPool::connect(database_url).await?;
+    // The server stops a statement or a lock wait that outlives a request's deadline
+    // itself (the key store closes the connection of work it cut off).
+    let options = database_url
+        .parse::<sqlx::postgres::PgConnectOptions>()?
+        .options([("statement_timeout", "5s"), ("lock_timeout", "4s")]);
+    let pool = PgPool::connect_with(options).await?;
     let service = Service::new(pool).await?;
     let listener = tokio::net::TcpListener::bind(addr).await?;
     service.serve(listener).await?;

@@ -219,19 +219,37 @@ impl PgKeys {
         sqlx::raw_sql(SCHEMA).execute(&self.pool).await.map(drop)
     }
 
-    /// `work` on a pooled connection, bounded by `deadline`.
+    /// `work` on a pooled connection, bounded by `deadline`. A connection whose work was
+    /// cut off is closed, never given back: its statement may still be running, or its
+    /// transaction open. (Give the pool's sessions a server-side `statement_timeout` and
+    /// `lock_timeout` under your deadlines too, so the server stops such work itself.)
     async fn bounded<T>(
         &self,
         deadline: Instant,
         work: impl AsyncFnOnce(&mut PgConnection) -> Result<T, PgError>,
     ) -> Result<T, PgError> {
-        tokio::time::timeout_at(deadline, async {
-            let mut conn = self.pool.acquire().await?;
-            work(&mut conn).await
-        })
-        .await
-        .unwrap_or(Err(PgError::Timeout))
+        let mut conn = tokio::time::timeout_at(deadline, self.pool.acquire())
+            .await
+            .map_err(|_| PgError::Timeout)??;
+        let done = tokio::time::timeout_at(deadline, work(&mut conn)).await;
+        match done {
+            Ok(Err(PgError::Database(error))) if !is_answer(&error) => {
+                conn.close_on_drop();
+                Err(PgError::Database(error))
+            }
+            Ok(result) => result,
+            Err(_) => {
+                conn.close_on_drop();
+                Err(PgError::Timeout)
+            }
+        }
     }
+}
+
+/// Whether `error` is the server's answer to a statement (the session is in a known state)
+/// rather than a failure of the connection itself.
+fn is_answer(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(_) | sqlx::Error::RowNotFound)
 }
 
 /// A claimed record, as [`claim_sql`] returns it.

@@ -70,18 +70,14 @@ impl ProcessorRecord {
         Ok(Self { database, options })
     }
 
-    /// Records a call under `call.key` (see [`RECORD`]) within `deadline`; the amount the
-    /// key was first charged with. A record that could not be written is the provider
-    /// unreachable: UNAVAILABLE, or DEADLINE_EXCEEDED when the deadline ran out first.
+    /// Records a call under `call.key` (see [`RECORD`]), waiting for a connection within
+    /// `deadline`; the amount the key was first charged with. A record that could not be
+    /// written is the provider unreachable: UNAVAILABLE (the key is released for a retry).
     pub async fn record(&self, call: &ProcessorCharge, deadline: Deadline) -> Result<i64, Status> {
         let unreachable = |why: String| {
-            let message =
-                format!("payment processor unreachable: its record could not be written ({why})");
-            if deadline.is_spent() {
-                Status::deadline_exceeded(message)
-            } else {
-                Status::unavailable(message)
-            }
+            Status::unavailable(format!(
+                "payment processor unreachable: its record could not be written ({why})"
+            ))
         };
         let mut conn = self
             .database
@@ -93,7 +89,7 @@ impl ProcessorRecord {
             )
             .await
             .map_err(|error| unreachable(acquire_failure(error)))?;
-        let bound = self.options.round_trip_timeout.min(deadline.remaining());
+        let bound = self.options.round_trip_timeout;
         let answer = tokio::time::timeout(
             bound,
             sqlx::query_scalar::<_, i64>(RECORD)
@@ -105,7 +101,11 @@ impl ProcessorRecord {
         let result = match answer {
             Ok(Ok(amount)) => Ok(amount),
             Ok(Err(error)) => Err(self.noted(error)),
-            Err(_) => Err(format!("no answer within {bound:?}")),
+            Err(_) => {
+                // A server that does not answer may be a primary that moved or froze.
+                self.database.primary.suspect();
+                Err(format!("no answer within {bound:?}"))
+            }
         };
         // Only an answered statement leaves the connection in a known state.
         conn.settle(result.is_ok());

@@ -35,9 +35,6 @@ impl KeyStore {
             in_flight,
             processor_key,
         } = request;
-        if self.skip_key_claim {
-            self.forget_key(account, key, deadline).await?;
-        }
         let amount = amount.get();
         let outcome = self
             .phases
@@ -54,7 +51,7 @@ impl KeyStore {
                     deadline: deadline.instant(),
                     in_flight,
                 },
-                |step| process(processor_charge(step)),
+                |step| charge_id_once_charged(process(processor_charge(step))),
             )
             .await?;
         let saved = |recorded: Recorded| SavedReply {
@@ -82,18 +79,15 @@ impl KeyStore {
         Fut: Future<Output = Result<(), tonic::Status>>,
     {
         self.phases
-            .complete_abandoned(self, batch, |step| process(processor_charge(step)))
+            .complete_abandoned(self, batch, |step| {
+                charge_id_once_charged(process(processor_charge(step)))
+            })
             .await
     }
 
     /// [`StoreOptions::skip_key_claim`]: the key's record deleted unless a request holds
     /// it — the bug the chaos checker must catch.
-    async fn forget_key(
-        &self,
-        account: &AccountId,
-        key: &IdempotencyKey,
-        deadline: Deadline,
-    ) -> Result<(), StoreError> {
+    async fn forget_key(&self, id: KeyId<'_>, deadline: Deadline) -> Result<(), StoreError> {
         self.with_connection(deadline, async |conn, rt| {
             rt.bound(
                 "forgetting the key (--test-skip-key-claim)",
@@ -101,8 +95,8 @@ impl KeyStore {
                     "DELETE FROM idempotency_keys \
                      WHERE account_id = $1 AND idempotency_key = $2 AND state <> 'started'",
                 )
-                .bind(account.as_str())
-                .bind(key.as_str())
+                .bind(id.scope)
+                .bind(id.key)
                 .execute(conn),
             )
             .await?;
@@ -119,6 +113,15 @@ fn processor_charge(step: Step<i64>) -> ProcessorCharge {
         key: step.step_key,
         amount_cents: step.fingerprint,
     }
+}
+
+/// The processor's call, then the id the charge is to be recorded under: chosen once the
+/// processor charged, and kept however often phase 2 is tried (a try whose commit was lost
+/// and a later one cannot both insert it: the charge row's primary key).
+async fn charge_id_once_charged(
+    call: impl Future<Output = Result<(), tonic::Status>>,
+) -> Result<Uuid, tonic::Status> {
+    call.await.map(|()| Uuid::new_v4())
 }
 
 /// A key's row as [`CLAIM`] returns it.
@@ -165,13 +168,18 @@ fn record(row: &PgRow) -> Result<Record<i64, Recorded>, StoreError> {
 impl Persistence for KeyStore {
     type Fingerprint = i64;
     type Reply = Recorded;
-    type Effect = ();
+    /// The charge's id.
+    type Effect = Uuid;
     type Error = StoreError;
 
     async fn claim(
         &self,
         claim: Claim<'_, i64>,
     ) -> Result<Option<Record<i64, Recorded>>, StoreError> {
+        if self.skip_key_claim {
+            self.forget_key(claim.id, Deadline::at(claim.deadline))
+                .await?;
+        }
         self.with_connection(Deadline::at(claim.deadline), async |conn, rt| {
             let row = rt
                 .bound(
@@ -199,10 +207,9 @@ impl Persistence for KeyStore {
         &self,
         id: KeyId<'_>,
         owner: Uuid,
-        (): &(),
+        &charge_id: &Uuid,
         deadline: Instant,
     ) -> Result<Option<Recorded>, StoreError> {
-        let charge_id = Uuid::new_v4();
         let balance = self
             .finishing(Deadline::at(deadline), async |conn, rt| {
                 rt.bound(
