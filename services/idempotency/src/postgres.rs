@@ -48,12 +48,14 @@ CREATE INDEX IF NOT EXISTS idempotency_records_created_at ON idempotency_records
 const TAKEN_OVER: &str = "r.state = 'started' AND r.lease_expires_at <= now() \
     AND r.fingerprint = EXCLUDED.fingerprint";
 
-/// Phase 1 (see [`Claim`]): a new key inserted as started under the lease; an existing one
-/// returned as it is — taken over if its lease passed and the request is the same, its
-/// replay counted if settled — unless another caller owns it (no row).
-fn claim_sql() -> String {
-    format!(
-        "INSERT INTO idempotency_records AS r \
+/// Phase 1 (see [`Claim`]), its text built once: a new key inserted as started under the
+/// lease; an existing one returned as it is — taken over if its lease passed and the
+/// request is the same, its replay counted if settled — unless another caller owns it (no
+/// row).
+fn claim_sql() -> &'static str {
+    static SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+        format!(
+            "INSERT INTO idempotency_records AS r \
              (scope, key, caller, fingerprint, state, lease_owner, lease_expires_at, step_key) \
          VALUES ($1, $2, $3, $4, 'started', $5, now() + make_interval(secs => $6), $7) \
          ON CONFLICT (scope, key) DO UPDATE SET \
@@ -66,7 +68,9 @@ fn claim_sql() -> String {
          WHERE r.caller = EXCLUDED.caller \
          RETURNING (xmax = 0) AS inserted, r.state, r.fingerprint, r.reply, r.lease_owner, \
              r.step_key, r.error_code, r.error_message"
-    )
+        )
+    });
+    &SQL
 }
 
 /// Phase 2's guard: the key, locked, while it is still ours.
@@ -255,15 +259,7 @@ fn is_answer(error: &sqlx::Error) -> bool {
 /// A claimed record, as [`claim_sql`] returns it.
 fn record(row: &PgRow) -> Result<Record<Vec<u8>, Vec<u8>>, PgError> {
     let state: String = row.try_get("state")?;
-    let error = match row.try_get::<Option<i32>, _>("error_code")? {
-        Some(code) => Some(SavedError {
-            code,
-            message: row
-                .try_get::<Option<String>, _>("error_message")?
-                .unwrap_or_default(),
-        }),
-        None => None,
-    };
+    let error = saved_error(row)?;
     Ok(Record {
         inserted: row.try_get("inserted")?,
         state: State::parse(&state).ok_or_else(|| PgError::Corrupt(format!("state {state:?}")))?,
@@ -425,6 +421,20 @@ impl Persistence for PgKeys {
         })
         .await
     }
+}
+
+/// The error a failed key saved, from a row's `error_code` and `error_message` columns
+/// (a persistence over its own tables may name them so and read them with this).
+pub fn saved_error(row: &PgRow) -> Result<Option<SavedError>, sqlx::Error> {
+    Ok(match row.try_get::<Option<i32>, _>("error_code")? {
+        Some(code) => Some(SavedError {
+            code,
+            message: row
+                .try_get::<Option<String>, _>("error_message")?
+                .unwrap_or_default(),
+        }),
+        None => None,
+    })
 }
 
 /// What a look's row says: `state` and `expired`, or no row.

@@ -6,7 +6,7 @@
 //! call as the step between the phases.
 
 use idempotency::{
-    Abandoned, Claim, KeyId, Look, Outcome, Persistence, Record, SavedError, State, Step, TakeOver,
+    Abandoned, Claim, KeyId, Look, Outcome, Persistence, Record, State, Step, TakeOver,
 };
 use sqlx::postgres::PgRow;
 use tokio::time::Instant;
@@ -136,15 +136,7 @@ fn record(row: &PgRow) -> Result<Record<i64, Recorded>, StoreError> {
         }),
         _ => None,
     };
-    let error = match row.try_get::<Option<i32>, _>("error_code")? {
-        Some(code) => Some(SavedError {
-            code,
-            message: row
-                .try_get::<Option<String>, _>("error_message")?
-                .unwrap_or_default(),
-        }),
-        None => None,
-    };
+    let error = idempotency::postgres::saved_error(row)?;
     let state: String = row.try_get("state")?;
     Ok(Record {
         inserted: row.try_get("inserted")?,
