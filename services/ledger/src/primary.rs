@@ -27,7 +27,8 @@
 //! round-trip bound), and the edge's retry — or the client's, with the same key — finds
 //! the new primary. Whether a COMMIT in flight when the primary died took effect is the
 //! key's to say: synchronous replication makes an acknowledged charge durable on the
-//! standby, and the retry replays it; an unacknowledged one the retry charges, once.
+//! standby, and the retry replays it; an unacknowledged one the retry charges, once. (Not
+//! while the primary writes alone, `wait_primary`: see docs/failover.md, "Three limits".)
 
 use std::{
     str::FromStr,
