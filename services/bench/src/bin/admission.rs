@@ -11,7 +11,13 @@
 //! the successes, how many calls were refused as overloaded and by which service (every
 //! service's own count, `Stats.shed`), the edge's CPU per refusal, and the CPU the load
 //! generator (this process) used per call sent. The ratios judged (goodput on / off ≥
-//! 0.95, the share of refusals made at the edge ≥ 90% from 2× up) are printed beside.
+//! 0.95, the p99 of successes on / off ≤ 1, the share of refusals made at the edge ≥ 90%
+//! from 2× up) are printed beside.
+//!
+//! Each point is measured in `--rounds` alternating rounds (on then off, then off then on,
+//! …), so that drift on a shared machine — Postgres's caches, the other chain's leftovers,
+//! a background job — falls on both alike; a ratio is the median of the rounds' ratios,
+//! reported with its spread (the lowest and highest round).
 //!
 //! ```text
 //! target/release/admission --on http://127.0.0.1:50051 --on-admins <5 admin URLs> \
@@ -52,9 +58,12 @@ struct Cli {
     /// Open-loop points: multiples of the capacity.
     #[arg(long, value_delimiter = ',', default_value = "1,2,5,10")]
     open: Vec<f64>,
-    /// How long each point lasts on each chain.
+    /// How long each point lasts on each chain, each round.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     duration: Duration,
+    /// Rounds at each point, alternating which chain goes first.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    rounds: u32,
 }
 
 /// One chain at one point.
@@ -74,17 +83,98 @@ struct Run {
     generator_cpu_us_per_call: f64,
 }
 
-/// One point, both chains.
+/// One round of one point: both chains, one after the other.
 #[derive(Debug, Serialize)]
-struct Point {
-    load: String,
+struct Round {
     on: Run,
     off: Run,
     /// Goodput with admission over goodput without.
     goodput_ratio: f64,
+    /// The p99 of successes with admission over without.
+    ok_p99_ratio: f64,
     /// The edge's CPU per refusal with admission, µs: its CPU beyond what the calls it
-    /// served cost at 1× (no refusals), per refusal.
+    /// served cost at the first point without refusals, per refusal.
     edge_cpu_us_per_refusal: Option<f64>,
+}
+
+/// A figure over the rounds: their median, and the lowest and highest round.
+#[derive(Debug, Clone, Copy, Serialize)]
+struct Spread {
+    median: f64,
+    min: f64,
+    max: f64,
+}
+
+impl Spread {
+    fn of(values: &[f64]) -> Option<Spread> {
+        (!values.is_empty()).then(|| Spread {
+            median: retrychain_bench::median(values),
+            min: values.iter().copied().fold(f64::INFINITY, f64::min),
+            max: values.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+        })
+    }
+}
+
+/// One point, both chains, every round, and the medians judged.
+#[derive(Debug, Serialize)]
+struct Point {
+    load: String,
+    rounds: Vec<Round>,
+    goodput_ratio: Spread,
+    ok_p99_ratio: Spread,
+    on_goodput_rps: Spread,
+    off_goodput_rps: Spread,
+    on_ok_p99_ms: Spread,
+    off_ok_p99_ms: Spread,
+    /// Refusals with admission, summed over the rounds.
+    refused: u64,
+    /// Calls sent to the chain with admission, summed over the rounds.
+    requests: u64,
+    /// Of the refusals every service counted with admission, the edge's share.
+    edge_share: Option<f64>,
+    edge_cpu_us_per_refusal: Option<Spread>,
+    /// The load generator's CPU per call, median over both chains' rounds.
+    generator_cpu_us_per_call: f64,
+}
+
+impl Point {
+    fn of(load: String, rounds: Vec<Round>) -> Point {
+        let over = |f: &dyn Fn(&Round) -> f64| {
+            Spread::of(&rounds.iter().map(f).collect::<Vec<_>>()).expect("at least one round")
+        };
+        let refused_by: Vec<u64> = (0..5)
+            .map(|i| rounds.iter().map(|r| r.on.refused_by[i]).sum())
+            .collect();
+        let counted: u64 = refused_by.iter().sum();
+        let per_refusal: Vec<f64> = rounds
+            .iter()
+            .filter_map(|r| r.edge_cpu_us_per_refusal)
+            .collect();
+        let generator: Vec<f64> = rounds
+            .iter()
+            .flat_map(|r| {
+                [
+                    r.on.generator_cpu_us_per_call,
+                    r.off.generator_cpu_us_per_call,
+                ]
+            })
+            .collect();
+        Point {
+            goodput_ratio: over(&|r| r.goodput_ratio),
+            ok_p99_ratio: over(&|r| r.ok_p99_ratio),
+            on_goodput_rps: over(&|r| r.on.goodput_rps),
+            off_goodput_rps: over(&|r| r.off.goodput_rps),
+            on_ok_p99_ms: over(&|r| r.on.ok_p99_ms),
+            off_ok_p99_ms: over(&|r| r.off.ok_p99_ms),
+            refused: rounds.iter().map(|r| r.on.refused).sum(),
+            requests: rounds.iter().map(|r| r.on.requests).sum(),
+            edge_share: (counted > 0).then(|| refused_by[0] as f64 / counted as f64),
+            edge_cpu_us_per_refusal: Spread::of(&per_refusal),
+            generator_cpu_us_per_call: retrychain_bench::median(&generator),
+            load,
+            rounds,
+        }
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -169,10 +259,10 @@ async fn run(
     })
 }
 
-fn show(point: &Point) {
+fn show_round(i: usize, round: &Round) {
     let line = |which: &str, r: &Run| {
         eprintln!(
-            "  {which:<4} goodput {:>6.0}/s  ok p99 {:>7.1} ms  refused {:>7} of {:>7} (by edge..ledger {:?}; edge's share {})  load generator {:.1} µs CPU a call",
+            "    {which:<4} goodput {:>6.0}/s  ok p99 {:>7.1} ms  refused {:>7} of {:>7} (by edge..ledger {:?}; edge's share {})  load generator {:.1} µs CPU a call",
             r.goodput_rps,
             r.ok_p99_ms,
             r.refused,
@@ -184,17 +274,42 @@ fn show(point: &Point) {
         );
     };
     eprintln!(
-        "{}: goodput on / off {:.2}{}",
+        "  round {}: goodput on / off {:.2}, ok p99 on / off {:.2}",
+        i + 1,
+        round.goodput_ratio,
+        round.ok_p99_ratio
+    );
+    line("on", &round.on);
+    line("off", &round.off);
+}
+
+fn show(point: &Point) {
+    let spread = |s: &Spread, digits: usize| {
+        format!(
+            "{:.digits$} ({:.digits$}–{:.digits$})",
+            s.median, s.min, s.max
+        )
+    };
+    eprintln!(
+        "{}: goodput on / off {}, ok p99 on / off {}; on {}/s, off {}/s; refused {} of {} (edge's share {}){}  [median (lowest–highest) of {} rounds]",
         point.load,
-        point.goodput_ratio,
+        spread(&point.goodput_ratio, 2),
+        spread(&point.ok_p99_ratio, 2),
+        spread(&point.on_goodput_rps, 0),
+        spread(&point.off_goodput_rps, 0),
+        point.refused,
+        point.requests,
+        point
+            .edge_share
+            .map_or("-".to_owned(), |s| format!("{:.1}%", s * 100.0)),
         point
             .edge_cpu_us_per_refusal
-            .map_or(String::new(), |us| format!(
-                ", the edge's CPU per refusal {us:.1} µs"
-            ))
+            .map_or(String::new(), |s| format!(
+                "; the edge's CPU per refusal {} µs",
+                spread(&s, 1)
+            )),
+        point.rounds.len(),
     );
-    line("on", &point.on);
-    line("off", &point.off);
 }
 
 #[tokio::main]
@@ -238,45 +353,76 @@ async fn main() -> anyhow::Result<()> {
         ));
     }
     let mut points = Vec::new();
-    // The edge's CPU per served call with nothing refused: from the 1x open-loop point
-    // (or the first point without refusals).
+    // The edge's CPU per served call with nothing refused: from the first point at which
+    // the chain with admission refused nothing (the median over its rounds).
     let mut served_cost_us: Option<f64> = None;
     for (load, extra) in loads {
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        let on = run(
-            &cli.on,
-            &cli.on_admins,
-            cli.on_edge_pid,
-            cli.duration,
-            &extra,
-        )
-        .await?;
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        let off = run(
-            &cli.off,
-            &cli.off_admins,
-            cli.off_edge_pid,
-            cli.duration,
-            &extra,
-        )
-        .await?;
-        let served = on.requests.saturating_sub(on.refused);
-        if on.refused == 0 && served > 0 && served_cost_us.is_none() {
-            served_cost_us = Some(on.edge_cpu_us / served as f64);
+        let mut rounds = Vec::new();
+        for round in 0..cli.rounds {
+            let measure = async |on: bool| {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                if on {
+                    run(
+                        &cli.on,
+                        &cli.on_admins,
+                        cli.on_edge_pid,
+                        cli.duration,
+                        &extra,
+                    )
+                    .await
+                } else {
+                    run(
+                        &cli.off,
+                        &cli.off_admins,
+                        cli.off_edge_pid,
+                        cli.duration,
+                        &extra,
+                    )
+                    .await
+                }
+            };
+            // Alternate which chain goes first, so drift falls on both alike.
+            let (on, off) = if round % 2 == 0 {
+                let on = measure(true).await?;
+                (on, measure(false).await?)
+            } else {
+                let off = measure(false).await?;
+                (measure(true).await?, off)
+            };
+            rounds.push((on, off));
         }
-        let edge_cpu_us_per_refusal = match (served_cost_us, on.refused_by[0]) {
-            (Some(cost), refusals) if refusals > 0 => {
-                Some(((on.edge_cpu_us - cost * served as f64) / refusals as f64).max(0.0))
-            }
-            _ => None,
-        };
-        let point = Point {
-            load,
-            goodput_ratio: on.goodput_rps / off.goodput_rps.max(1e-9),
-            on,
-            off,
-            edge_cpu_us_per_refusal,
-        };
+        if served_cost_us.is_none() && rounds.iter().all(|(on, _)| on.refused == 0) {
+            let costs: Vec<f64> = rounds
+                .iter()
+                .map(|(on, _)| on.edge_cpu_us / on.requests.max(1) as f64)
+                .collect();
+            served_cost_us = Some(retrychain_bench::median(&costs));
+        }
+        let rounds: Vec<Round> = rounds
+            .into_iter()
+            .map(|(on, off)| {
+                let served = on.requests.saturating_sub(on.refused);
+                // Only where refusals are a fifth of the calls or more: with a few, the
+                // served calls' own variation is larger than what the refusals cost.
+                let edge_cpu_us_per_refusal = match (served_cost_us, on.refused_by[0]) {
+                    (Some(cost), refusals) if refusals * 5 >= on.requests.max(1) => {
+                        Some(((on.edge_cpu_us - cost * served as f64) / refusals as f64).max(0.0))
+                    }
+                    _ => None,
+                };
+                Round {
+                    goodput_ratio: on.goodput_rps / off.goodput_rps.max(1e-9),
+                    ok_p99_ratio: on.ok_p99_ms / off.ok_p99_ms.max(1e-9),
+                    on,
+                    off,
+                    edge_cpu_us_per_refusal,
+                }
+            })
+            .collect();
+        for (i, round) in rounds.iter().enumerate() {
+            show_round(i, round);
+        }
+        let point = Point::of(load, rounds);
         show(&point);
         points.push(point);
     }
