@@ -22,6 +22,7 @@
 //! channel behind the same rustls handshake, and the relay runs with `--tls-dir`.
 
 use std::{
+    os::unix::process::ExitStatusExt,
     process::{Child, Command, Stdio},
     time::Duration,
 };
@@ -66,6 +67,12 @@ struct Cli {
     /// Print JSON.
     #[arg(long)]
     json: bool,
+    /// After the measured rounds, one more round with each forwarder profiled by `perf
+    /// record` (DWARF call graphs), written to this directory as `relay.perf.data`,
+    /// `bare.perf.data` and `haproxy.perf.data` (`bench/flamegraphs` draws them). The
+    /// profiled round is not counted: sampling costs the profiled process CPU.
+    #[arg(long)]
+    perf: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -478,6 +485,33 @@ async fn measure(
                 .await?
                 .as_secs_f64();
             cpu[i].push(cpu_seconds(*pid)? - before);
+        }
+    }
+    if let Some(dir) = &cli.perf {
+        const NAMES: [&str; 3] = ["relay", "bare", "haproxy"];
+        for ((url, pid), name) in targets.iter().zip(NAMES) {
+            let data = dir.join(format!("{name}.perf.data"));
+            let mut perf = Command::new("perf")
+                .args(["record", "--quiet", "-F", "249", "--call-graph", "dwarf,16384"])
+                .args(["-p", &pid.to_string(), "-o"])
+                .arg(&data)
+                .stdout(Stdio::null())
+                .spawn()
+                .context("running perf (linux-perf)")?;
+            // perf attaches within a moment; calls before that are not sampled.
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let sent = load(url, tls, cli.requests, cli.concurrency).await;
+            // SIGINT: perf writes its file and exits.
+            Command::new("kill")
+                .args(["-INT", &perf.id().to_string()])
+                .status()?;
+            let status = perf.wait()?;
+            sent?;
+            // perf writes its file on SIGINT, then ends by that signal.
+            anyhow::ensure!(
+                status.success() || status.signal() == Some(2),
+                "perf record for the {name}: {status}"
+            );
         }
     }
     let total = (cli.requests * u64::from(cli.rounds)) as f64;
