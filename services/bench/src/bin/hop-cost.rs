@@ -492,7 +492,14 @@ async fn measure(
         for ((url, pid), name) in targets.iter().zip(NAMES) {
             let data = dir.join(format!("{name}.perf.data"));
             let mut perf = Command::new("perf")
-                .args(["record", "--quiet", "-F", "249", "--call-graph", "dwarf,16384"])
+                .args([
+                    "record",
+                    "--quiet",
+                    "-F",
+                    "249",
+                    "--call-graph",
+                    "dwarf,16384",
+                ])
                 .args(["-p", &pid.to_string(), "-o"])
                 .arg(&data)
                 .stdout(Stdio::null())
