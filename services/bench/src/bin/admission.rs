@@ -133,6 +133,9 @@ struct Point {
     /// Of the refusals every service counted with admission, the edge's share.
     edge_share: Option<f64>,
     edge_cpu_us_per_refusal: Option<Spread>,
+    /// How many rounds the CPU per refusal is over (those where refusals were a fifth of
+    /// the calls or more).
+    edge_cpu_rounds: usize,
     /// The load generator's CPU per call, median over both chains' rounds.
     generator_cpu_us_per_call: f64,
 }
@@ -170,6 +173,7 @@ impl Point {
             requests: rounds.iter().map(|r| r.on.requests).sum(),
             edge_share: (counted > 0).then(|| refused_by[0] as f64 / counted as f64),
             edge_cpu_us_per_refusal: Spread::of(&per_refusal),
+            edge_cpu_rounds: per_refusal.len(),
             generator_cpu_us_per_call: retrychain_bench::median(&generator),
             load,
             rounds,
@@ -305,8 +309,9 @@ fn show(point: &Point) {
         point
             .edge_cpu_us_per_refusal
             .map_or(String::new(), |s| format!(
-                "; the edge's CPU per refusal {} µs",
-                spread(&s, 1)
+                "; the edge's CPU per refusal {} µs over {} round(s)",
+                spread(&s, 1),
+                point.edge_cpu_rounds
             )),
         point.rounds.len(),
     );
@@ -401,7 +406,9 @@ async fn main() -> anyhow::Result<()> {
         let rounds: Vec<Round> = rounds
             .into_iter()
             .map(|(on, off)| {
-                let served = on.requests.saturating_sub(on.refused);
+                // The edge's own count of its refusals: it also counts calls the client
+                // had given up on by then, which the edge did not serve either.
+                let served = on.requests.saturating_sub(on.refused_by[0]);
                 // Only where refusals are a fifth of the calls or more: with a few, the
                 // served calls' own variation is larger than what the refusals cost.
                 let edge_cpu_us_per_refusal = match (served_cost_us, on.refused_by[0]) {
