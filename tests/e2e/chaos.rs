@@ -164,6 +164,13 @@ async fn a_run_stopped_midway_heals_its_partition_and_stops_its_chain() {
                 .ok()
         })
         .collect();
+    // And the processes listening there: after the run a port of the ephemeral range can be
+    // taken by another test's listener, which must not read as the run's service.
+    let owners: Vec<u32> = ports.iter().flat_map(|&port| listeners(port)).collect();
+    assert!(
+        !owners.is_empty(),
+        "no process found listening on the partitioned ports {ports:?}"
+    );
 
     let pid = run.id().unwrap();
     std::process::Command::new("kill")
@@ -188,9 +195,31 @@ async fn a_run_stopped_midway_heals_its_partition_and_stops_its_chain() {
         "rules left behind:\n{after}"
     );
     for port in ports {
+        let still: Vec<u32> = listeners(port)
+            .into_iter()
+            .filter(|pid| owners.contains(pid))
+            .collect();
         assert!(
-            std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
-            "a service of the run still listens on {port}"
+            still.is_empty(),
+            "a service of the run still listens on {port} (pids {still:?})"
         );
     }
+}
+
+/// The pids listening on `port` on the loopback, from `ss` (iproute2).
+fn listeners(port: u16) -> Vec<u32> {
+    let out = std::process::Command::new("ss")
+        .args(["-Hltnp", &format!("sport = :{port}")])
+        .output()
+        .expect("ss (iproute2)");
+    String::from_utf8_lossy(&out.stdout)
+        .split("pid=")
+        .skip(1)
+        .filter_map(|rest| {
+            rest.split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect()
 }
