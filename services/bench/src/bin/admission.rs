@@ -366,25 +366,11 @@ async fn main() -> anyhow::Result<()> {
         for round in 0..cli.rounds {
             let measure = async |on: bool| {
                 tokio::time::sleep(Duration::from_secs(1)).await;
-                if on {
-                    run(
-                        &cli.on,
-                        &cli.on_admins,
-                        cli.on_edge_pid,
-                        cli.duration,
-                        &extra,
-                    )
-                    .await
-                } else {
-                    run(
-                        &cli.off,
-                        &cli.off_admins,
-                        cli.off_edge_pid,
-                        cli.duration,
-                        &extra,
-                    )
-                    .await
-                }
+                let (edge, admins, pid) = match on {
+                    true => (&cli.on, &cli.on_admins, cli.on_edge_pid),
+                    false => (&cli.off, &cli.off_admins, cli.off_edge_pid),
+                };
+                run(edge, admins, pid, cli.duration, &extra).await
             };
             // Alternate which chain goes first, so drift falls on both alike.
             let (on, off) = if round % 2 == 0 {

@@ -508,10 +508,16 @@ async fn measure(
             // perf attaches within a moment; calls before that are not sampled.
             tokio::time::sleep(Duration::from_millis(500)).await;
             let sent = load(url, tls, cli.requests, cli.concurrency).await;
-            // SIGINT: perf writes its file and exits.
-            Command::new("kill")
+            // SIGINT: perf writes its file and exits. Should the signal not go out, perf is
+            // killed outright rather than left sampling (and waited for) for ever.
+            let interrupted = Command::new("kill")
                 .args(["-INT", &perf.id().to_string()])
-                .status()?;
+                .status();
+            if !interrupted.as_ref().is_ok_and(|s| s.success()) {
+                let _ = perf.kill();
+                let _ = perf.wait();
+                anyhow::bail!("could not stop perf record for the {name}: {interrupted:?}");
+            }
             let status = perf.wait()?;
             sent?;
             // perf writes its file on SIGINT, then ends by that signal.
