@@ -202,20 +202,61 @@ impl tokio::io::AsyncWrite for TlsIo {
 
 /// User plus system CPU time a process has used, from `/proc/<pid>/stat`.
 pub fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+    // utime and stime are fields 14 and 15 of stat.
+    Ok(stat_ticks(pid, &[14, 15])? / clock_ticks_per_second())
+}
+
+/// CPU seconds used by `pid` and by the children it has reaped: for a Postgres
+/// postmaster, the backends that have exited (a connection's backend exits with it, and
+/// its CPU would be missed by reading the live ones alone).
+pub fn cpu_seconds_with_reaped(pid: u32) -> anyhow::Result<f64> {
+    // utime, stime, cutime and cstime: fields 14 to 17 of stat.
+    Ok(stat_ticks(pid, &[14, 15, 16, 17])? / clock_ticks_per_second())
+}
+
+/// The sum of `/proc/<pid>/stat`'s `fields` (numbered from 1, as proc(5) does).
+fn stat_ticks(pid: u32, fields: &[usize]) -> anyhow::Result<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    // Fields after the command name, which is in parentheses and may contain spaces.
+    // Fields after the command name (field 2), which is in parentheses and may contain
+    // spaces: field n is the (n - 3)th after it.
     let after = stat
         .rsplit_once(')')
         .map(|(_, rest)| rest)
         .ok_or_else(|| anyhow::anyhow!("unexpected /proc/{pid}/stat"))?;
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    // utime and stime are fields 14 and 15 of stat, i.e. 11 and 12 after the name.
-    let ticks: f64 = fields
-        .get(11)
-        .zip(fields.get(12))
-        .map(|(u, s)| u.parse::<f64>().unwrap_or(0.0) + s.parse::<f64>().unwrap_or(0.0))
-        .ok_or_else(|| anyhow::anyhow!("short /proc/{pid}/stat"))?;
-    Ok(ticks / clock_ticks_per_second())
+    let values: Vec<&str> = after.split_whitespace().collect();
+    fields
+        .iter()
+        .map(|n| {
+            values
+                .get(n - 3)
+                .and_then(|v| v.parse::<f64>().ok())
+                .ok_or_else(|| anyhow::anyhow!("short /proc/{pid}/stat"))
+        })
+        .sum()
+}
+
+/// The machine's CPU seconds so far, summed over its cores: (busy, idle). Busy is user,
+/// nice, system, interrupts and steal; idle includes waiting for I/O.
+pub fn machine_cpu_seconds() -> anyhow::Result<(f64, f64)> {
+    let stat = std::fs::read_to_string("/proc/stat")?;
+    let line = stat
+        .lines()
+        .find(|l| l.starts_with("cpu "))
+        .ok_or_else(|| anyhow::anyhow!("no cpu line in /proc/stat"))?;
+    let ticks: Vec<f64> = line
+        .split_whitespace()
+        .skip(1)
+        .take(8)
+        .map(|v| v.parse().unwrap_or(0.0))
+        .collect();
+    anyhow::ensure!(ticks.len() == 8, "short cpu line in /proc/stat");
+    // user nice system idle iowait irq softirq steal
+    let idle = ticks[3] + ticks[4];
+    let busy = ticks.iter().sum::<f64>() - idle;
+    Ok((
+        busy / clock_ticks_per_second(),
+        idle / clock_ticks_per_second(),
+    ))
 }
 
 /// `retrychain storm`'s settings from `args` (its flags, without the program's name), as

@@ -10,7 +10,11 @@
 //! At each point, for each chain: goodput (OK within the deadline, per second), the p99 of
 //! the successes, how many calls were refused as overloaded and by which service (every
 //! service's own count, `Stats.shed`), the edge's CPU per refusal, and the CPU the load
-//! generator (this process) used per call sent. The ratios judged (goodput on / off ≥
+//! generator (this process) used per call sent. And where the machine's CPU went, per call
+//! answered OK: the five services, Postgres (`--postgres-pid`, its exited backends
+//! included), the load generator and the rest (the kernel's work not charged to a
+//! process, anything else running), with the share of the machine that was busy — what
+//! bounds goodput once the two cores are full. The ratios judged (goodput on / off ≥
 //! 0.95, the p99 of successes on / off ≤ 1, the share of refusals made at the edge ≥ 90%
 //! from 2× up) are printed beside.
 //!
@@ -21,7 +25,8 @@
 //!
 //! ```text
 //! target/release/admission --on http://127.0.0.1:50051 --on-admins <5 admin URLs> \
-//!     --off http://127.0.0.1:50061 --off-admins <5 admin URLs> --on-edge-pid N --off-edge-pid M
+//!     --off http://127.0.0.1:50061 --off-admins <5 admin URLs> --on-pids <5 pids> \
+//!     --off-pids <5 pids> --postgres-pid P
 //! ```
 
 use std::time::Duration;
@@ -40,18 +45,21 @@ struct Cli {
     /// Its five services' admin addresses, edge first, comma-separated.
     #[arg(long, value_delimiter = ',')]
     on_admins: Vec<String>,
-    /// Its edge's process, for its CPU.
-    #[arg(long)]
-    on_edge_pid: u32,
+    /// Its five services' processes, edge first, comma-separated: their CPU.
+    #[arg(long, value_delimiter = ',')]
+    on_pids: Vec<u32>,
     /// The edge of the chain that admits everything (up to the memory bound).
     #[arg(long)]
     off: String,
     /// Its five services' admin addresses, edge first.
     #[arg(long, value_delimiter = ',')]
     off_admins: Vec<String>,
-    /// Its edge's process.
+    /// Its five services' processes, edge first.
+    #[arg(long, value_delimiter = ',')]
+    off_pids: Vec<u32>,
+    /// The postmaster of the Postgres both chains use: its CPU and its backends'.
     #[arg(long)]
-    off_edge_pid: u32,
+    postgres_pid: Option<u32>,
     /// Closed-loop points: calls in flight.
     #[arg(long, value_delimiter = ',', default_value = "64,256,1500")]
     closed: Vec<usize>,
@@ -77,10 +85,87 @@ struct Run {
     refused_by: Vec<u64>,
     /// Of all refusals, the share the edge made.
     edge_share: Option<f64>,
+    /// Calls answered OK.
+    ok: u64,
     /// The edge process's CPU over the run, µs.
     edge_cpu_us: f64,
     /// The load generator's CPU per call it sent, µs.
     generator_cpu_us_per_call: f64,
+    /// Where the machine's CPU went over the run.
+    cpu: CpuAccount,
+}
+
+/// The machine's CPU over one run, µs, by whom it was used.
+#[derive(Debug, Clone, Copy, Serialize)]
+struct CpuAccount {
+    /// The chain's five services.
+    services_us: f64,
+    /// Postgres, its exited backends included (0 without `--postgres-pid`).
+    postgres_us: f64,
+    /// The load generator.
+    generator_us: f64,
+    /// Busy CPU not charged to any of those: the kernel's work done outside a process's
+    /// time (softirqs on the loopback), anything else on the machine.
+    rest_us: f64,
+    /// Busy and idle CPU of the machine, over all its cores.
+    busy_us: f64,
+    idle_us: f64,
+}
+
+/// A run's CPU per call answered OK, µs, and how busy the machine was: what a call that
+/// counts in goodput cost, refusals and the generator included.
+#[derive(Debug, Clone, Copy, Serialize)]
+struct PerOk {
+    services_us: f64,
+    edge_us: f64,
+    postgres_us: f64,
+    generator_us: f64,
+    rest_us: f64,
+    /// The share of the machine's CPU that was busy.
+    busy_share: f64,
+}
+
+impl PerOk {
+    fn of(run: &Run) -> PerOk {
+        let ok = run.ok.max(1) as f64;
+        let c = &run.cpu;
+        PerOk {
+            services_us: c.services_us / ok,
+            edge_us: run.edge_cpu_us / ok,
+            postgres_us: c.postgres_us / ok,
+            generator_us: c.generator_us / ok,
+            rest_us: c.rest_us / ok,
+            busy_share: c.busy_us / (c.busy_us + c.idle_us).max(1e-9),
+        }
+    }
+
+    /// The median of each figure over `runs`.
+    fn median(runs: &[PerOk]) -> PerOk {
+        let m = |f: fn(&PerOk) -> f64| {
+            retrychain_bench::median(&runs.iter().map(f).collect::<Vec<_>>())
+        };
+        PerOk {
+            services_us: m(|p| p.services_us),
+            edge_us: m(|p| p.edge_us),
+            postgres_us: m(|p| p.postgres_us),
+            generator_us: m(|p| p.generator_us),
+            rest_us: m(|p| p.rest_us),
+            busy_share: m(|p| p.busy_share),
+        }
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "machine {:.0}% busy; CPU per OK call {:.0} µs: services {:.0} (edge {:.0}), Postgres {:.0}, load generator {:.0}, the rest {:.0}",
+            self.busy_share * 100.0,
+            self.services_us + self.postgres_us + self.generator_us + self.rest_us,
+            self.services_us,
+            self.edge_us,
+            self.postgres_us,
+            self.generator_us,
+            self.rest_us,
+        )
+    }
 }
 
 /// One round of one point: both chains, one after the other.
@@ -138,6 +223,9 @@ struct Point {
     edge_cpu_rounds: usize,
     /// The load generator's CPU per call, median over both chains' rounds.
     generator_cpu_us_per_call: f64,
+    /// Where the CPU went per call answered OK, medians over the rounds.
+    on_per_ok: PerOk,
+    off_per_ok: PerOk,
 }
 
 impl Point {
@@ -175,6 +263,10 @@ impl Point {
             edge_cpu_us_per_refusal: Spread::of(&per_refusal),
             edge_cpu_rounds: per_refusal.len(),
             generator_cpu_us_per_call: retrychain_bench::median(&generator),
+            on_per_ok: PerOk::median(&rounds.iter().map(|r| PerOk::of(&r.on)).collect::<Vec<_>>()),
+            off_per_ok: PerOk::median(
+                &rounds.iter().map(|r| PerOk::of(&r.off)).collect::<Vec<_>>(),
+            ),
             load,
             rounds,
         }
@@ -232,18 +324,76 @@ fn cpu_seconds(pid: u32) -> f64 {
     retrychain_bench::cpu_seconds(pid).unwrap_or(0.0)
 }
 
+/// CPU seconds so far: each of the chain's services, Postgres, this process, and the
+/// machine's (busy, idle).
+struct CpuReading {
+    services: Vec<f64>,
+    postgres: f64,
+    generator: f64,
+    machine: (f64, f64),
+}
+
+impl CpuReading {
+    fn now(pids: &[u32], postgres: Option<u32>) -> anyhow::Result<CpuReading> {
+        Ok(CpuReading {
+            services: pids.iter().map(|&p| cpu_seconds(p)).collect(),
+            postgres: match postgres {
+                Some(pid) => postgres_cpu_seconds(pid)?,
+                None => 0.0,
+            },
+            generator: cpu_seconds(std::process::id()),
+            machine: retrychain_bench::machine_cpu_seconds()?,
+        })
+    }
+}
+
+/// Postgres's CPU seconds: the postmaster's own and its exited children's, plus its live
+/// children's (the backends, the checkpointer, the WAL writer, …).
+fn postgres_cpu_seconds(postmaster: u32) -> anyhow::Result<f64> {
+    let mut total = retrychain_bench::cpu_seconds_with_reaped(postmaster)
+        .context("the postmaster's /proc/<pid>/stat (--postgres-pid)")?;
+    let children =
+        std::fs::read_to_string(format!("/proc/{postmaster}/task/{postmaster}/children"))
+            .unwrap_or_default();
+    for child in children.split_whitespace().filter_map(|c| c.parse().ok()) {
+        // A backend that exits between the listing and the reading is counted by the
+        // postmaster's reaped time at the next reading instead.
+        total += cpu_seconds(child);
+    }
+    Ok(total)
+}
+
 async fn run(
     edge: &str,
     admins: &[String],
-    edge_pid: u32,
+    pids: &[u32],
+    postgres: Option<u32>,
     duration: Duration,
     extra: &[String],
 ) -> anyhow::Result<Run> {
     let before = shed_counts(admins).await?;
-    let me = std::process::id();
-    let (edge_cpu, own_cpu) = (cpu_seconds(edge_pid), cpu_seconds(me));
+    let start = CpuReading::now(pids, postgres)?;
     let report: StormReport = storm::run(&storm_args(edge, &admins[0], duration, extra)?).await?;
-    let (edge_cpu, own_cpu) = (cpu_seconds(edge_pid) - edge_cpu, cpu_seconds(me) - own_cpu);
+    let end = CpuReading::now(pids, postgres)?;
+    let us = |before: f64, after: f64| (after - before).max(0.0) * 1e6;
+    let edge_cpu = us(start.services[0], end.services[0]);
+    let services_us: f64 = start
+        .services
+        .iter()
+        .zip(&end.services)
+        .map(|(b, a)| us(*b, *a))
+        .sum();
+    let postgres_us = us(start.postgres, end.postgres);
+    let generator_us = us(start.generator, end.generator);
+    let busy_us = us(start.machine.0, end.machine.0);
+    let cpu = CpuAccount {
+        services_us,
+        postgres_us,
+        generator_us,
+        rest_us: (busy_us - services_us - postgres_us - generator_us).max(0.0),
+        busy_us,
+        idle_us: us(start.machine.1, end.machine.1),
+    };
     let after = shed_counts(admins).await?;
     let refused_by: Vec<u64> = after
         .iter()
@@ -258,8 +408,10 @@ async fn run(
         refused: report.shed,
         edge_share: (total > 0).then(|| refused_by[0] as f64 / total as f64),
         refused_by,
-        edge_cpu_us: edge_cpu * 1e6,
-        generator_cpu_us_per_call: own_cpu * 1e6 / report.requests.max(1) as f64,
+        ok: report.ok,
+        edge_cpu_us: edge_cpu,
+        generator_cpu_us_per_call: generator_us / report.requests.max(1) as f64,
+        cpu,
     })
 }
 
@@ -276,6 +428,7 @@ fn show_round(i: usize, round: &Round) {
                 .map_or("-".to_owned(), |s| format!("{:.1}%", s * 100.0)),
             r.generator_cpu_us_per_call,
         );
+        eprintln!("         {}", PerOk::of(r).describe());
     };
     eprintln!(
         "  round {}: goodput on / off {:.2}, ok p99 on / off {:.2}",
@@ -315,6 +468,8 @@ fn show(point: &Point) {
             )),
         point.rounds.len(),
     );
+    eprintln!("  on:  {}", point.on_per_ok.describe());
+    eprintln!("  off: {}", point.off_per_ok.describe());
 }
 
 #[tokio::main]
@@ -323,6 +478,10 @@ async fn main() -> anyhow::Result<()> {
     anyhow::ensure!(
         cli.on_admins.len() == 5 && cli.off_admins.len() == 5,
         "--on-admins and --off-admins name the five services' admin addresses, edge first"
+    );
+    anyhow::ensure!(
+        cli.on_pids.len() == 5 && cli.off_pids.len() == 5,
+        "--on-pids and --off-pids name the five services' processes, edge first"
     );
     let capacity = storm::run(&storm_args(
         &cli.off,
@@ -366,11 +525,11 @@ async fn main() -> anyhow::Result<()> {
         for round in 0..cli.rounds {
             let measure = async |on: bool| {
                 tokio::time::sleep(Duration::from_secs(1)).await;
-                let (edge, admins, pid) = match on {
-                    true => (&cli.on, &cli.on_admins, cli.on_edge_pid),
-                    false => (&cli.off, &cli.off_admins, cli.off_edge_pid),
+                let (edge, admins, pids) = match on {
+                    true => (&cli.on, &cli.on_admins, &cli.on_pids),
+                    false => (&cli.off, &cli.off_admins, &cli.off_pids),
                 };
-                run(edge, admins, pid, cli.duration, &extra).await
+                run(edge, admins, pids, cli.postgres_pid, cli.duration, &extra).await
             };
             // Alternate which chain goes first, so drift falls on both alike.
             let (on, off) = if round % 2 == 0 {
