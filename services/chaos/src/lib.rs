@@ -17,7 +17,10 @@
 //! - [`observe`]: reading back the database and the ledgers' counters.
 //! - [`picture`]: the SVG timeline.
 
-use std::{path::PathBuf, time::Duration};
+use std::{
+    path::{Path, PathBuf},
+    time::Duration,
+};
 
 use anyhow::Context;
 use clap::Args;
@@ -344,12 +347,15 @@ async fn run_until_done(args: &ChaosArgs) -> anyhow::Result<Report> {
         load_ended_ms,
     };
     let verdict = check::check(&history, &observed, bounds);
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    if let Some(OwnDatabase::Ha(formation)) = lab.database() {
+        keep_formation_story(formation, &args.out)?;
+    }
     if let Some(chain) = lab.into_chain() {
         chain.stop().await;
     }
 
-    std::fs::create_dir_all(&args.out)
-        .with_context(|| format!("creating {}", args.out.display()))?;
     let history_path = args.out.join("history.json");
     let verdict_path = args.out.join("verdict.json");
     let picture_path = args.out.join("timeline.svg");
@@ -371,6 +377,27 @@ async fn run_until_done(args: &ChaosArgs) -> anyhow::Result<Report> {
         .with_context(|| format!("writing {}", verdict_path.display()))?;
     report.files.retain(|f| f.exists());
     Ok(report)
+}
+
+/// Copies what explains the formation's failovers into `out/formation/` before the
+/// formation (and its directory) goes: the monitor's events — each state it assigned, the
+/// LSNs the nodes reported, why — and the monitor's and nodes' logs. A run that lost an
+/// acknowledged charge across a failover is read from these.
+fn keep_formation_story(formation: &tempgres::HaFormation, out: &Path) -> anyhow::Result<()> {
+    let dir = out.join("formation");
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let events = tokio::task::block_in_place(|| formation.events(10_000))?;
+    std::fs::write(dir.join("events.txt"), events)?;
+    for entry in std::fs::read_dir(formation.dir())? {
+        let path = entry?.path();
+        if path.extension().is_some_and(|e| e == "log")
+            && let Some(name) = path.file_name()
+        {
+            std::fs::copy(&path, dir.join(name))
+                .with_context(|| format!("copying {}", path.display()))?;
+        }
+    }
+    Ok(())
 }
 
 /// Prints the verdict as a user reads it.

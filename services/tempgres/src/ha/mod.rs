@@ -357,6 +357,18 @@ impl HaFormation {
         }
     }
 
+    /// The monitor's last `count` events, oldest first, as `pg_autoctl show events`
+    /// prints them: every state it assigned each node, the LSN the node reported, and
+    /// why — the story of a failover, kept by a run that must explain one afterwards
+    /// (the formation's directory goes with it).
+    pub fn events(&self, count: usize) -> Result<String, Error> {
+        let output = self
+            .pg_autoctl(&["show", "events", "--count", &count.to_string(), "--pgdata"])
+            .arg(self.dir.join("monitor"))
+            .output()?;
+        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+    }
+
     /// `pg_autoctl perform switchover`: the primary hands over to the standby, in order.
     pub fn switchover(&self) -> Result<(), Error> {
         self.perform("switchover")
