@@ -721,6 +721,7 @@ async fn key_store(url: &str, pool_size: u32) -> retrychain_ledger::KeyStore {
             connect_timeout: Duration::from_secs(5),
             round_trip_timeout: Duration::from_secs(1),
             skip_key_claim: false,
+            standby_copy: false,
         },
     )
     .await

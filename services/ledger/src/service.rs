@@ -220,7 +220,7 @@ impl From<StoreError> for Status {
                 resilience::wire::set_pushback(&mut status, 1);
                 status
             }
-            StoreError::Unavailable(_) | StoreError::Lost(_) => {
+            StoreError::Unavailable(_) | StoreError::Lost(_) | StoreError::NotCopied(_) => {
                 tracing::warn!(%message, "database unavailable");
                 Status::unavailable(message)
             }

@@ -18,7 +18,7 @@ use retrychain_node::{
 };
 use retrychain_tls::{ClientAuth, Tls};
 
-use crate::args::{HopArgs, InFlightArg, LedgerArgs, ServiceArgs, ServiceCommand};
+use crate::args::{HopArgs, InFlightArg, LedgerArgs, ServiceArgs, ServiceCommand, StandbyCopyArg};
 
 /// A future this crate has already compiled: see [`start`]. Not `Send`: starting a ledger
 /// holds sqlx's connection futures, whose `Send` the compiler cannot prove through a
@@ -249,6 +249,13 @@ async fn ledger(
             connect_timeout: Duration::from_millis(args.db_connect_timeout_ms),
             round_trip_timeout: Duration::from_millis(args.db_round_trip_timeout_ms),
             skip_key_claim: args.test_skip_key_claim,
+            standby_copy: match args.standby_copy {
+                StandbyCopyArg::Required => true,
+                StandbyCopyArg::Off => false,
+                StandbyCopyArg::Auto => {
+                    retrychain_ledger::primary::Hosts::parse(&args.database_url)?.len() > 1
+                }
+            },
         },
     )
     .await?;

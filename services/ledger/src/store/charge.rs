@@ -184,13 +184,22 @@ impl Persistence for KeyStore {
                         .bind(claim.lease.as_secs_f64())
                         .bind(claim.step_key)
                         .bind(claim.caller)
-                        .fetch_optional(conn)
+                        .fetch_optional(&mut *conn)
                         .instrument(
                             tracing::info_span!(target: resilience::TRACE_ONLY, "claim_key"),
                         ),
                 )
                 .await?;
-            row.as_ref().map(record).transpose()
+            let record = row.as_ref().map(record).transpose()?;
+            // A settled key's outcome is about to be replayed: answered only once a standby
+            // has it (the replay's own write is past its commit).
+            if record
+                .as_ref()
+                .is_some_and(|r| !r.inserted && !matches!(r.state, State::Started))
+            {
+                self.confirm_copied(conn, rt).await?;
+            }
+            Ok(record)
         })
         .await
     }
@@ -204,19 +213,25 @@ impl Persistence for KeyStore {
     ) -> Result<Option<Recorded>, StoreError> {
         let balance = self
             .finishing(Deadline::at(deadline), async |conn, rt| {
-                rt.bound(
-                    "recording the charge",
-                    sqlx::query_scalar::<_, i64>(FINISH)
-                        .bind(id.scope)
-                        .bind(id.key)
-                        .bind(owner)
-                        .bind(charge_id)
-                        .fetch_optional(conn)
-                        .instrument(
-                            tracing::info_span!(target: resilience::TRACE_ONLY, "record_charge"),
-                        ),
-                )
-                .await
+                let balance = rt
+                    .bound(
+                        "recording the charge",
+                        sqlx::query_scalar::<_, i64>(FINISH)
+                            .bind(id.scope)
+                            .bind(id.key)
+                            .bind(owner)
+                            .bind(charge_id)
+                            .fetch_optional(&mut *conn)
+                            .instrument(tracing::info_span!(
+                                target: resilience::TRACE_ONLY,
+                                "record_charge"
+                            )),
+                    )
+                    .await?;
+                if balance.is_some() {
+                    self.confirm_copied(conn, rt).await?;
+                }
+                Ok(balance)
             })
             .await?;
         Ok(balance.map(|balance_cents| Recorded {
@@ -234,17 +249,22 @@ impl Persistence for KeyStore {
     ) -> Result<bool, StoreError> {
         let failed = self
             .finishing(Deadline::at(deadline), async |conn, rt| {
-                rt.bound(
-                    "saving the processor's refusal",
-                    sqlx::query(FAIL)
-                        .bind(id.scope)
-                        .bind(id.key)
-                        .bind(owner)
-                        .bind(error.code() as i32)
-                        .bind(error.message())
-                        .execute(conn),
-                )
-                .await
+                let failed = rt
+                    .bound(
+                        "saving the processor's refusal",
+                        sqlx::query(FAIL)
+                            .bind(id.scope)
+                            .bind(id.key)
+                            .bind(owner)
+                            .bind(error.code() as i32)
+                            .bind(error.message())
+                            .execute(&mut *conn),
+                    )
+                    .await?;
+                if failed.rows_affected() > 0 {
+                    self.confirm_copied(conn, rt).await?;
+                }
+                Ok(failed)
             })
             .await?;
         Ok(failed.rows_affected() > 0)

@@ -65,6 +65,18 @@
 //! - **A replay waits for the synchronous standby**: the conflict branch of [`CLAIM`]
 //!   writes (it counts the replay), and a transaction that writes commits only once the
 //!   standby has it — so a replay never claims a success that a failover would lose.
+//! - **No success without a standby's copy**, with [`StoreOptions::standby_copy`] (by
+//!   default when `DATABASE_URL` names several hosts): synchronous replication alone does
+//!   not promise it. pg_auto_failover turns it off whenever it finds no healthy standby
+//!   (`wait_primary`) — after a standby died, after every failover until the old primary
+//!   rejoins, and, in pg_auto_failover 2.0, for a moment in a user's failover while the old
+//!   primary still takes writes (its issue #774) — and the node then promoted lacks what
+//!   the primary committed alone. So after every outcome it answers (a charge recorded, a
+//!   refusal saved, a replay), the ledger asks the server it committed on how far its
+//!   standbys have flushed ([`COPIED`]) and answers only once one is past that commit;
+//!   none within the round-trip bound is [`StoreError::NotCopied`], UNAVAILABLE, and the
+//!   retry replays it when a standby has it. The price: a two-node formation charges
+//!   nothing while one node is down (docs/failover.md).
 //!
 //! # When the database or this process misbehaves
 //!
@@ -182,6 +194,11 @@ pub struct StoreOptions {
     /// The chaos checker's own end-to-end test runs a ledger broken this way and must
     /// catch it; nothing else sets it.
     pub skip_key_claim: bool,
+    /// Answer an outcome only once a standby has flushed its commit (see the module docs,
+    /// "No success without a standby's copy"): on for a replicated database, where a
+    /// failover may otherwise take back a success; off for one server, which has no
+    /// standby to wait for.
+    pub standby_copy: bool,
 }
 
 /// Postgres access for the ledger.
@@ -201,6 +218,8 @@ pub struct KeyStore {
     round_trip_timeout: Duration,
     /// [`StoreOptions::skip_key_claim`].
     skip_key_claim: bool,
+    /// [`StoreOptions::standby_copy`].
+    standby_copy: bool,
     /// Which host the pool writes to; told when a failure suggests it moved.
     primary: Arc<Primary>,
     /// The pool and the primary's follower, stopped with the last clone of the store.
@@ -364,6 +383,9 @@ impl KeyStore {
             tracing::warn!(%error, "database not reachable yet; retrying in 1 s");
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
+        if options.standby_copy {
+            may_read_standbys(&pool, &options).await?;
+        }
         Ok(Self {
             pool,
             phases: Arc::new(idempotency::Phases::new(idempotency::Policy {
@@ -378,6 +400,7 @@ impl KeyStore {
             acquire_timeout: options.acquire_timeout,
             round_trip_timeout: options.round_trip_timeout,
             skip_key_claim: options.skip_key_claim,
+            standby_copy: options.standby_copy,
             primary,
             _database: database,
         })
@@ -391,5 +414,70 @@ impl KeyStore {
     /// Keys taken over and resumed, and phase 2s refused to a stale owner, since start.
     pub fn takeovers(&self) -> (u64, u64) {
         self.phases.takeovers()
+    }
+}
+
+/// Refuses to start a ledger that is to confirm standby copies but may not see where the
+/// standbys stand: it would answer no charge at all (every position it reads is NULL).
+async fn may_read_standbys(pool: &Pool, options: &StoreOptions) -> anyhow::Result<()> {
+    let by = tokio::time::Instant::now() + options.acquire_timeout.max(options.connect_timeout);
+    let mut conn = pool
+        .acquire(by, options.acquire_timeout, Queue::Back)
+        .await
+        .map_err(|_| anyhow::anyhow!("no database connection to check the role's rights"))?;
+    let may: bool = tokio::time::timeout(
+        options.round_trip_timeout,
+        sqlx::query_scalar(sql::MAY_READ_STANDBYS).fetch_one(&mut *conn.get()),
+    )
+    .await
+    .map_err(|_| {
+        anyhow::anyhow!("the database did not say whether this role may read pg_stat_replication")
+    })??;
+    conn.settle(true);
+    anyhow::ensure!(
+        may,
+        "the ledger confirms every charge is on a standby before answering (--standby-copy), \
+         and its database role cannot read where the standbys stand: GRANT pg_monitor TO \
+         the ledger's role, or run with --standby-copy off (a failover may then take back \
+         charges already answered)"
+    );
+    Ok(())
+}
+
+impl KeyStore {
+    /// With [`StoreOptions::standby_copy`], returns once a standby of the server `conn` is
+    /// on has flushed that server's WAL as far as it had flushed when first asked — past
+    /// the outcome `conn` just committed — or [`StoreError::NotCopied`] after the round-trip
+    /// bound. Asked again at growing intervals (1 ms, doubled, at most 50 ms): under
+    /// synchronous replication the first answer nearly always suffices; while no standby
+    /// is connected a waiting charge costs a few statements, not a stream of them.
+    async fn confirm_copied(
+        &self,
+        conn: &mut PgConnection,
+        rt: RoundTrip<'_>,
+    ) -> Result<(), StoreError> {
+        if !self.standby_copy {
+            return Ok(());
+        }
+        let until = tokio::time::Instant::now() + self.round_trip_timeout;
+        let mut target = None;
+        let mut pause = Duration::from_millis(1);
+        loop {
+            let (flushed, copied): (i64, Option<i64>) = rt
+                .bound(
+                    "where the standbys stand",
+                    sqlx::query_as(sql::COPIED).fetch_one(&mut *conn),
+                )
+                .await?;
+            let target = *target.get_or_insert(flushed);
+            if copied.is_some_and(|copied| copied >= target) {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() + pause >= until {
+                return Err(StoreError::NotCopied(self.round_trip_timeout));
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(50));
+        }
     }
 }

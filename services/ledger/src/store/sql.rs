@@ -103,3 +103,21 @@ FROM (SELECT account_id, idempotency_key FROM idempotency_keys \
       ORDER BY lease_expires_at LIMIT $4 FOR UPDATE SKIP LOCKED) AS due \
 WHERE k.account_id = due.account_id AND k.idempotency_key = due.idempotency_key \
 RETURNING k.account_id, k.idempotency_key, k.request_amount_cents, k.processor_key";
+
+/// After an outcome committed, when the ledger confirms standby copies
+/// ([`StoreOptions::standby_copy`](super::StoreOptions::standby_copy)): how far this
+/// server has flushed its WAL — past that commit, which flushed before it returned — and
+/// how far its most advanced physical standby has (NULL while none is connected), as byte
+/// positions. A logical subscriber is no failover candidate, so its walsender (the one
+/// holding a logical slot) does not count.
+pub(super) const COPIED: &str = "\
+SELECT (pg_current_wal_flush_lsn() - '0/0'::pg_lsn)::int8 AS flushed, \
+    ((SELECT max(r.flush_lsn) FROM pg_stat_replication AS r WHERE NOT EXISTS ( \
+        SELECT 1 FROM pg_replication_slots AS s \
+        WHERE s.active_pid = r.pid AND s.slot_type = 'logical')) - '0/0'::pg_lsn)::int8 AS copied";
+
+/// Whether this session may read where its server's standbys stand (`pg_stat_replication`
+/// hides the positions from a role that is neither a superuser nor in `pg_read_all_stats`):
+/// asked once at start-up when the ledger confirms standby copies.
+pub(super) const MAY_READ_STANDBYS: &str =
+    "SELECT pg_has_role(current_user, 'pg_read_all_stats', 'MEMBER')";

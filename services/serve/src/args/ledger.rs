@@ -20,6 +20,18 @@ pub enum InFlightArg {
     Reject,
 }
 
+/// `--standby-copy` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum StandbyCopyArg {
+    /// `required` when `DATABASE_URL` names several hosts (a replicated database the
+    /// ledger follows), else `off`.
+    Auto,
+    /// Answer a charge only once a standby has flushed its commit.
+    Required,
+    /// Answer once the server the ledger writes to has committed.
+    Off,
+}
+
 /// Flags of `ledger`.
 #[derive(Debug, Clone, Args, Serialize)]
 pub struct LedgerArgs {
@@ -62,6 +74,14 @@ pub struct LedgerArgs {
     /// (docs/reliability.md).
     #[arg(long, env = "RETRYCHAIN_DB_ROUND_TRIP_TIMEOUT_MS", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..))]
     pub db_round_trip_timeout_ms: u64,
+    /// Whether a charge is answered only once a standby has it: `required` closes the
+    /// window in which a failover takes back answered charges (pg_auto_failover writes
+    /// without its standby whenever it finds it unhealthy), at the price of charging
+    /// nothing while no standby is connected; `auto` is `required` for a multi-host
+    /// DATABASE_URL. The role needs pg_monitor (or superuser) to see the standbys.
+    #[arg(long, env = "RETRYCHAIN_STANDBY_COPY", value_enum, default_value_t = StandbyCopyArg::Auto)]
+    #[serde(serialize_with = "as_value_name")]
+    pub standby_copy: StandbyCopyArg,
     /// Whose signed statement names each call's caller, or `none`. With it, a call is
     /// served only with a statement this identity signed for that very call
     /// (x-caller-statement-bin, checked against --tls-ca), so a stolen relay key cannot

@@ -14,7 +14,7 @@ mod service;
 mod value;
 
 pub use hop::{CallersArg, HopArgs, REPLICATED_PER_TRY_TIMEOUT_MS};
-pub use ledger::{InFlightArg, LedgerArgs};
+pub use ledger::{InFlightArg, LedgerArgs, StandbyCopyArg};
 pub use service::{LogFormatArg, ServiceArgs};
 
 /// One service's command line, `edge|relay|ledger <flags>`: what the harness parses to
@@ -152,6 +152,7 @@ mod tests {
         args.db_acquire_timeout_ms = 99;
         args.db_connect_timeout_ms = 999;
         args.db_round_trip_timeout_ms = 1234;
+        args.standby_copy = StandbyCopyArg::Required;
         args.caller_signer = Some("spiffe://retrychain/edge".into());
         let s = &mut args.service;
         s.listen = Some("127.0.0.1:1".parse().expect("addr"));
