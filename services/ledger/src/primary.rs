@@ -27,8 +27,9 @@
 //! round-trip bound), and the edge's retry — or the client's, with the same key — finds
 //! the new primary. Whether a COMMIT in flight when the primary died took effect is the
 //! key's to say: synchronous replication makes an acknowledged charge durable on the
-//! standby, and the retry replays it; an unacknowledged one the retry charges, once. (Not
-//! while the primary writes alone, `wait_primary`: see docs/failover.md, "Three limits".)
+//! standby, and the retry replays it; an unacknowledged one the retry charges, once. While
+//! the primary writes alone (`wait_primary`) nothing is answered until a standby has it:
+//! see the key store's "No success without a standby's copy".
 
 use std::{
     str::FromStr,
