@@ -231,14 +231,16 @@ async fn postgres_failover_and_switchover_lose_no_acknowledged_charge_and_charge
         "the ledger's pool is on the new primary"
     );
 
-    // A planned switchover moves the primary back; the ledger follows again.
+    // A planned switchover moves the primary back; the ledger follows again, and charges
+    // are answered once the other node streams from it (settled: both).
+    let back = primary_is(old_primary);
     sent.extend(
         under_load(
             &chain,
             &formation,
             "switchover",
             |f| f.switchover(),
-            primary_is(old_primary),
+            move |nodes| back(nodes) && replicating(nodes),
         )
         .await,
     );
@@ -250,6 +252,32 @@ async fn postgres_failover_and_switchover_lose_no_acknowledged_charge_and_charge
 
     resend_and_check(&chain.addrs[EDGE], &primary_url, &sent).await;
     drop(chain);
+}
+
+/// Waits (up to [`SETTLE`]) until the writable host of the multi-host `uri` has a standby
+/// streaming from it: until then the ledger answers no charge (`--standby-copy`).
+async fn a_standby_streams_from(uri: &str) {
+    let start = Instant::now();
+    loop {
+        let host = writable_host(uri).await;
+        let mut conn = <sqlx::PgConnection as sqlx::Connection>::connect(&host)
+            .await
+            .unwrap();
+        let streaming: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming'",
+        )
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+        if streaming > 0 {
+            return;
+        }
+        assert!(
+            start.elapsed() < SETTLE,
+            "no standby streams from {host} after {SETTLE:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
 }
 
 /// Whether a failure says the ledger met a standby or a read-only (demoted) server — which
@@ -400,6 +428,8 @@ async fn up_with_postgres_ha_rides_through_the_failover_it_tells_you_to_run() {
         codes(&sent)
     );
     assert_acknowledged_kept(&after, &sent).await;
+    // Charges are answered again once the old primary streams from the new one.
+    a_standby_streams_from(&uri).await;
     resend_and_check(&edge, &after, &sent).await;
 
     let _ = Command::new("kill")
