@@ -60,15 +60,13 @@ pub enum StoreError {
     /// one kind of failure that makes the pool doubt its other connections.
     #[error("database connection lost ({0}); retry with the same idempotency key")]
     Lost(String),
-    /// The outcome committed on the primary, but no standby confirmed having it within the
-    /// round-trip bound (it is down, still catching up, or the formation is failing over):
+    /// The outcome committed on the primary, but no standby is connected, or none confirmed
+    /// having it within the round-trip bound (down, catching up, a failover under way):
     /// a success a failover could take back is not answered. For the caller as
     /// [`StoreError::Unavailable`]: the retry with the same key replays the outcome once a
     /// standby has it — or, if a failover lost it, charges it, once.
-    #[error(
-        "the outcome committed on the primary, but no standby confirmed a copy within {0:?}; retry with the same idempotency key"
-    )]
-    NotCopied(Duration),
+    #[error("the outcome committed on the primary, but {0}; retry with the same idempotency key")]
+    NotCopied(String),
     /// A serialization failure or deadlock: rolled back, safe to retry.
     #[error("database conflict ({0}); rolled back, retry")]
     Conflict(String),

@@ -74,8 +74,9 @@
 //!   the primary committed alone. So after every outcome it answers (a charge recorded, a
 //!   refusal saved, a replay), the ledger asks the server it committed on how far its
 //!   standbys have flushed ([`COPIED`]) and answers only once one is past that commit;
-//!   none within the round-trip bound is [`StoreError::NotCopied`], UNAVAILABLE, and the
-//!   retry replays it when a standby has it. The price: a two-node formation charges
+//!   none connected, or none there within the round-trip bound, is
+//!   [`StoreError::NotCopied`], UNAVAILABLE, and the retry replays it when a standby has
+//!   it. The price: a two-node formation charges
 //!   nothing while one node is down (docs/failover.md).
 //!
 //! # When the database or this process misbehaves
@@ -447,10 +448,12 @@ async fn may_read_standbys(pool: &Pool, options: &StoreOptions) -> anyhow::Resul
 impl KeyStore {
     /// With [`StoreOptions::standby_copy`], returns once a standby of the server `conn` is
     /// on has flushed that server's WAL as far as it had flushed when first asked — past
-    /// the outcome `conn` just committed — or [`StoreError::NotCopied`] after the round-trip
-    /// bound. Asked again at growing intervals (1 ms, doubled, at most 50 ms): under
-    /// synchronous replication the first answer nearly always suffices; while no standby
-    /// is connected a waiting charge costs a few statements, not a stream of them.
+    /// the outcome `conn` just committed — or [`StoreError::NotCopied`]: at once when no
+    /// standby is connected (one that must first reconnect and catch up will not have it
+    /// within a round trip, and the pooled connection is not held for nothing while every
+    /// retry would hold another), else after the round-trip bound. A connected standby is
+    /// asked again at growing intervals (1 ms, doubled, at most 50 ms): under synchronous
+    /// replication the first answer nearly always suffices.
     async fn confirm_copied(
         &self,
         conn: &mut PgConnection,
@@ -470,11 +473,16 @@ impl KeyStore {
                 )
                 .await?;
             let target = *target.get_or_insert(flushed);
-            if copied.is_some_and(|copied| copied >= target) {
-                return Ok(());
+            match copied {
+                Some(copied) if copied >= target => return Ok(()),
+                None => return Err(StoreError::NotCopied("no standby is connected".into())),
+                Some(_) => {}
             }
             if tokio::time::Instant::now() + pause >= until {
-                return Err(StoreError::NotCopied(self.round_trip_timeout));
+                return Err(StoreError::NotCopied(format!(
+                    "no standby confirmed a copy within {:?}",
+                    self.round_trip_timeout
+                )));
             }
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(Duration::from_millis(50));

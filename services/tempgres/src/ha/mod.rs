@@ -366,6 +366,12 @@ impl HaFormation {
             .pg_autoctl(&["show", "events", "--count", &count.to_string(), "--pgdata"])
             .arg(self.dir.join("monitor"))
             .output()?;
+        if !output.status.success() {
+            return Err(Error::Io(std::io::Error::other(format!(
+                "pg_autoctl show events: {}",
+                String::from_utf8_lossy(&output.stderr).trim()
+            ))));
+        }
         Ok(String::from_utf8_lossy(&output.stdout).into_owned())
     }
 
