@@ -14,7 +14,7 @@ use tonic::{Code, Status};
 
 use super::{
     fairness::{CallerKey, Priority},
-    limit::{Admitted, Ask, ConcurrencyLimit},
+    limit::{Admitted, Ask, ConcurrencyLimit, Entry},
 };
 use crate::{server_deadline::IncomingDeadline, wire};
 
@@ -108,14 +108,14 @@ pub struct Admission<S> {
 
 impl<S, B, RB> tower::Service<http::Request<B>> for Admission<S>
 where
-    S: tower::Service<http::Request<B>, Response = http::Response<RB>>,
+    S: tower::Service<http::Request<B>, Response = http::Response<RB>> + Clone,
     S::Error: Into<tower::BoxError>,
     B: http_body::Body + Unpin + Send + 'static,
     B::Data: Send,
 {
     type Response = S::Response;
     type Error = tower::BoxError;
-    type Future = AdmissionFuture<S::Future>;
+    type Future = AdmissionFuture<S::Future, S, http::Request<B>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx).map_err(Into::into)
@@ -144,42 +144,112 @@ where
                 .as_ref()
                 .and_then(|key_of| key_of(request.headers(), request.extensions())),
         };
-        match layer.limit.try_admit(ask) {
-            Ok(admitted) => AdmissionFuture::Admitted {
+        match layer.limit.enter(ask) {
+            Entry::Admitted(admitted) => AdmissionFuture::Admitted {
                 future: self.inner.call(request),
                 admitted: Some(admitted),
             },
-            Err(status) => {
-                drain_soon(request.into_body());
-                if let Some(observe) = &layer.limit.on_refusal {
-                    (observe.0)(arrived.elapsed());
-                }
+            Entry::Refused(status) => {
+                refused(&layer.limit, request, arrived);
                 AdmissionFuture::Refused {
                     status: Some(status),
+                }
+            }
+            Entry::Wait => {
+                // The service this call will be made on once admitted: the one that was
+                // polled ready; a clone of it stays for the next request.
+                let ready = self.inner.clone();
+                let inner = std::mem::replace(&mut self.inner, ready);
+                AdmissionFuture::Waiting {
+                    wait: Box::pin(Arc::clone(&layer.limit).wait_for_place(ask)),
+                    call: Some(Held {
+                        inner,
+                        request,
+                        arrived,
+                        limit: Arc::clone(&layer.limit),
+                    }),
                 }
             }
         }
     }
 }
 
+/// A refused request: its body drained apart, the refusal's time observed.
+fn refused<B>(limit: &ConcurrencyLimit, request: http::Request<B>, arrived: Instant)
+where
+    B: http_body::Body + Unpin + Send + 'static,
+    B::Data: Send,
+{
+    drain_soon(request.into_body());
+    if let Some(observe) = &limit.on_refusal {
+        (observe.0)(arrived.elapsed());
+    }
+}
+
+/// A call waiting at the door for its place.
+type Wait = Pin<Box<dyn Future<Output = Result<Admitted, Box<Status>>> + Send>>;
+
+/// What a call waiting at the door keeps until it has its place or its refusal.
+#[derive(Debug)]
+pub struct Held<S, R> {
+    /// The service to make it on.
+    inner: S,
+    /// The request, its body unread.
+    request: R,
+    /// When it arrived.
+    arrived: Instant,
+    /// Whose door.
+    limit: Arc<ConcurrencyLimit>,
+}
+
 pin_project_lite::pin_project! {
-    /// The future of [`Admission`]: the call served under its place, or its refusal.
+    /// The future of [`Admission`]: the call served under its place, waiting at the door
+    /// for one (the service `S` to make request `R` on kept until then), or its refusal.
     #[project = AdmissionProj]
     #[allow(missing_docs)] // described above; the macro takes no field docs
-    pub enum AdmissionFuture<F> {
+    pub enum AdmissionFuture<F, S, R> {
         Admitted { #[pin] future: F, admitted: Option<Admitted> },
+        Waiting { wait: Wait, call: Option<Held<S, R>> },
         Refused { status: Option<Box<Status>> },
     }
 }
 
-impl<F, RB, E> Future for AdmissionFuture<F>
+impl<F, S, B, RB, E> Future for AdmissionFuture<F, S, http::Request<B>>
 where
     F: Future<Output = Result<http::Response<RB>, E>>,
+    S: tower::Service<http::Request<B>, Future = F>,
+    B: http_body::Body + Unpin + Send + 'static,
+    B::Data: Send,
     E: Into<tower::BoxError>,
 {
     type Output = Result<http::Response<RB>, tower::BoxError>;
 
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        if let AdmissionProj::Waiting { wait, call } = self.as_mut().project() {
+            let place = std::task::ready!(wait.as_mut().poll(cx));
+            let Some(Held {
+                mut inner,
+                request,
+                arrived,
+                limit,
+            }) = call.take()
+            else {
+                return Poll::Pending;
+            };
+            match place {
+                Ok(admitted) => {
+                    let future = inner.call(request);
+                    self.set(AdmissionFuture::Admitted {
+                        future,
+                        admitted: Some(admitted),
+                    });
+                }
+                Err(status) => {
+                    refused(&limit, request, arrived);
+                    return Poll::Ready(Err(status));
+                }
+            }
+        }
         match self.project() {
             AdmissionProj::Admitted { future, admitted } => {
                 let answer = std::task::ready!(future.poll(cx));
@@ -207,6 +277,7 @@ where
                 Some(status) => Poll::Ready(Err(status)),
                 None => Poll::Pending,
             },
+            AdmissionProj::Waiting { .. } => Poll::Pending,
         }
     }
 }

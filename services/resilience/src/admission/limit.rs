@@ -2,6 +2,7 @@
 //! refused with what, and what its answer teaches the estimate.
 
 use std::{
+    future::Future,
     sync::{
         Arc, Mutex,
         atomic::{AtomicU64, AtomicUsize, Ordering},
@@ -9,7 +10,7 @@ use std::{
     time::Duration,
 };
 
-use tokio::time::Instant;
+use tokio::{sync::Notify, time::Instant};
 use tonic::Status;
 
 use super::{
@@ -77,6 +78,23 @@ pub struct ConcurrencyLimit {
     shed_retries: AtomicU64,
     /// Told how long each refusal took to answer (its body drained), for a histogram.
     pub(super) on_refusal: Option<RefusalObserver>,
+    /// First attempts waiting at the door for a place (see [`ConcurrencyLimit::enter`]).
+    waiting: AtomicUsize,
+    /// Where they wait: woken one at a time, the longest waiting first, as places are
+    /// given back.
+    door: Notify,
+}
+
+/// What the door does with a call (see [`ConcurrencyLimit::enter`]).
+#[derive(Debug)]
+pub enum Entry {
+    /// In, now.
+    Admitted(Admitted),
+    /// Refused, now.
+    Refused(Box<Status>),
+    /// It does not fit now but will within the time it may wait: wait for a place with
+    /// [`ConcurrencyLimit::wait_for_place`].
+    Wait,
 }
 
 /// What [`ConcurrencyLimit::observing_refusals`] tells.
@@ -105,10 +123,11 @@ enum Verdict {
 enum Full {
     /// `max_limit` reached.
     Ceiling,
-    /// Its predicted time does not fit its budget.
+    /// Its predicted time does not fit its budget (after `waited` at the door).
     Late {
         predicted: Duration,
         budget: Duration,
+        waited: Duration,
     },
     /// Past the reserve of `max_limit` kept for callers under their share.
     Reserved,
@@ -132,6 +151,8 @@ impl ConcurrencyLimit {
             shed_first: AtomicU64::new(0),
             shed_retries: AtomicU64::new(0),
             on_refusal: None,
+            waiting: AtomicUsize::new(0),
+            door: Notify::new(),
         }
     }
 
@@ -178,25 +199,139 @@ impl ConcurrencyLimit {
         self.callers.held(caller)
     }
 
-    /// The budget of a call with `time` here: the share of it a prediction may take.
-    fn budget(&self, time: Option<Duration>) -> Option<Duration> {
-        let s = &self.settings;
-        let time = match (time, s.latency_objective) {
+    /// The time a call with `time` here is judged by: the shorter of it and the latency
+    /// objective.
+    fn judged_time(&self, time: Option<Duration>) -> Option<Duration> {
+        match (time, self.settings.latency_objective) {
             (Some(time), Some(objective)) => Some(time.min(objective)),
             (time, objective) => time.or(objective),
-        }?;
-        Some(time.mul_f64(s.headroom))
+        }
     }
 
-    /// A place for `ask`, or the answer refusing it.
+    /// The budget of a call with `time` here: the share of it a prediction may take.
+    fn budget(&self, time: Option<Duration>) -> Option<Duration> {
+        Some(self.judged_time(time)?.mul_f64(self.settings.headroom))
+    }
+
+    /// How long a first attempt with `time` here may wait at the door for a place.
+    fn wait_allowance(&self, time: Option<Duration>) -> Duration {
+        self.judged_time(time)
+            .map_or(Duration::ZERO, |t| t.mul_f64(self.settings.wait_share))
+    }
+
+    /// A place for `ask`, or the answer refusing it, now.
     pub fn try_admit(self: &Arc<Self>, ask: Ask) -> Result<Admitted, Box<Status>> {
+        self.admit(ask, false)
+            .map_err(|(full, n)| self.refuse(ask, n, full))
+    }
+
+    /// At the door: a place for `ask` now, its refusal now, or — when it does not fit now
+    /// but the calls ahead of it, in flight and waiting, drain within its budget and the
+    /// time it may wait ([`AdmissionSettings::wait_share`]) — [`Entry::Wait`]. Queueing is
+    /// not overload: a call that can be served in time waits at the door, where it holds
+    /// nothing below and costs no CPU, rather than being refused and sent again at once
+    /// by a client that does not wait out the pushback. The chain below still holds no
+    /// more than the budget's worth, so a stall after admission leaves the admitted calls
+    /// room. A first attempt arriving while others wait goes behind them, unless its
+    /// caller is under its fair share.
+    pub fn enter(self: &Arc<Self>, ask: Ask) -> Entry {
+        let behind = self.waiting.load(Ordering::Acquire) > 0;
+        match self.admit(ask, behind) {
+            Ok(admitted) => Entry::Admitted(admitted),
+            Err((Full::Late { .. }, n)) if self.may_wait(&ask) => {
+                let per_call = self.per_call_ns.load(Ordering::Relaxed);
+                let ahead = n + self.waiting.load(Ordering::Acquire);
+                let predicted = Duration::from_nanos(per_call.saturating_mul(ahead as u64));
+                let may = self.budget(ask.time).unwrap_or_default() + self.wait_allowance(ask.time);
+                if predicted <= may {
+                    Entry::Wait
+                } else {
+                    Entry::Refused(self.refuse(
+                        ask,
+                        n,
+                        Full::Late {
+                            predicted,
+                            budget: may,
+                            waited: Duration::ZERO,
+                        },
+                    ))
+                }
+            }
+            Err((full, n)) => Entry::Refused(self.refuse(ask, n, full)),
+        }
+    }
+
+    /// Waits at the door, after [`ConcurrencyLimit::enter`] said [`Entry::Wait`], for a
+    /// place that fits `ask`'s budget: woken as places are given back, the longest
+    /// waiting first; refused once its time to wait is over (or, meanwhile, for a reason
+    /// waiting cannot mend: the ceiling).
+    pub fn wait_for_place(
+        self: Arc<Self>,
+        ask: Ask,
+    ) -> impl Future<Output = Result<Admitted, Box<Status>>> + Send + 'static {
+        // Counted from now, not from the first poll: a call arriving meanwhile goes behind.
+        let waiting = Waiting::new(self);
+        async move {
+            let this = &waiting.0;
+            let arrived = Instant::now();
+            let until = arrived + this.wait_allowance(ask.time);
+            loop {
+                let woken = this.door.notified();
+                tokio::pin!(woken);
+                woken.as_mut().enable();
+                match this.admit(ask, false) {
+                    Ok(admitted) => return Ok(admitted),
+                    Err((Full::Late { .. }, _)) => {}
+                    Err((full, n)) => return Err(this.refuse(ask, n, full)),
+                }
+                if tokio::time::timeout_at(until, woken).await.is_err() {
+                    return match this.admit(ask, false) {
+                        Ok(admitted) => Ok(admitted),
+                        Err((full, n)) => Err(this.refuse(ask, n, full.waited(arrived.elapsed()))),
+                    };
+                }
+            }
+        }
+    }
+
+    /// Whether `ask` may wait at the door rather than be refused at once: a first attempt,
+    /// at a door that lets calls wait, with a time to be judged by, once the drain rate
+    /// is known.
+    fn may_wait(&self, ask: &Ask) -> bool {
+        self.settings.door
+            && self.settings.wait_share > 0.0
+            && ask.priority == Priority::First
+            && self.judged_time(ask.time).is_some()
+            && self.per_call_ns.load(Ordering::Relaxed) > 0
+    }
+
+    /// A place for `ask`, or why not with the calls in flight it saw; `behind`: others
+    /// wait at the door, so it fits only under its caller's fair share.
+    fn admit(self: &Arc<Self>, ask: Ask, behind: bool) -> Result<Admitted, (Full, usize)> {
         let n = self.in_flight.fetch_add(1, Ordering::AcqRel) + 1;
         let budget = self.budget(ask.time);
         if let Some(budget) = budget {
             self.typical_budget
                 .store(budget.as_nanos() as u64, Ordering::Relaxed);
         }
-        let verdict = match (self.judge(&ask, n, budget), ask.caller) {
+        let verdict = match self.judge(&ask, n, budget) {
+            Verdict::Admit if behind && ask.priority == Priority::First => {
+                let per_call = self.per_call_ns.load(Ordering::Relaxed);
+                Verdict::IfUnderShare {
+                    full: Full::Late {
+                        predicted: Duration::from_nanos(per_call.saturating_mul(n as u64)),
+                        budget: budget.unwrap_or_default(),
+                        waited: Duration::ZERO,
+                    },
+                    fit: budget.map_or(self.settings.max_limit, |b| {
+                        (b.as_nanos() / u128::from(per_call.max(1)))
+                            .min(self.settings.max_limit as u128) as usize
+                    }),
+                }
+            }
+            verdict => verdict,
+        };
+        let verdict = match (verdict, ask.caller) {
             (Verdict::Admit, Some(caller)) => {
                 self.callers.take(caller);
                 Ok(())
@@ -221,15 +356,21 @@ impl ConcurrencyLimit {
                 done: false,
             }),
             Err(full) => {
+                // Not `release`: a refused try frees no place, so wakes no one waiting.
                 self.in_flight.fetch_sub(1, Ordering::AcqRel);
-                let shed = match ask.priority {
-                    Priority::First => &self.shed_first,
-                    Priority::Retry => &self.shed_retries,
-                };
-                shed.fetch_add(1, Ordering::Relaxed);
-                Err(Box::new(refusal(ask.priority, n - 1, full)))
+                Err((full, n))
             }
         }
+    }
+
+    /// Counts `ask`'s refusal (it saw `n` calls in flight, itself included) and words it.
+    fn refuse(&self, ask: Ask, n: usize, full: Full) -> Box<Status> {
+        let shed = match ask.priority {
+            Priority::First => &self.shed_first,
+            Priority::Retry => &self.shed_retries,
+        };
+        shed.fetch_add(1, Ordering::Relaxed);
+        Box::new(refusal(ask.priority, n - 1, full))
     }
 
     /// Whether the `n`th call in flight, `ask`, may be served; see the module docs.
@@ -280,6 +421,7 @@ impl ConcurrencyLimit {
                     Err(Full::Late {
                         predicted,
                         budget: allowed,
+                        waited: Duration::ZERO,
                     })
                 };
                 (fits, fit as usize)
@@ -324,6 +466,42 @@ impl ConcurrencyLimit {
         if let Some(caller) = caller {
             self.callers.give_back(caller);
         }
+        if self.waiting.load(Ordering::Acquire) > 0 {
+            self.door.notify_one();
+        }
+    }
+}
+
+impl Full {
+    /// The same reason, given after `waited` at the door.
+    fn waited(self, waited: Duration) -> Self {
+        match self {
+            Full::Late {
+                predicted, budget, ..
+            } => Full::Late {
+                predicted,
+                budget,
+                waited,
+            },
+            other => other,
+        }
+    }
+}
+
+/// Counts a call waiting at the door while it lives (a caller that leaves meanwhile drops
+/// it; a wake-up it was given passes to the next in line).
+struct Waiting(Arc<ConcurrencyLimit>);
+
+impl Waiting {
+    fn new(limit: Arc<ConcurrencyLimit>) -> Self {
+        limit.waiting.fetch_add(1, Ordering::AcqRel);
+        Self(limit)
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.waiting.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -352,10 +530,19 @@ fn refusal(priority: Priority, in_flight: usize, full: Full) -> Status {
                 "overloaded: this service is serving {in_flight} calls and has been measured draining at most {measured_at} at once{which}"
             ),
         ),
-        Full::Late { predicted, budget } => (
+        Full::Late {
+            predicted,
+            budget,
+            waited,
+        } => (
             predicted.saturating_sub(budget).min(budget),
             format!(
-                "overloaded: behind the {in_flight} calls in flight this one would take about {} ms, more than the {} ms it may{which}",
+                "overloaded: {}behind the {in_flight} calls in flight this one would take about {} ms, more than the {} ms it may{which}",
+                if waited.is_zero() {
+                    String::new()
+                } else {
+                    format!("after waiting {} ms at the door, ", waited.as_millis())
+                },
                 predicted.as_millis(),
                 budget.as_millis()
             ),

@@ -91,5 +91,5 @@ mod tests;
 pub use drain::Drain;
 pub use fairness::{CallerKey, Priority};
 pub use layer::{Admission, AdmissionLayer, DRAIN_WITHIN, KeyOf};
-pub use limit::{Admitted, Ask, ConcurrencyLimit, DROP_PENALTY, GROWTH};
+pub use limit::{Admitted, Ask, ConcurrencyLimit, DROP_PENALTY, Entry, GROWTH};
 pub use settings::{AdmissionSettings, InvalidAdmission};

@@ -14,6 +14,11 @@ pub struct AdmissionSettings {
     /// The share of a call's time left that its predicted time here may take: below 1 at
     /// the edge (what it admits must fit the services below it too), 1 behind it.
     pub headroom: f64,
+    /// The share of a call's time a first attempt that does not fit at once may wait at
+    /// the door for a place (0: refused at once); only at the door, and only when the
+    /// calls ahead of it drain within this and its budget together (see
+    /// [`ConcurrencyLimit::enter`](super::ConcurrencyLimit::enter)).
+    pub wait_share: f64,
     /// Whether this service is where calls enter (a lone server; in a chain, its edge).
     /// At the door a call is admitted only while it is predicted to fit its time; a
     /// refusal from below that the door relays counts as a sample (a drop, see
@@ -47,6 +52,7 @@ impl Default for AdmissionSettings {
             min_limit: 16,
             max_limit: 4096,
             headroom: 1.0,
+            wait_share: 0.0,
             door: true,
             latency_objective: None,
             smoothing: 0.2,
@@ -90,6 +96,11 @@ impl AdmissionSettings {
         }
         if !(s.headroom > 0.0 && s.headroom <= 1.0) {
             return Err(InvalidAdmission::Out("the headroom must be in (0, 1]"));
+        }
+        if !(s.wait_share >= 0.0 && s.headroom + s.wait_share <= 1.0) {
+            return Err(InvalidAdmission::Out(
+                "the wait share must be at least 0 and leave the headroom room (their sum at most 1)",
+            ));
         }
         if !(s.smoothing > 0.0 && s.smoothing <= 1.0) {
             return Err(InvalidAdmission::Out("the smoothing must be in (0, 1]"));

@@ -294,7 +294,152 @@ fn settings_out_of_order_are_refused() {
             latency_objective: Some(Duration::ZERO),
             ..AdmissionSettings::default()
         },
+        AdmissionSettings {
+            headroom: 0.8,
+            wait_share: 0.25,
+            ..AdmissionSettings::default()
+        },
+        AdmissionSettings {
+            wait_share: -0.1,
+            ..AdmissionSettings::default()
+        },
     ] {
         assert!(bad.validated().is_err(), "{bad:?}");
     }
+}
+
+/// The edge's settings: a quarter of a call's time below, another quarter to wait.
+fn door_that_queues() -> Arc<ConcurrencyLimit> {
+    let limit = Arc::new(ConcurrencyLimit::new(AdmissionSettings {
+        headroom: 0.25,
+        wait_share: 0.25,
+        door: true,
+        ..AdmissionSettings::default()
+    }));
+    // 10 ms a call in flight: a 1 s call's budget (250 ms) fits 25; with its wait, 50.
+    measured(&limit, Duration::from_millis(10));
+    limit
+}
+
+fn entered(limit: &Arc<ConcurrencyLimit>, ask: Ask) -> &'static str {
+    match limit.enter(ask) {
+        Entry::Admitted(admitted) => {
+            std::mem::forget(admitted);
+            "admitted"
+        }
+        Entry::Refused(_) => "refused",
+        Entry::Wait => "wait",
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_that_fits_once_the_queue_drains_waits_at_the_door_and_goes_in_first_come() {
+    let limit = door_that_queues();
+    let mut held: Vec<Admitted> = (0..25)
+        .map(|_| limit.try_admit(first(1000)).expect("fits"))
+        .collect();
+    // The 26th would take 260 ms of its 250: not refused, it waits.
+    assert!(matches!(limit.enter(first(1000)), Entry::Wait));
+    let a = tokio::spawn(Arc::clone(&limit).wait_for_place(first(1000)));
+    tokio::task::yield_now().await;
+    let b = tokio::spawn(Arc::clone(&limit).wait_for_place(first(1000)));
+    tokio::task::yield_now().await;
+    // A newcomer whose own prediction would fit once a place is free goes behind them.
+    assert!(!a.is_finished() && !b.is_finished());
+    held.pop();
+    assert!(
+        matches!(limit.enter(first(1000)), Entry::Wait),
+        "behind those waiting"
+    );
+    tokio::task::yield_now().await;
+    tokio::task::yield_now().await;
+    assert!(a.is_finished(), "the longest waiting goes first");
+    assert!(!b.is_finished());
+    held.push(a.await.unwrap().expect("admitted"));
+    held.pop();
+    tokio::task::yield_now().await;
+    tokio::task::yield_now().await;
+    held.push(b.await.unwrap().expect("admitted next"));
+    assert_eq!(limit.in_flight(), 25);
+    assert_eq!(limit.shed(), (0, 0), "nothing refused");
+    drop(held);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_behind_more_than_it_may_wait_for_is_refused_at_once_and_a_waiter_when_its_wait_is_over()
+ {
+    let limit = door_that_queues();
+    let held: Vec<Admitted> = (0..25)
+        .map(|_| limit.try_admit(first(1000)).expect("fits"))
+        .collect();
+    // 25 more may wait: with them, 50 calls ahead drain in its 250 ms budget and 250 ms
+    // to wait.
+    let waiting: Vec<_> = (0..24)
+        .map(|_| {
+            assert_eq!(entered(&limit, first(1000)), "wait");
+            tokio::spawn(Arc::clone(&limit).wait_for_place(first(1000)))
+        })
+        .collect();
+    tokio::task::yield_now().await;
+    assert_eq!(entered(&limit, first(1000)), "wait", "the 50th");
+    let last = tokio::spawn(Arc::clone(&limit).wait_for_place(first(1000)));
+    tokio::task::yield_now().await;
+    let refused = match limit.enter(first(1000)) {
+        Entry::Refused(status) => status,
+        other => panic!("the 51st: {other:?}"),
+    };
+    assert_eq!(refused.code(), Code::Unavailable);
+    assert!(
+        refused.message().contains("more than the 500 ms it may"),
+        "{}",
+        refused.message()
+    );
+    // Retries never wait: they go first or not at all.
+    let retry = Ask {
+        priority: Priority::Retry,
+        ..first(1000)
+    };
+    assert_eq!(entered(&limit, retry), "refused");
+    // Nothing given back: each waiter is refused when its 250 ms to wait are over.
+    tokio::time::advance(Duration::from_millis(251)).await;
+    for waiter in waiting.into_iter().chain([last]) {
+        let refused = waiter.await.unwrap().expect_err("its wait is over");
+        assert!(
+            refused.message().contains("after waiting 25"),
+            "{}",
+            refused.message()
+        );
+        assert!(wire::is_overloaded(
+            &refused.metadata().clone().into_headers()
+        ));
+    }
+    assert_eq!(limit.shed(), (26, 1));
+    drop(held);
+    assert_eq!(limit.in_flight(), 0);
+    // Those that left are no longer counted as waiting: a call that fits goes in.
+    assert_eq!(entered(&limit, first(1000)), "admitted");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_caller_under_its_share_does_not_wait_behind_another_callers_queue() {
+    let limit = door_that_queues();
+    let heavy = CallerKey(1);
+    let light = CallerKey(2);
+    let ask = |caller| Ask {
+        caller: Some(caller),
+        ..first(1000)
+    };
+    let held: Vec<Admitted> = (0..25)
+        .map(|_| limit.try_admit(ask(heavy)).expect("fits"))
+        .collect();
+    assert_eq!(entered(&limit, ask(heavy)), "wait");
+    let waiter = tokio::spawn(Arc::clone(&limit).wait_for_place(ask(heavy)));
+    tokio::task::yield_now().await;
+    assert_eq!(
+        entered(&limit, ask(light)),
+        "admitted",
+        "under its share of the 25 that fit"
+    );
+    waiter.abort();
+    drop(held);
 }

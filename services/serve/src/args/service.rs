@@ -14,8 +14,15 @@ use serde::Serialize;
 use super::value::as_value_name;
 
 /// The share of a call's time the edge lets it be predicted to take before refusing it:
-/// the rest is for the services below, so that what the edge admits they admit too.
+/// the rest is for the services below, so that what the edge admits they admit too, and
+/// for a stall after admission (a ledger session killed, a starved core).
 const EDGE_HEADROOM: f64 = 0.25;
+
+/// The share of a call's time a first attempt that does not fit at once may wait at the
+/// edge for a place: queueing is not overload, and a call waiting there holds nothing
+/// below it, while one refused would be sent again at once by a client that does not
+/// wait out the pushback.
+const EDGE_WAIT_SHARE: f64 = 0.25;
 
 /// `--log-format` values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -236,8 +243,10 @@ impl ServiceArgs {
 
     /// The admission the flags describe: the floor and the starting point kept under the
     /// ceiling (`--max-in-flight 4` alone is a fixed limit of 4). At the edge a call is
-    /// admitted only while it is predicted to take at most 80% of its time: the rest is the
-    /// services' below, which then admit what the edge did (docs/overload.md).
+    /// admitted only while it is predicted to take at most a quarter of its time (the rest
+    /// is the services' below, which then admit what the edge did, and room for a stall),
+    /// and one that does not fit may wait for a place for another quarter
+    /// (docs/overload.md).
     pub fn admission(
         &self,
         edge: bool,
@@ -249,6 +258,7 @@ impl ServiceArgs {
             max_limit: max,
             initial_limit: (self.initial_concurrency as usize).clamp(min, max.max(min)),
             headroom: if edge { EDGE_HEADROOM } else { 1.0 },
+            wait_share: if edge { EDGE_WAIT_SHARE } else { 0.0 },
             door: edge,
             latency_objective: self.latency_objective_ms.map(Duration::from_millis),
             ..resilience::AdmissionSettings::default()
