@@ -270,7 +270,7 @@ impl ConcurrencyLimit {
         ask: Ask,
     ) -> impl Future<Output = Result<Admitted, Box<Status>>> + Send + 'static {
         // Counted from now, not from the first poll: a call arriving meanwhile goes behind.
-        let waiting = Waiting::new(self);
+        let waiting = Waiting::new(self, ask.caller);
         async move {
             let this = &waiting.0;
             let arrived = Instant::now();
@@ -489,18 +489,27 @@ impl Full {
 }
 
 /// Counts a call waiting at the door while it lives (a caller that leaves meanwhile drops
-/// it; a wake-up it was given passes to the next in line).
-struct Waiting(Arc<ConcurrencyLimit>);
+/// it; a wake-up it was given passes to the next in line), and counts it among its
+/// caller's holdings: a caller's share is of the calls it holds in flight and at the door,
+/// or a caller with a queue at the door would go past it with each call it sends as one of
+/// its calls is answered, and those waiting would never be reached.
+struct Waiting(Arc<ConcurrencyLimit>, Option<CallerKey>);
 
 impl Waiting {
-    fn new(limit: Arc<ConcurrencyLimit>) -> Self {
+    fn new(limit: Arc<ConcurrencyLimit>, caller: Option<CallerKey>) -> Self {
         limit.waiting.fetch_add(1, Ordering::AcqRel);
-        Self(limit)
+        if let Some(caller) = caller {
+            limit.callers.take(caller);
+        }
+        Self(limit, caller)
     }
 }
 
 impl Drop for Waiting {
     fn drop(&mut self) {
+        if let Some(caller) = self.1 {
+            self.0.callers.give_back(caller);
+        }
         self.0.waiting.fetch_sub(1, Ordering::AcqRel);
     }
 }

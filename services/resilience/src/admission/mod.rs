@@ -36,10 +36,23 @@
 //! ratio is base / n̄). Nothing has to be tuned to the machine or the load, and a deadline
 //! that leaves room is never a reason to refuse.
 //!
-//! **At the door.** The edge admits with `headroom` 0.8, the services behind it with 1.0:
+//! **At the door.** The edge admits with `headroom` 0.25, the services behind it with 1.0:
 //! the edge's prediction includes every service below it (its latency is theirs plus its
-//! own), so what it admits fits their deadlines too, and a service below refuses only what
-//! the edge misjudged. A refusal from below that the edge relays is a **drop**: a sample as
+//! own), so what it admits fits their deadlines too, with room left for a stall after
+//! admission (a ledger session killed, a starved core), and a service below refuses only
+//! what the edge misjudged.
+//!
+//! **Waiting at the door.** A first attempt that does not fit at once is not refused if
+//! the calls ahead of it — in flight and already waiting — drain within its budget and
+//! [`AdmissionSettings::wait_share`] of its time more (the edge: a quarter): it waits at the
+//! door, where it holds nothing below and costs no CPU, and goes in, the longest waiting
+//! first, as places are given back and it fits. Queueing is not overload, and a refusal is
+//! not free: a client that sends again the moment it is refused (one that does not wait out
+//! the pushback) turned each such refusal into a loop of refusals on the cores the charges
+//! needed. The chain below still holds only the budget's worth, so what a stall or a retry
+//! meets there is as short as before. A call that waited its time without a place is
+//! refused then, saying how long it waited; one behind more than it may wait for is
+//! refused at once. A refusal from below that the edge relays is a **drop**: a sample as
 //! slow as the call's whole budget (it did not fit), which raises `per_call` so that the
 //! edge refuses the next such call itself.
 //!

@@ -443,3 +443,34 @@ async fn a_caller_under_its_share_does_not_wait_behind_another_callers_queue() {
     waiter.abort();
     drop(held);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_caller_with_calls_waiting_does_not_go_past_them_as_its_calls_are_answered() {
+    let limit = door_that_queues();
+    let caller = CallerKey(7);
+    let ask = Ask {
+        caller: Some(caller),
+        ..first(1000)
+    };
+    let mut held: Vec<Admitted> = (0..25)
+        .map(|_| limit.try_admit(ask).expect("fits"))
+        .collect();
+    assert_eq!(entered(&limit, ask), "wait");
+    let waiter = tokio::spawn(Arc::clone(&limit).wait_for_place(ask));
+    tokio::task::yield_now().await;
+    assert_eq!(
+        limit.held_by(caller),
+        26,
+        "its calls in flight and the one waiting"
+    );
+    // One of its calls answered: the place is the waiting call's, not the next one it
+    // sends (which, counting only its calls in flight, would be under its share).
+    held.pop();
+    assert_eq!(entered(&limit, ask), "wait", "behind its own waiting call");
+    tokio::task::yield_now().await;
+    tokio::task::yield_now().await;
+    held.push(waiter.await.unwrap().expect("the waiting call goes in"));
+    assert_eq!(limit.held_by(caller), 25);
+    drop(held);
+    assert_eq!(limit.held_by(caller), 0);
+}
