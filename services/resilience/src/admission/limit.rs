@@ -123,11 +123,10 @@ enum Verdict {
 enum Full {
     /// `max_limit` reached.
     Ceiling,
-    /// Its predicted time does not fit its budget (after `waited` at the door).
+    /// Its predicted time does not fit its budget.
     Late {
         predicted: Duration,
         budget: Duration,
-        waited: Duration,
     },
     /// Past the reserve of `max_limit` kept for callers under their share.
     Reserved,
@@ -226,7 +225,8 @@ impl ConcurrencyLimit {
     }
 
     /// At the door: a place for `ask` now, its refusal now, or — when it does not fit now
-    /// but the calls ahead of it, in flight and waiting, drain within its budget and the
+    /// (its prediction is over its budget, or past what the estimate was measured at) but
+    /// the calls ahead of it, in flight and waiting, drain within its budget and the
     /// time it may wait ([`AdmissionSettings::wait_share`]) — [`Entry::Wait`]. Queueing is
     /// not overload: a call that can be served in time waits at the door, where it holds
     /// nothing below and costs no CPU, rather than being refused and sent again at once
@@ -238,7 +238,7 @@ impl ConcurrencyLimit {
         let behind = self.waiting.load(Ordering::Acquire) > 0;
         match self.admit(ask, behind) {
             Ok(admitted) => Entry::Admitted(admitted),
-            Err((Full::Late { .. }, n)) if self.may_wait(&ask) => {
+            Err((Full::Late { .. } | Full::Unproven { .. }, n)) if self.may_wait(&ask) => {
                 let per_call = self.per_call_ns.load(Ordering::Relaxed);
                 let ahead = n + self.waiting.load(Ordering::Acquire);
                 let predicted = Duration::from_nanos(per_call.saturating_mul(ahead as u64));
@@ -252,7 +252,6 @@ impl ConcurrencyLimit {
                         Full::Late {
                             predicted,
                             budget: may,
-                            waited: Duration::ZERO,
                         },
                     ))
                 }
@@ -264,7 +263,9 @@ impl ConcurrencyLimit {
     /// Waits at the door, after [`ConcurrencyLimit::enter`] said [`Entry::Wait`], for a
     /// place that fits `ask`'s budget: woken as places are given back, the longest
     /// waiting first; refused once its time to wait is over (or, meanwhile, for a reason
-    /// waiting cannot mend: the ceiling).
+    /// waiting cannot mend: the ceiling, the reserve for light callers). A call past what
+    /// the estimate was measured at waits too: while it waits it holds nothing the estimate
+    /// could be wrong about, and admitted calls measure further meanwhile.
     pub fn wait_for_place(
         self: Arc<Self>,
         ask: Ask,
@@ -281,13 +282,13 @@ impl ConcurrencyLimit {
                 woken.as_mut().enable();
                 match this.admit(ask, false) {
                     Ok(admitted) => return Ok(admitted),
-                    Err((Full::Late { .. }, _)) => {}
+                    Err((Full::Late { .. } | Full::Unproven { .. }, _)) => {}
                     Err((full, n)) => return Err(this.refuse(ask, n, full)),
                 }
                 if tokio::time::timeout_at(until, woken).await.is_err() {
                     return match this.admit(ask, false) {
                         Ok(admitted) => Ok(admitted),
-                        Err((full, n)) => Err(this.refuse(ask, n, full.waited(arrived.elapsed()))),
+                        Err((full, n)) => Err(this.refuse_after(ask, n, full, arrived.elapsed())),
                     };
                 }
             }
@@ -321,7 +322,6 @@ impl ConcurrencyLimit {
                     full: Full::Late {
                         predicted: Duration::from_nanos(per_call.saturating_mul(n as u64)),
                         budget: budget.unwrap_or_default(),
-                        waited: Duration::ZERO,
                     },
                     fit: budget.map_or(self.settings.max_limit, |b| {
                         (b.as_nanos() / u128::from(per_call.max(1)))
@@ -365,12 +365,17 @@ impl ConcurrencyLimit {
 
     /// Counts `ask`'s refusal (it saw `n` calls in flight, itself included) and words it.
     fn refuse(&self, ask: Ask, n: usize, full: Full) -> Box<Status> {
+        self.refuse_after(ask, n, full, Duration::ZERO)
+    }
+
+    /// [`Self::refuse`], after `waited` at the door.
+    fn refuse_after(&self, ask: Ask, n: usize, full: Full, waited: Duration) -> Box<Status> {
         let shed = match ask.priority {
             Priority::First => &self.shed_first,
             Priority::Retry => &self.shed_retries,
         };
         shed.fetch_add(1, Ordering::Relaxed);
-        Box::new(refusal(ask.priority, n - 1, full))
+        Box::new(refusal(ask.priority, n - 1, full, waited))
     }
 
     /// Whether the `n`th call in flight, `ask`, may be served; see the module docs.
@@ -421,7 +426,6 @@ impl ConcurrencyLimit {
                     Err(Full::Late {
                         predicted,
                         budget: allowed,
-                        waited: Duration::ZERO,
                     })
                 };
                 (fits, fit as usize)
@@ -472,22 +476,6 @@ impl ConcurrencyLimit {
     }
 }
 
-impl Full {
-    /// The same reason, given after `waited` at the door.
-    fn waited(self, waited: Duration) -> Self {
-        match self {
-            Full::Late {
-                predicted, budget, ..
-            } => Full::Late {
-                predicted,
-                budget,
-                waited,
-            },
-            other => other,
-        }
-    }
-}
-
 /// Counts a call waiting at the door while it lives (a caller that leaves meanwhile drops
 /// it; a wake-up it was given passes to the next in line), and counts it among its
 /// caller's holdings: a caller's share is of the calls it holds in flight and at the door,
@@ -514,8 +502,9 @@ impl Drop for Waiting {
     }
 }
 
-/// UNAVAILABLE, overloaded, with when to come back.
-fn refusal(priority: Priority, in_flight: usize, full: Full) -> Status {
+/// UNAVAILABLE, overloaded, with when to come back (and, if it waited at the door first,
+/// for how long).
+fn refusal(priority: Priority, in_flight: usize, full: Full, waited: Duration) -> Status {
     let which = match priority {
         Priority::First => "",
         Priority::Retry => " (retries are refused before first attempts)",
@@ -539,26 +528,23 @@ fn refusal(priority: Priority, in_flight: usize, full: Full) -> Status {
                 "overloaded: this service is serving {in_flight} calls and has been measured draining at most {measured_at} at once{which}"
             ),
         ),
-        Full::Late {
-            predicted,
-            budget,
-            waited,
-        } => (
+        Full::Late { predicted, budget } => (
             predicted.saturating_sub(budget).min(budget),
             format!(
-                "overloaded: {}behind the {in_flight} calls in flight this one would take about {} ms, more than the {} ms it may{which}",
-                if waited.is_zero() {
-                    String::new()
-                } else {
-                    format!("after waiting {} ms at the door, ", waited.as_millis())
-                },
+                "overloaded: behind the {in_flight} calls in flight this one would take about {} ms, more than the {} ms it may{which}",
                 predicted.as_millis(),
                 budget.as_millis()
             ),
         ),
     };
     let pushback_ms = (pushback.as_millis() as i64).max(1);
-    let mut status = Status::unavailable(format!("{message}; come back in {pushback_ms} ms"));
+    let waited = if waited.is_zero() {
+        String::new()
+    } else {
+        format!(" (after waiting {} ms at the door)", waited.as_millis())
+    };
+    let mut status =
+        Status::unavailable(format!("{message}{waited}; come back in {pushback_ms} ms"));
     wire::set_pushback(&mut status, pushback_ms);
     wire::mark_overloaded(status.metadata_mut());
     status
