@@ -2,6 +2,7 @@
 //! refused with what, and what its answer teaches the estimate.
 
 use std::{
+    collections::VecDeque,
     future::Future,
     sync::{
         Arc, Mutex,
@@ -80,9 +81,12 @@ pub struct ConcurrencyLimit {
     pub(super) on_refusal: Option<RefusalObserver>,
     /// First attempts waiting at the door for a place (see [`ConcurrencyLimit::enter`]).
     waiting: AtomicUsize,
-    /// Where they wait: woken one at a time, the longest waiting first, as places are
+    /// Where they wait, first come first served: only the first is woken as a place is
+    /// given back, and it keeps its place while it does not fit (a queue of its own, not
+    /// a `Notify` every waiter listens to, so that a call woken too early does not go to
+    /// the back of the line).
     /// given back.
-    door: Notify,
+    queue: Mutex<VecDeque<Arc<Notify>>>,
 }
 
 /// What the door does with a call (see [`ConcurrencyLimit::enter`]).
@@ -151,7 +155,7 @@ impl ConcurrencyLimit {
             shed_retries: AtomicU64::new(0),
             on_refusal: None,
             waiting: AtomicUsize::new(0),
-            door: Notify::new(),
+            queue: Mutex::new(VecDeque::new()),
         }
     }
 
@@ -270,22 +274,26 @@ impl ConcurrencyLimit {
         self: Arc<Self>,
         ask: Ask,
     ) -> impl Future<Output = Result<Admitted, Box<Status>>> + Send + 'static {
-        // Counted from now, not from the first poll: a call arriving meanwhile goes behind.
+        // In line from now, not from the first poll: a call arriving meanwhile goes behind.
         let waiting = Waiting::new(self, ask.caller);
         async move {
-            let this = &waiting.0;
+            let this = &waiting.limit;
             let arrived = Instant::now();
             let until = arrived + this.wait_allowance(ask.time);
             loop {
-                let woken = this.door.notified();
-                tokio::pin!(woken);
-                woken.as_mut().enable();
-                match this.admit(ask, false) {
-                    Ok(admitted) => return Ok(admitted),
-                    Err((Full::Late { .. } | Full::Unproven { .. }, _)) => {}
-                    Err((full, n)) => return Err(this.refuse(ask, n, full)),
+                // Only the first in line tries; the others wait their turn.
+                if waiting.first() {
+                    match this.admit(ask, false) {
+                        // Out of the line as `waiting` drops, which wakes the next.
+                        Ok(admitted) => return Ok(admitted),
+                        Err((Full::Late { .. } | Full::Unproven { .. }, _)) => {}
+                        Err((full, n)) => return Err(this.refuse(ask, n, full)),
+                    }
                 }
-                if tokio::time::timeout_at(until, woken).await.is_err() {
+                if tokio::time::timeout_at(until, waiting.woken.notified())
+                    .await
+                    .is_err()
+                {
                     return match this.admit(ask, false) {
                         Ok(admitted) => Ok(admitted),
                         Err((full, n)) => Err(this.refuse_after(ask, n, full, arrived.elapsed())),
@@ -471,34 +479,74 @@ impl ConcurrencyLimit {
             self.callers.give_back(caller);
         }
         if self.waiting.load(Ordering::Acquire) > 0 {
-            self.door.notify_one();
+            self.wake_first();
+        }
+    }
+
+    /// Wakes the first call waiting at the door (a wake-up it is not yet listening for is
+    /// kept for it).
+    fn wake_first(&self) {
+        let queue = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(first) = queue.front() {
+            first.notify_one();
         }
     }
 }
 
-/// Counts a call waiting at the door while it lives (a caller that leaves meanwhile drops
-/// it; a wake-up it was given passes to the next in line), and counts it among its
-/// caller's holdings: a caller's share is of the calls it holds in flight and at the door,
-/// or a caller with a queue at the door would go past it with each call it sends as one of
-/// its calls is answered, and those waiting would never be reached.
-struct Waiting(Arc<ConcurrencyLimit>, Option<CallerKey>);
+/// A call's place in line at the door while it lives. It counts among its caller's
+/// holdings: a caller's share is of the calls it holds in flight and at the door, or a
+/// caller with calls in line would go past them with each call it sends as one of its calls
+/// is answered, and those in line would never be reached. Dropped — admitted, refused, or
+/// its caller gone — it leaves the line and wakes the next, which tries in turn.
+struct Waiting {
+    limit: Arc<ConcurrencyLimit>,
+    caller: Option<CallerKey>,
+    /// Told when it is first in line and a place may have come free.
+    woken: Arc<Notify>,
+}
 
 impl Waiting {
     fn new(limit: Arc<ConcurrencyLimit>, caller: Option<CallerKey>) -> Self {
-        limit.waiting.fetch_add(1, Ordering::AcqRel);
+        let woken = Arc::new(Notify::new());
+        {
+            let mut queue = limit.queue.lock().unwrap_or_else(|p| p.into_inner());
+            queue.push_back(Arc::clone(&woken));
+            limit.waiting.store(queue.len(), Ordering::Release);
+        }
         if let Some(caller) = caller {
             limit.callers.take(caller);
         }
-        Self(limit, caller)
+        Self {
+            limit,
+            caller,
+            woken,
+        }
+    }
+
+    /// Whether it is first in line.
+    fn first(&self) -> bool {
+        let queue = self.limit.queue.lock().unwrap_or_else(|p| p.into_inner());
+        queue
+            .front()
+            .is_some_and(|first| Arc::ptr_eq(first, &self.woken))
     }
 }
 
 impl Drop for Waiting {
     fn drop(&mut self) {
-        if let Some(caller) = self.1 {
-            self.0.callers.give_back(caller);
+        if let Some(caller) = self.caller {
+            self.limit.callers.give_back(caller);
         }
-        self.0.waiting.fetch_sub(1, Ordering::AcqRel);
+        let mut queue = self.limit.queue.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(at) = queue.iter().position(|w| Arc::ptr_eq(w, &self.woken)) {
+            queue.remove(at);
+            if at == 0
+                && let Some(next) = queue.front()
+            {
+                next.notify_one();
+            }
+        }
+        self.limit.waiting.store(queue.len(), Ordering::Release);
     }
 }
 

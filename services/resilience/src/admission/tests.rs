@@ -480,7 +480,11 @@ async fn a_call_past_what_was_measured_waits_while_the_estimate_is_proven_furthe
     let limit = door_that_queues();
     limit.measured_at.store(20, Ordering::Relaxed);
     let mut held: Vec<Admitted> = (0..40)
-        .map(|_| limit.try_admit(first(5000)).expect("within twice the measure"))
+        .map(|_| {
+            limit
+                .try_admit(first(5000))
+                .expect("within twice the measure")
+        })
         .collect();
     // Not refused for want of a measure (its client would send it again at once): it
     // waits, holding nothing below, while the calls admitted measure further.
@@ -493,6 +497,43 @@ async fn a_call_past_what_was_measured_waits_while_the_estimate_is_proven_furthe
     tokio::task::yield_now().await;
     tokio::task::yield_now().await;
     held.push(waiter.await.unwrap().expect("measured further"));
+    assert_eq!(limit.shed(), (0, 0));
+    drop(held);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_first_in_line_woken_before_it_fits_keeps_its_place() {
+    let limit = door_that_queues();
+    let mut held: Vec<Admitted> = (0..25)
+        .map(|_| limit.try_admit(first(1000)).expect("fits"))
+        .collect();
+    assert!(matches!(limit.enter(first(1000)), Entry::Wait));
+    let a = tokio::spawn(Arc::clone(&limit).wait_for_place(first(1000)));
+    tokio::task::yield_now().await;
+    assert!(matches!(limit.enter(first(1000)), Entry::Wait));
+    let b = tokio::spawn(Arc::clone(&limit).wait_for_place(first(1000)));
+    tokio::task::yield_now().await;
+    // The drain slowed: 12.5 ms a call, so 20 fit. One place given back wakes `a`, which
+    // still does not fit with 24 in flight.
+    measured(&limit, Duration::from_micros(12_500));
+    held.pop();
+    tokio::task::yield_now().await;
+    tokio::task::yield_now().await;
+    assert!(!a.is_finished() && !b.is_finished());
+    // Places come free until one fits (19 in flight): the first in line gets it, then the
+    // next.
+    for _ in 0..5 {
+        held.pop();
+        tokio::task::yield_now().await;
+        tokio::task::yield_now().await;
+    }
+    assert!(a.is_finished(), "the first in line goes first");
+    assert!(!b.is_finished(), "20 in flight: the next does not fit yet");
+    held.push(a.await.unwrap().expect("admitted"));
+    held.remove(0);
+    tokio::task::yield_now().await;
+    tokio::task::yield_now().await;
+    held.push(b.await.unwrap().expect("then the next"));
     assert_eq!(limit.shed(), (0, 0));
     drop(held);
 }
