@@ -265,8 +265,8 @@ impl ConcurrencyLimit {
     }
 
     /// Waits at the door, after [`ConcurrencyLimit::enter`] said [`Entry::Wait`], for a
-    /// place that fits `ask`'s budget: woken as places are given back, the longest
-    /// waiting first; refused once its time to wait is over (or, meanwhile, for a reason
+    /// place that fits the budget of the time `ask` has left: woken as places are given
+    /// back, the longest waiting first; refused once its time to wait is over (or, meanwhile, for a reason
     /// waiting cannot mend: the ceiling, the reserve for light callers). A call past what
     /// the estimate was measured at waits too: while it waits it holds nothing the estimate
     /// could be wrong about, and admitted calls measure further meanwhile.
@@ -280,10 +280,16 @@ impl ConcurrencyLimit {
             let this = &waiting.limit;
             let arrived = Instant::now();
             let until = arrived + this.wait_allowance(ask.time);
+            // Judged by the time it has left: what waiting took is not there for the
+            // services below, nor for a stall after admission.
+            let now = || Ask {
+                time: ask.time.map(|time| time.saturating_sub(arrived.elapsed())),
+                ..ask
+            };
             loop {
                 // Only the first in line tries; the others wait their turn.
                 if waiting.first() {
-                    match this.admit(ask, false) {
+                    match this.admit(now(), false) {
                         // Out of the line as `waiting` drops, which wakes the next.
                         Ok(admitted) => return Ok(admitted),
                         Err((Full::Late { .. } | Full::Unproven { .. }, _)) => {}
@@ -294,7 +300,7 @@ impl ConcurrencyLimit {
                     .await
                     .is_err()
                 {
-                    return match this.admit(ask, false) {
+                    return match this.admit(now(), false) {
                         Ok(admitted) => Ok(admitted),
                         Err((full, n)) => Err(this.refuse_after(ask, n, full, arrived.elapsed())),
                     };

@@ -537,3 +537,29 @@ async fn the_first_in_line_woken_before_it_fits_keeps_its_place() {
     assert_eq!(limit.shed(), (0, 0));
     drop(held);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_call_that_waited_is_judged_by_the_time_it_has_left() {
+    let limit = door_that_queues();
+    let mut held: Vec<Admitted> = (0..25)
+        .map(|_| limit.try_admit(first(1000)).expect("fits"))
+        .collect();
+    assert!(matches!(limit.enter(first(1000)), Entry::Wait));
+    let waiter = tokio::spawn(Arc::clone(&limit).wait_for_place(first(1000)));
+    tokio::task::yield_now().await;
+    // 200 ms later it has 800 left: a quarter is 200 ms, 20 calls at 10 ms, so a place
+    // that would have let a fresh call in (25 in flight) is not enough.
+    tokio::time::advance(Duration::from_millis(200)).await;
+    held.pop();
+    tokio::task::yield_now().await;
+    tokio::task::yield_now().await;
+    assert!(!waiter.is_finished(), "24 in flight: 250 ms, more than its 200");
+    for _ in 0..5 {
+        held.pop();
+        tokio::task::yield_now().await;
+        tokio::task::yield_now().await;
+    }
+    held.push(waiter.await.unwrap().expect("in once 19 are in flight"));
+    assert_eq!(limit.in_flight(), 20);
+    drop(held);
+}
