@@ -246,7 +246,13 @@ impl ConcurrencyLimit {
                 let per_call = self.per_call_ns.load(Ordering::Relaxed);
                 let ahead = n + self.waiting.load(Ordering::Acquire);
                 let predicted = Duration::from_nanos(per_call.saturating_mul(ahead as u64));
-                let may = self.budget(ask.time).unwrap_or_default() + self.wait_allowance(ask.time);
+                // Waiting w, it goes in once what is ahead of it has drained to its budget
+                // of the time left, headroom × (time − w): it fits if w ≤ its allowance,
+                // that is if all ahead drain within budget + (1 − headroom) × allowance.
+                let may = self.budget(ask.time).unwrap_or_default()
+                    + self
+                        .wait_allowance(ask.time)
+                        .mul_f64(1.0 - self.settings.headroom);
                 if predicted <= may {
                     Entry::Wait
                 } else {
@@ -266,8 +272,10 @@ impl ConcurrencyLimit {
 
     /// Waits at the door, after [`ConcurrencyLimit::enter`] said [`Entry::Wait`], for a
     /// place that fits the budget of the time `ask` has left: woken as places are given
-    /// back, the longest waiting first; refused once its time to wait is over (or, meanwhile, for a reason
-    /// waiting cannot mend: the ceiling, the reserve for light callers). A call past what
+    /// back, the longest waiting first. Once its time to wait is over it goes in whatever
+    /// its prediction (a refusal after a wait would cost its caller the wait for nothing,
+    /// and the contract's refusals come within milliseconds); it is refused meanwhile only
+    /// for a reason waiting cannot mend: the ceiling, the reserve for light callers. A call past what
     /// the estimate was measured at waits too: while it waits it holds nothing the estimate
     /// could be wrong about, and admitted calls measure further meanwhile.
     pub fn wait_for_place(
@@ -300,13 +308,38 @@ impl ConcurrencyLimit {
                     .await
                     .is_err()
                 {
-                    return match this.admit(now(), false) {
-                        Ok(admitted) => Ok(admitted),
-                        Err((full, n)) => Err(this.refuse_after(ask, n, full, arrived.elapsed())),
-                    };
+                    // Let wait, it is served: a refusal comes at once or not at all, and
+                    // one after a wait would cost its caller the wait for nothing.
+                    return this.admit_after_waiting(ask, arrived.elapsed());
                 }
             }
         }
+    }
+
+    /// A place for `ask`, which waited `waited` at the door and whose time to wait is
+    /// over, whatever its prediction now: refused only at the ceiling, the memory bound.
+    fn admit_after_waiting(
+        self: &Arc<Self>,
+        ask: Ask,
+        waited: Duration,
+    ) -> Result<Admitted, Box<Status>> {
+        let n = self.in_flight.fetch_add(1, Ordering::AcqRel) + 1;
+        if n > self.settings.max_limit {
+            self.in_flight.fetch_sub(1, Ordering::AcqRel);
+            return Err(self.refuse_after(ask, n, Full::Ceiling, waited));
+        }
+        if let Some(caller) = ask.caller {
+            self.callers.take(caller);
+        }
+        let left = ask.time.map(|time| time.saturating_sub(waited));
+        Ok(Admitted {
+            limit: Arc::clone(self),
+            admitted: Instant::now(),
+            in_flight: n,
+            budget: self.budget(left),
+            caller: ask.caller,
+            done: false,
+        })
     }
 
     /// Whether `ask` may wait at the door rather than be refused at once: a first attempt,

@@ -316,7 +316,7 @@ fn door_that_queues() -> Arc<ConcurrencyLimit> {
         door: true,
         ..AdmissionSettings::default()
     }));
-    // 10 ms a call in flight: a 1 s call's budget (250 ms) fits 25; with its wait, 50.
+    // 10 ms a call in flight: a 1 s call's budget (250 ms) fits 25.
     measured(&limit, Duration::from_millis(10));
     limit
 }
@@ -366,57 +366,52 @@ async fn a_call_that_fits_once_the_queue_drains_waits_at_the_door_and_goes_in_fi
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_call_behind_more_than_it_may_wait_for_is_refused_at_once_and_a_waiter_when_its_wait_is_over()
- {
+async fn a_call_behind_more_than_it_may_wait_for_is_refused_at_once_and_one_let_wait_is_served() {
     let limit = door_that_queues();
     let held: Vec<Admitted> = (0..25)
         .map(|_| limit.try_admit(first(1000)).expect("fits"))
         .collect();
-    // 25 more may wait: with them, 50 calls ahead drain in its 250 ms budget and 250 ms
-    // to wait.
-    let waiting: Vec<_> = (0..24)
+    // A call waiting w goes in once those ahead have drained to a quarter of 1 s − w, so
+    // it may be behind what drains in 250 ms + ¾ × 250 ms = 437 ms: 43 calls, 25 in
+    // flight, itself and 17 before it waiting.
+    let waiting: Vec<_> = (0..18)
         .map(|_| {
             assert_eq!(entered(&limit, first(1000)), "wait");
             tokio::spawn(Arc::clone(&limit).wait_for_place(first(1000)))
         })
         .collect();
     tokio::task::yield_now().await;
-    assert_eq!(entered(&limit, first(1000)), "wait", "the 50th");
-    let last = tokio::spawn(Arc::clone(&limit).wait_for_place(first(1000)));
-    tokio::task::yield_now().await;
     let refused = match limit.enter(first(1000)) {
         Entry::Refused(status) => status,
-        other => panic!("the 51st: {other:?}"),
+        other => panic!("the 19th to wait: {other:?}"),
     };
     assert_eq!(refused.code(), Code::Unavailable);
     assert!(
-        refused.message().contains("more than the 500 ms it may"),
+        refused.message().contains("more than the 437 ms it may"),
         "{}",
         refused.message()
     );
+    assert!(wire::is_overloaded(
+        &refused.metadata().clone().into_headers()
+    ));
     // Retries never wait: they go first or not at all.
     let retry = Ask {
         priority: Priority::Retry,
         ..first(1000)
     };
     assert_eq!(entered(&limit, retry), "refused");
-    // Nothing given back: each waiter is refused when its 250 ms to wait are over.
+    // Nothing given back: each waiter goes in when its 250 ms to wait are over (a refusal
+    // comes at once or not at all).
     tokio::time::advance(Duration::from_millis(251)).await;
-    for waiter in waiting.into_iter().chain([last]) {
-        let refused = waiter.await.unwrap().expect_err("its wait is over");
-        assert!(
-            refused.message().contains("(after waiting 25"),
-            "{}",
-            refused.message()
-        );
-        assert!(wire::is_overloaded(
-            &refused.metadata().clone().into_headers()
-        ));
+    let mut admitted = Vec::new();
+    for waiter in waiting {
+        admitted.push(waiter.await.unwrap().expect("served once its wait is over"));
     }
-    assert_eq!(limit.shed(), (26, 1));
-    drop(held);
+    assert_eq!(limit.in_flight(), 43);
+    assert_eq!(limit.shed(), (1, 1));
+    drop((held, admitted));
     assert_eq!(limit.in_flight(), 0);
-    // Those that left are no longer counted as waiting: a call that fits goes in.
+    // Those that went in are no longer counted as waiting: a call that fits goes in.
     assert_eq!(entered(&limit, first(1000)), "admitted");
 }
 
@@ -553,7 +548,10 @@ async fn a_call_that_waited_is_judged_by_the_time_it_has_left() {
     held.pop();
     tokio::task::yield_now().await;
     tokio::task::yield_now().await;
-    assert!(!waiter.is_finished(), "24 in flight: 250 ms, more than its 200");
+    assert!(
+        !waiter.is_finished(),
+        "24 in flight: 250 ms, more than its 200"
+    );
     for _ in 0..5 {
         held.pop();
         tokio::task::yield_now().await;
