@@ -44,7 +44,7 @@
 //!
 //! **Waiting at the door.** A first attempt that does not fit at once is not refused if
 //! the calls ahead of it — in flight and already waiting — drain within its budget and
-//! [`AdmissionSettings::wait_share`] of its time more (the edge: a half): it waits at the
+//! [`AdmissionSettings::wait_share`] of its time more (the edge: a quarter): it waits at the
 //! door, where it holds nothing below and costs no CPU, and goes in, the longest waiting
 //! first, as places are given back and it fits. Queueing is not overload, and a refusal is
 //! not free: a client that sends again the moment it is refused (one that does not wait out

@@ -22,7 +22,7 @@ const EDGE_HEADROOM: f64 = 0.25;
 /// edge for a place: queueing is not overload, and a call waiting there holds nothing
 /// below it, while one refused would be sent again at once by a client that does not
 /// wait out the pushback.
-const EDGE_WAIT_SHARE: f64 = 0.5;
+const EDGE_WAIT_SHARE: f64 = 0.25;
 
 /// `--log-format` values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -245,7 +245,7 @@ impl ServiceArgs {
     /// ceiling (`--max-in-flight 4` alone is a fixed limit of 4). At the edge a call is
     /// admitted only while it is predicted to take at most a quarter of its time (the rest
     /// is the services' below, which then admit what the edge did, and room for a stall),
-    /// and one that does not fit may wait for a place for half of it
+    /// and one that does not fit may wait for a place for another quarter
     /// (docs/overload.md).
     pub fn admission(
         &self,
