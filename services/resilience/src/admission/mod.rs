@@ -40,29 +40,32 @@
 //! the edge's prediction includes every service below it (its latency is theirs plus its
 //! own), so what it admits fits their deadlines too, with room left for a stall after
 //! admission (a ledger session killed, a starved core), and a service below refuses only
-//! what the edge misjudged.
+//! what the edge misjudged. A refusal from below that the edge relays is a **drop**: a
+//! sample as slow as the call's whole budget (it did not fit), which raises `per_call` so
+//! that the edge refuses the next such call itself.
 //!
-//! **Waiting at the door.** A first attempt that does not fit at once is not refused if
-//! the calls ahead of it — in flight and already waiting — drain within its budget and
-//! [`AdmissionSettings::wait_share`] of its time more (the edge: a quarter): it waits at the
-//! door, where it holds nothing below and costs no CPU, and goes in, the longest waiting
-//! first, as places are given back and it fits. Queueing is not overload, and a refusal is
-//! not free: a client that sends again the moment it is refused (one that does not wait out
-//! the pushback) turned each such refusal into a loop of refusals on the cores the charges
-//! needed. The chain below still holds only the budget's worth, so what a stall or a retry
-//! meets there is as short as before. A call that waited its time without a place is
-//! refused then, saying how long it waited; one behind more than it may wait for is
-//! refused at once. A refusal from below that the edge relays is a **drop**: a sample as
-//! slow as the call's whole budget (it did not fit), which raises `per_call` so that the
-//! edge refuses the next such call itself.
+//! **Waiting at the door.** A first attempt that does not fit now is not refused if it
+//! would go in within [`AdmissionSettings::wait_share`] of its time (the edge: a quarter):
+//! it waits at the door, where it holds nothing below and costs no CPU, in a line served
+//! first come first served — only the first is woken as a place comes free, and it keeps
+//! its place while it does not fit. Having waited `w`, it is judged by the time it has
+//! left, so that waiting never eats the room kept below; so at arrival it may be behind at
+//! most what drains in `budget + (1 − headroom) × wait`, and a call behind more is refused
+//! at once. A call let wait is served: once its wait is over it goes in whatever its
+//! prediction then (a refusal comes at once or not at all). Queueing is not overload, and a
+//! refusal is not free: a client that sends again the moment it is refused (one that does
+//! not wait out the pushback) turned each such refusal into a loop of refusals on the
+//! cores the charges needed.
 //!
 //! **Fairly.** At the edge each call carries a caller key (the caller's credentials, or
 //! without any its connection: see `AdmissionLayer::keyed_by`). While the server is full
 //! (a call's prediction does not fit), a caller holding fewer calls than its share —
 //! `budget / per_call` calls (what fits) divided among the callers holding calls now — is
-//! still admitted, and a caller at or over its share is refused: a caller using less than
-//! its share is never refused because another uses more, and shares follow the server's
-//! capacity, not a fixed number. Past 90% of `max_limit`, only callers under their share
+//! still admitted, past the line at the door, and a caller at or over its share waits in
+//! line or is refused as above: a caller using less than its share is never refused
+//! because another uses more, and shares follow the server's capacity, not a fixed number.
+//! A caller's calls in line count among what it holds, or a caller with calls in line
+//! would go past them with each call it sends as one of its calls is answered. Past 90% of `max_limit`, only callers under their share
 //! are admitted, so the memory bound is not reached by one caller either.
 //!
 //! **Retries and hedges** (an attempt carrying `grpc-previous-rpc-attempts` ≥ 1) are
