@@ -85,7 +85,6 @@ pub struct ConcurrencyLimit {
     /// given back, and it keeps its place while it does not fit (a queue of its own, not
     /// a `Notify` every waiter listens to, so that a call woken too early does not go to
     /// the back of the line).
-    /// given back.
     queue: Mutex<VecDeque<Arc<Notify>>>,
 }
 
@@ -230,8 +229,8 @@ impl ConcurrencyLimit {
 
     /// At the door: a place for `ask` now, its refusal now, or — when it does not fit now
     /// (its prediction is over its budget, or past what the estimate was measured at) but
-    /// the calls ahead of it, in flight and waiting, drain within its budget and the
-    /// time it may wait ([`AdmissionSettings::wait_share`]) — [`Entry::Wait`]. Queueing is
+    /// it would go in within the time it may wait ([`AdmissionSettings::wait_share`]),
+    /// judged by the time it will have left — [`Entry::Wait`]. Queueing is
     /// not overload: a call that can be served in time waits at the door, where it holds
     /// nothing below and costs no CPU, rather than being refused and sent again at once
     /// by a client that does not wait out the pushback. The chain below still holds no
@@ -275,9 +274,9 @@ impl ConcurrencyLimit {
     /// back, the longest waiting first. Once its time to wait is over it goes in whatever
     /// its prediction (a refusal after a wait would cost its caller the wait for nothing,
     /// and the contract's refusals come within milliseconds); it is refused meanwhile only
-    /// for a reason waiting cannot mend: the ceiling, the reserve for light callers. A call past what
-    /// the estimate was measured at waits too: while it waits it holds nothing the estimate
-    /// could be wrong about, and admitted calls measure further meanwhile.
+    /// for a reason waiting cannot mend: the ceiling, the reserve for light callers. A call
+    /// past what the estimate was measured at waits too: while it waits it holds nothing
+    /// the estimate could be wrong about, and admitted calls measure further meanwhile.
     pub fn wait_for_place(
         self: Arc<Self>,
         ask: Ask,

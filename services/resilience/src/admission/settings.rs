@@ -15,8 +15,8 @@ pub struct AdmissionSettings {
     /// the edge (what it admits must fit the services below it too), 1 behind it.
     pub headroom: f64,
     /// The share of a call's time a first attempt that does not fit at once may wait at
-    /// the door for a place (0: refused at once); only at the door, and only when the
-    /// calls ahead of it drain within this and its budget together (see
+    /// the door for a place (0: refused at once); only at the door, only when it would go
+    /// in within it, and then it is served (see
     /// [`ConcurrencyLimit::enter`](super::ConcurrencyLimit::enter)).
     pub wait_share: f64,
     /// Whether this service is where calls enter (a lone server; in a chain, its edge).
