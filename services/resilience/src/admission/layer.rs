@@ -30,8 +30,9 @@ const DRAIN_AT_MOST: usize = 1024 * 1024;
 pub type KeyOf =
     Arc<dyn Fn(&http::HeaderMap, &http::Extensions) -> Option<CallerKey> + Send + Sync>;
 
-/// The tower layer: every request through [`ConcurrencyLimit::try_admit`]; a refusal is
-/// the layer's error (a `Status`, for tonic's `RecoverErrorLayer` to answer).
+/// The tower layer: every request through [`ConcurrencyLimit::enter`] (and, told to wait,
+/// [`ConcurrencyLimit::wait_for_place`]); a refusal is the layer's error (a `Status`, for
+/// tonic's `RecoverErrorLayer` to answer).
 #[derive(Clone)]
 pub struct AdmissionLayer {
     /// The limit, shared with whoever reports it.
@@ -246,6 +247,7 @@ where
                 }
                 Err(status) => {
                     refused(&limit, request, arrived);
+                    self.set(AdmissionFuture::Refused { status: None });
                     return Poll::Ready(Err(status));
                 }
             }

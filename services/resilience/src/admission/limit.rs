@@ -251,7 +251,7 @@ impl ConcurrencyLimit {
                 let may = self.budget(ask.time).unwrap_or_default()
                     + self
                         .wait_allowance(ask.time)
-                        .mul_f64(1.0 - self.settings.headroom);
+                        .mul_f64((1.0 - self.settings.headroom).max(0.0));
                 if predicted <= may {
                     Entry::Wait
                 } else {
@@ -271,21 +271,21 @@ impl ConcurrencyLimit {
 
     /// Waits at the door, after [`ConcurrencyLimit::enter`] said [`Entry::Wait`], for a
     /// place that fits the budget of the time `ask` has left: woken as places are given
-    /// back, the longest waiting first. Once its time to wait is over it goes in whatever
-    /// its prediction (a refusal after a wait would cost its caller the wait for nothing,
-    /// and the contract's refusals come within milliseconds); it is refused meanwhile only
-    /// for a reason waiting cannot mend: the ceiling, the reserve for light callers. A call
-    /// past what the estimate was measured at waits too: while it waits it holds nothing
-    /// the estimate could be wrong about, and admitted calls measure further meanwhile.
+    /// back, only the first in line trying. Once its time to wait is over it goes in
+    /// whatever its prediction, first in line or not (a refusal after a wait would cost its
+    /// caller the wait for nothing, and the contract's refusals come within milliseconds);
+    /// it is refused only at the ceiling, the memory bound. A call past what the estimate
+    /// was measured at, or in the reserve kept for light callers, waits too: while it waits
+    /// it holds nothing the estimate could be wrong about, and calls drain meanwhile.
     pub fn wait_for_place(
         self: Arc<Self>,
         ask: Ask,
     ) -> impl Future<Output = Result<Admitted, Box<Status>>> + Send + 'static {
         // In line from now, not from the first poll: a call arriving meanwhile goes behind.
         let waiting = Waiting::new(self, ask.caller);
+        let arrived = Instant::now();
         async move {
             let this = &waiting.limit;
-            let arrived = Instant::now();
             let until = arrived + this.wait_allowance(ask.time);
             // Judged by the time it has left: what waiting took is not there for the
             // services below, nor for a stall after admission.
@@ -299,7 +299,8 @@ impl ConcurrencyLimit {
                     match this.admit(now(), false) {
                         // Out of the line as `waiting` drops, which wakes the next.
                         Ok(admitted) => return Ok(admitted),
-                        Err((Full::Late { .. } | Full::Unproven { .. }, _)) => {}
+                        // The reserve kept for light callers clears as calls drain: wait.
+                        Err((Full::Late { .. } | Full::Unproven { .. } | Full::Reserved, _)) => {}
                         Err((full, n)) => return Err(this.refuse(ask, n, full)),
                     }
                 }
@@ -362,7 +363,7 @@ impl ConcurrencyLimit {
                 .store(budget.as_nanos() as u64, Ordering::Relaxed);
         }
         let verdict = match self.judge(&ask, n, budget) {
-            Verdict::Admit if behind && ask.priority == Priority::First => {
+            Verdict::Admit if behind && self.may_wait(&ask) => {
                 let per_call = self.per_call_ns.load(Ordering::Relaxed);
                 Verdict::IfUnderShare {
                     full: Full::Late {
@@ -657,8 +658,10 @@ pub struct Admitted {
 impl Admitted {
     /// The call was answered now: its time is a sample.
     pub fn answered(mut self) {
-        self.release();
+        // The sample first: the place given back wakes the first call waiting at the
+        // door, which is judged by the estimate this answer updates.
         self.limit.answered(self.admitted.elapsed(), self.in_flight);
+        self.release();
     }
 
     /// The call was answered now with a service below's refusal for overload: a drop, a
@@ -666,17 +669,16 @@ impl Admitted {
     /// sample of the budget itself would leave the next such call predicted just inside
     /// it).
     pub fn dropped(mut self) {
-        self.release();
-        if !self.limit.settings.door {
-            return;
+        if self.limit.settings.door {
+            let elapsed = self.admitted.elapsed();
+            let latency = self
+                .budget
+                .unwrap_or(elapsed)
+                .max(elapsed)
+                .mul_f64(DROP_PENALTY);
+            self.limit.answered(latency, self.in_flight);
         }
-        let elapsed = self.admitted.elapsed();
-        let latency = self
-            .budget
-            .unwrap_or(elapsed)
-            .max(elapsed)
-            .mul_f64(DROP_PENALTY);
-        self.limit.answered(latency, self.in_flight);
+        self.release();
     }
 
     fn release(&mut self) {

@@ -52,7 +52,8 @@
 //! left, so that waiting never eats the room kept below; so at arrival it may be behind at
 //! most what drains in `budget + (1 − headroom) × wait`, and a call behind more is refused
 //! at once. A call let wait is served: once its wait is over it goes in whatever its
-//! prediction then (a refusal comes at once or not at all). Queueing is not overload, and a
+//! prediction then, refused only at the ceiling (the memory bound) — a refusal otherwise
+//! comes at once or not at all. Queueing is not overload, and a
 //! refusal is not free: a client that sends again the moment it is refused (one that does
 //! not wait out the pushback) turned each such refusal into a loop of refusals on the
 //! cores the charges needed.
