@@ -321,6 +321,24 @@ fn door_that_queues() -> Arc<ConcurrencyLimit> {
     limit
 }
 
+/// The 25 calls `door_that_queues` fits in a 1 s call's budget, made with `ask`.
+fn fill(limit: &Arc<ConcurrencyLimit>, ask: Ask) -> Vec<Admitted> {
+    (0..25)
+        .map(|_| limit.try_admit(ask).expect("fits"))
+        .collect()
+}
+
+/// `ask`, told to wait at the door, waiting in line (its task polled once).
+async fn in_line(
+    limit: &Arc<ConcurrencyLimit>,
+    ask: Ask,
+) -> tokio::task::JoinHandle<Result<Admitted, Box<tonic::Status>>> {
+    assert!(matches!(limit.enter(ask), Entry::Wait), "told to wait");
+    let waiting = tokio::spawn(Arc::clone(limit).wait_for_place(ask));
+    tokio::task::yield_now().await;
+    waiting
+}
+
 fn entered(limit: &Arc<ConcurrencyLimit>, ask: Ask) -> &'static str {
     match limit.enter(ask) {
         Entry::Admitted(admitted) => {
@@ -335,13 +353,9 @@ fn entered(limit: &Arc<ConcurrencyLimit>, ask: Ask) -> &'static str {
 #[tokio::test(start_paused = true)]
 async fn a_call_that_fits_once_the_queue_drains_waits_at_the_door_and_goes_in_first_come() {
     let limit = door_that_queues();
-    let mut held: Vec<Admitted> = (0..25)
-        .map(|_| limit.try_admit(first(1000)).expect("fits"))
-        .collect();
+    let mut held = fill(&limit, first(1000));
     // The 26th would take 260 ms of its 250: not refused, it waits.
-    assert!(matches!(limit.enter(first(1000)), Entry::Wait));
-    let a = tokio::spawn(Arc::clone(&limit).wait_for_place(first(1000)));
-    tokio::task::yield_now().await;
+    let a = in_line(&limit, first(1000)).await;
     let b = tokio::spawn(Arc::clone(&limit).wait_for_place(first(1000)));
     tokio::task::yield_now().await;
     // A newcomer whose own prediction would fit once a place is free goes behind them.
@@ -368,9 +382,7 @@ async fn a_call_that_fits_once_the_queue_drains_waits_at_the_door_and_goes_in_fi
 #[tokio::test(start_paused = true)]
 async fn a_call_behind_more_than_it_may_wait_for_is_refused_at_once_and_one_let_wait_is_served() {
     let limit = door_that_queues();
-    let held: Vec<Admitted> = (0..25)
-        .map(|_| limit.try_admit(first(1000)).expect("fits"))
-        .collect();
+    let held = fill(&limit, first(1000));
     // A call waiting w goes in once those ahead have drained to a quarter of 1 s − w, so
     // it may be behind what drains in 250 ms + ¾ × 250 ms = 437 ms: 43 calls, 25 in
     // flight, itself and 17 before it waiting.
@@ -424,12 +436,8 @@ async fn a_caller_under_its_share_does_not_wait_behind_another_callers_queue() {
         caller: Some(caller),
         ..first(1000)
     };
-    let held: Vec<Admitted> = (0..25)
-        .map(|_| limit.try_admit(ask(heavy)).expect("fits"))
-        .collect();
-    assert_eq!(entered(&limit, ask(heavy)), "wait");
-    let waiter = tokio::spawn(Arc::clone(&limit).wait_for_place(ask(heavy)));
-    tokio::task::yield_now().await;
+    let held = fill(&limit, ask(heavy));
+    let waiter = in_line(&limit, ask(heavy)).await;
     assert_eq!(
         entered(&limit, ask(light)),
         "admitted",
@@ -447,12 +455,8 @@ async fn a_caller_with_calls_waiting_does_not_go_past_them_as_its_calls_are_answ
         caller: Some(caller),
         ..first(1000)
     };
-    let mut held: Vec<Admitted> = (0..25)
-        .map(|_| limit.try_admit(ask).expect("fits"))
-        .collect();
-    assert_eq!(entered(&limit, ask), "wait");
-    let waiter = tokio::spawn(Arc::clone(&limit).wait_for_place(ask));
-    tokio::task::yield_now().await;
+    let mut held = fill(&limit, ask);
+    let waiter = in_line(&limit, ask).await;
     assert_eq!(
         limit.held_by(caller),
         26,
@@ -497,15 +501,9 @@ async fn a_call_past_what_was_measured_is_refused_at_once_not_let_wait() {
 #[tokio::test(start_paused = true)]
 async fn the_first_in_line_woken_before_it_fits_keeps_its_place() {
     let limit = door_that_queues();
-    let mut held: Vec<Admitted> = (0..25)
-        .map(|_| limit.try_admit(first(1000)).expect("fits"))
-        .collect();
-    assert!(matches!(limit.enter(first(1000)), Entry::Wait));
-    let a = tokio::spawn(Arc::clone(&limit).wait_for_place(first(1000)));
-    tokio::task::yield_now().await;
-    assert!(matches!(limit.enter(first(1000)), Entry::Wait));
-    let b = tokio::spawn(Arc::clone(&limit).wait_for_place(first(1000)));
-    tokio::task::yield_now().await;
+    let mut held = fill(&limit, first(1000));
+    let a = in_line(&limit, first(1000)).await;
+    let b = in_line(&limit, first(1000)).await;
     // The drain slowed: 12.5 ms a call, so 20 fit. One place given back wakes `a`, which
     // still does not fit with 24 in flight.
     measured(&limit, Duration::from_micros(12_500));
@@ -534,12 +532,8 @@ async fn the_first_in_line_woken_before_it_fits_keeps_its_place() {
 #[tokio::test(start_paused = true)]
 async fn a_call_that_waited_is_judged_by_the_time_it_has_left() {
     let limit = door_that_queues();
-    let mut held: Vec<Admitted> = (0..25)
-        .map(|_| limit.try_admit(first(1000)).expect("fits"))
-        .collect();
-    assert!(matches!(limit.enter(first(1000)), Entry::Wait));
-    let waiter = tokio::spawn(Arc::clone(&limit).wait_for_place(first(1000)));
-    tokio::task::yield_now().await;
+    let mut held = fill(&limit, first(1000));
+    let waiter = in_line(&limit, first(1000)).await;
     // 200 ms later it has 800 left: a quarter is 200 ms, 20 calls at 10 ms, so a place
     // that would have let a fresh call in (25 in flight) is not enough.
     tokio::time::advance(Duration::from_millis(200)).await;
