@@ -81,6 +81,9 @@ pub struct ConcurrencyLimit {
     pub(super) on_refusal: Option<RefusalObserver>,
     /// First attempts waiting at the door for a place (see [`ConcurrencyLimit::enter`]).
     waiting: AtomicUsize,
+    /// Calls answered since start: how far the line at the door moved while a call
+    /// waited in it.
+    answers: AtomicU64,
     /// Where they wait, first come first served: only the first is woken as a place is
     /// given back, and it keeps its place while it does not fit (a queue of its own, not
     /// a `Notify` every waiter listens to, so that a call woken too early does not go to
@@ -136,6 +139,14 @@ enum Full {
     /// Past what the estimate was measured at (see [`GROWTH`]); `round`: how long the
     /// calls measured took.
     Unproven { measured_at: usize, round: Duration },
+    /// Let wait at the door, its wait over: at the pace the chain answered calls while
+    /// it waited (`answered` in `waited`), it would take `predicted` (none: nothing was
+    /// answered), more than `may`.
+    Stalled {
+        answered: u64,
+        predicted: Option<Duration>,
+        may: Duration,
+    },
 }
 
 impl ConcurrencyLimit {
@@ -154,6 +165,7 @@ impl ConcurrencyLimit {
             shed_retries: AtomicU64::new(0),
             on_refusal: None,
             waiting: AtomicUsize::new(0),
+            answers: AtomicU64::new(0),
             queue: Mutex::new(VecDeque::new()),
         }
     }
@@ -243,9 +255,9 @@ impl ConcurrencyLimit {
             Ok(admitted) => Entry::Admitted(admitted),
             // Only a call late by an estimate measured at this depth may wait: one past what
             // the estimate was measured at (a cold start's few answers) would be let wait on
-            // a figure that may be far too fast, and then forced in after its wait, many at
-            // once (measured: 281 calls waited out their deadlines at the start of the
-            // 1,500-in-flight overload test). It is refused at once, as before the line.
+            // a figure that may be far too fast (measured, when such calls were let wait and
+            // then admitted together after it: 281 calls waited out their deadlines at the
+            // start of the 1,500-in-flight overload test). It is refused at once.
             Err((Full::Late { .. }, n)) if self.may_wait(&ask) => {
                 let per_call = self.per_call_ns.load(Ordering::Relaxed);
                 let ahead = n + self.waiting.load(Ordering::Acquire);
@@ -276,12 +288,13 @@ impl ConcurrencyLimit {
 
     /// Waits at the door, after [`ConcurrencyLimit::enter`] said [`Entry::Wait`], for a
     /// place that fits the budget of the time `ask` has left: woken as places are given
-    /// back, only the first in line trying. Once its time to wait is over it goes in
-    /// whatever its prediction, first in line or not (a refusal after a wait would cost its
-    /// caller the wait for nothing, and the contract's refusals come within milliseconds);
-    /// it is refused only at the ceiling, the memory bound. In line, a call that meets the
-    /// reserve kept for light callers or the bound of what the estimate was measured at
-    /// keeps waiting: both clear as calls drain.
+    /// back, only the first in line trying. Once its time to wait is over it goes in,
+    /// first in line or not, if the chain still answers calls at a pace that serves it in
+    /// time — judged by how many it answered while this call waited, not by the estimate,
+    /// which learns of a stall only from answers that do not come (see
+    /// [`ConcurrencyLimit::admit_after_waiting`]). In line, a call that meets the reserve
+    /// kept for light callers or the bound of what the estimate was measured at keeps
+    /// waiting: both clear as calls drain.
     pub fn wait_for_place(
         self: Arc<Self>,
         ask: Ask,
@@ -289,6 +302,7 @@ impl ConcurrencyLimit {
         // In line from now, not from the first poll: a call arriving meanwhile goes behind.
         let waiting = Waiting::new(self, ask.caller);
         let arrived = Instant::now();
+        let answers_before = waiting.limit.answers.load(Ordering::Relaxed);
         async move {
             let this = &waiting.limit;
             let until = arrived + this.wait_allowance(ask.time);
@@ -313,30 +327,60 @@ impl ConcurrencyLimit {
                     .await
                     .is_err()
                 {
-                    // Let wait, it is served: a refusal comes at once or not at all, and
-                    // one after a wait would cost its caller the wait for nothing.
-                    return this.admit_after_waiting(ask, arrived.elapsed());
+                    let answered = this.answers.load(Ordering::Relaxed) - answers_before;
+                    return this.admit_after_waiting(ask, arrived.elapsed(), answered);
                 }
             }
         }
     }
 
-    /// A place for `ask`, which waited `waited` at the door and whose time to wait is
-    /// over, whatever its prediction now: refused only at the ceiling, the memory bound.
-    fn admit_after_waiting(
+    /// A place for `ask`, which waited `waited` at the door, `answered` calls answered
+    /// meanwhile, and whose time to wait is over. Its prediction by the estimate did not
+    /// come true, and the estimate cannot say by how much: it moves only with answers,
+    /// and a stall (a database session ended, a frozen service below) is answers that do
+    /// not come. The pace the line moved at says it: the call goes in if, behind the calls
+    /// in flight at `waited / answered` each, it would be answered within half the time
+    /// it has left (the other half for a stall after it goes in); otherwise it is refused
+    /// now. In steady overload the pace is the estimate's, and a call let wait goes in; a
+    /// refusal after a wait comes only when the chain slowed while it waited, where
+    /// forcing the line in would carry it past its deadline (measured: 14 calls in a run
+    /// of the 1,500-in-flight overload test with a database session ended). Refused at
+    /// the ceiling, the memory bound, too.
+    pub(super) fn admit_after_waiting(
         self: &Arc<Self>,
         ask: Ask,
         waited: Duration,
+        answered: u64,
     ) -> Result<Admitted, Box<Status>> {
         let n = self.in_flight.fetch_add(1, Ordering::AcqRel) + 1;
-        if n > self.settings.max_limit {
+        let left = ask.time.map(|time| time.saturating_sub(waited));
+        let full = if n > self.settings.max_limit {
+            Some(Full::Ceiling)
+        } else if n <= self.settings.min_limit {
+            None
+        } else {
+            self.judged_time(left).and_then(|time| {
+                let may = time / 2;
+                let predicted = (answered > 0).then(|| {
+                    Duration::from_nanos(
+                        (waited.as_nanos() * n as u128 / u128::from(answered))
+                            .min(u128::from(u64::MAX)) as u64,
+                    )
+                });
+                predicted.is_none_or(|p| p > may).then_some(Full::Stalled {
+                    answered,
+                    predicted,
+                    may,
+                })
+            })
+        };
+        if let Some(full) = full {
             self.in_flight.fetch_sub(1, Ordering::AcqRel);
-            return Err(self.refuse_after(ask, n, Full::Ceiling, waited));
+            return Err(self.refuse_after(ask, n, full, waited));
         }
         if let Some(caller) = ask.caller {
             self.callers.take(caller);
         }
-        let left = ask.time.map(|time| time.saturating_sub(waited));
         Ok(Admitted {
             limit: Arc::clone(self),
             admitted: Instant::now(),
@@ -508,6 +552,7 @@ impl ConcurrencyLimit {
 
     /// A sample from an answered call.
     fn answered(&self, latency: Duration, in_flight: usize) {
+        self.answers.fetch_add(1, Ordering::Relaxed);
         let now = Instant::now();
         let mut drain = self.drain.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((per_call, most_in_flight)) = drain.answered(now, latency, in_flight) {
@@ -626,6 +671,26 @@ fn refusal(priority: Priority, in_flight: usize, full: Full, waited: Duration) -
                 "overloaded: behind the {in_flight} calls in flight this one would take about {} ms, more than the {} ms it may{which}",
                 predicted.as_millis(),
                 budget.as_millis()
+            ),
+        ),
+        Full::Stalled {
+            answered,
+            predicted: Some(predicted),
+            may,
+        } => (
+            predicted.saturating_sub(may).min(may),
+            format!(
+                "overloaded: {answered} calls were answered while this one waited; at that pace, behind the {in_flight} calls in flight it would take about {} ms, more than the {} ms it may{which}",
+                predicted.as_millis(),
+                may.as_millis()
+            ),
+        ),
+        Full::Stalled {
+            predicted: None, ..
+        } => (
+            waited,
+            format!(
+                "overloaded: no call was answered while this one waited, behind {in_flight} calls in flight{which}"
             ),
         ),
     };

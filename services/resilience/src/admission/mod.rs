@@ -51,9 +51,13 @@
 //! its place while it does not fit. Having waited `w`, it is judged by the time it has
 //! left, so that waiting never eats the room kept below; so at arrival it may be behind at
 //! most what drains in `budget + (1 − headroom) × wait`, and a call behind more is refused
-//! at once. A call let wait is served: once its wait is over it goes in whatever its
-//! prediction then, refused only at the ceiling (the memory bound) — a refusal otherwise
-//! comes at once or not at all. Queueing is not overload, and a
+//! at once. A call let wait is served if the chain still drains: once its wait is over
+//! it goes in if, at the pace calls were answered while it waited, it would be answered
+//! within half the time it has left. The estimate cannot tell a stall below (a database
+//! session ended, a frozen service) from a quiet moment — it moves only with answers, and
+//! a stall is answers that do not come — but the line's own pace can, so a stall refuses
+//! the line after its wait instead of forcing it in past its deadline. Otherwise a
+//! refusal comes at once. Queueing is not overload, and a
 //! refusal is not free: a client that sends again the moment it is refused (one that does
 //! not wait out the pushback) turned each such refusal into a loop of refusals on the
 //! cores the charges needed.

@@ -16,7 +16,7 @@ pub struct AdmissionSettings {
     pub headroom: f64,
     /// The share of a call's time a first attempt that does not fit at once may wait at
     /// the door for a place (0: refused at once); only at the door, only when it would go
-    /// in within it, and then it is served, refused only at `max_limit` (see
+    /// in within it, and then it is served unless the chain stalled while it waited (see
     /// [`ConcurrencyLimit::enter`](super::ConcurrencyLimit::enter)).
     pub wait_share: f64,
     /// Whether this service is where calls enter (a lone server; in a chain, its edge).

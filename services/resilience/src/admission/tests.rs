@@ -380,7 +380,7 @@ async fn a_call_that_fits_once_the_queue_drains_waits_at_the_door_and_goes_in_fi
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_call_behind_more_than_it_may_wait_for_is_refused_at_once_and_one_let_wait_is_served() {
+async fn a_call_behind_more_than_it_may_wait_for_is_refused_at_once() {
     let limit = door_that_queues();
     let held = fill(&limit, first(1000));
     // A call waiting w goes in once those ahead have drained to a quarter of 1 s − w, so
@@ -412,19 +412,83 @@ async fn a_call_behind_more_than_it_may_wait_for_is_refused_at_once_and_one_let_
         ..first(1000)
     };
     assert_eq!(entered(&limit, retry), "refused");
-    // Nothing given back: each waiter goes in when its 250 ms to wait are over (a refusal
-    // comes at once or not at all).
-    tokio::time::advance(Duration::from_millis(251)).await;
-    let mut admitted = Vec::new();
-    for waiter in waiting {
-        admitted.push(waiter.await.unwrap().expect("served once its wait is over"));
-    }
-    assert_eq!(limit.in_flight(), 43);
     assert_eq!(limit.shed(), (1, 1));
+    for waiter in waiting {
+        waiter.abort();
+    }
+    drop(held);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_line_that_did_not_move_while_its_calls_waited_is_refused_not_forced_in() {
+    let limit = door_that_queues();
+    let held = fill(&limit, first(1000));
+    let waiting: Vec<_> = (0..3)
+        .map(|_| {
+            assert_eq!(entered(&limit, first(1000)), "wait");
+            tokio::spawn(Arc::clone(&limit).wait_for_place(first(1000)))
+        })
+        .collect();
+    // Nothing answered in the 250 ms they may wait (the chain below stalled): forced in,
+    // they would add to a queue that is not being served; each is refused, saying why.
+    tokio::time::advance(Duration::from_millis(251)).await;
+    for waiter in waiting {
+        let refused = waiter.await.unwrap().expect_err("refused after its wait");
+        assert_eq!(refused.code(), Code::Unavailable);
+        assert!(
+            refused
+                .message()
+                .contains("no call was answered while this one waited"),
+            "{}",
+            refused.message()
+        );
+        assert!(
+            refused.message().contains("after waiting 25"),
+            "{}",
+            refused.message()
+        );
+        assert!(wire::is_overloaded(
+            &refused.metadata().clone().into_headers()
+        ));
+    }
+    assert_eq!(limit.in_flight(), 25);
+    assert_eq!(limit.shed(), (3, 0));
+    drop(held);
+    assert_eq!(
+        entered(&limit, first(1000)),
+        "admitted",
+        "the line is empty"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_call_whose_wait_is_over_goes_in_if_the_pace_the_line_moved_at_serves_it_in_time() {
+    let limit = door_that_queues();
+    let held = fill(&limit, first(1000));
+    // Waited 250 ms of 1 s: 750 ms left, half of it (375 ms) for its time behind the 25 in
+    // flight. 25 answered while it waited: 10 ms each, 260 ms — in, although the estimate
+    // would not have let it in.
+    let admitted = limit
+        .admit_after_waiting(first(1000), Duration::from_millis(250), 25)
+        .expect("the line moves fast enough");
+    assert_eq!(limit.in_flight(), 26);
+    // 13 answered: 19 ms each, 500 ms — refused, with when to come back.
+    let refused = limit
+        .admit_after_waiting(first(1000), Duration::from_millis(250), 13)
+        .expect_err("too slow a pace");
+    assert!(
+        refused
+            .message()
+            .contains("13 calls were answered while this one waited; at that pace, behind the 26 calls in flight it would take about 519 ms, more than the 375 ms it may"),
+        "{}",
+        refused.message()
+    );
+    assert_eq!(
+        wire::pushback(&refused),
+        wire::Pushback::RetryAfter(Duration::from_millis(144))
+    );
+    assert_eq!(limit.in_flight(), 26, "a refusal holds no place");
     drop((held, admitted));
-    assert_eq!(limit.in_flight(), 0);
-    // Those that went in are no longer counted as waiting: a call that fits goes in.
-    assert_eq!(entered(&limit, first(1000)), "admitted");
 }
 
 #[tokio::test(start_paused = true)]
@@ -485,8 +549,8 @@ async fn a_call_past_what_was_measured_is_refused_at_once_not_let_wait() {
                 .expect("within twice the measure")
         })
         .collect();
-    // Let wait on an estimate measured 20 deep, it would be forced in after its wait
-    // whatever the deep queue turned out to cost: refused at once instead.
+    // Let wait on an estimate measured 20 deep, its wait would rest on a figure the deep
+    // queue may belie: refused at once instead.
     match limit.enter(first(5000)) {
         Entry::Refused(status) => assert!(
             status.message().contains("measured"),

@@ -21,14 +21,10 @@ const EDGE_HEADROOM: f64 = 0.25;
 /// The share of a call's time a first attempt that does not fit at once may wait at the
 /// edge for a place: queueing is not overload, and a call waiting there holds nothing
 /// below it, while one refused would be sent again at once by a client that does not
-/// wait out the pushback.
-///
-/// Off (0): with a quarter, `overload::a_session_ended_under_1500_in_flight…` failed in
-/// 1 of 4 runs of the README's test command on the final build (14 calls, let wait and
-/// then admitted, met the killed ledger session and waited out their deadlines). The line
-/// stays in `resilience::admission` for a door that can afford it; the edge refuses at
-/// once until a line that a stall cannot push past the deadline is built.
-const EDGE_WAIT_SHARE: f64 = 0.0;
+/// wait out the pushback. A call whose wait is over goes in only if the chain answered
+/// calls meanwhile at a pace that serves it in time, so a stall below does not push the
+/// line past its deadline (`resilience::admission`).
+const EDGE_WAIT_SHARE: f64 = 0.25;
 
 /// `--log-format` values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
