@@ -21,10 +21,18 @@ const EDGE_HEADROOM: f64 = 0.25;
 /// The share of a call's time a first attempt that does not fit at once may wait at the
 /// edge for a place: queueing is not overload, and a call waiting there holds nothing
 /// below it, while one refused would be sent again at once by a client that does not
-/// wait out the pushback. A call whose wait is over goes in only if the chain answered
-/// calls meanwhile at a pace that serves it in time, so a stall below does not push the
-/// line past its deadline (`resilience::admission`).
-const EDGE_WAIT_SHARE: f64 = 0.25;
+/// wait out the pushback.
+///
+/// Off (0). With a quarter, the 1,500-in-flight overload test
+/// (`overload::a_session_ended_under_1500_in_flight…`) fails either way a line can end:
+/// admitting every call whose wait is over let 14 calls of one run in 4 meet the killed
+/// ledger session and wait out their deadlines; admitting them only while the chain
+/// answers at a pace that serves them in time refused more than 1% of the edge's
+/// refusals after their wait, past the contract's milliseconds (p99 of refusal time off
+/// the histogram's top in 8 of 9 runs): the line moved slower than the estimate said
+/// (callers under their fair share go in past it; not measured apart). The line stays in
+/// `resilience::admission` for a door that can afford it; the edge refuses at once.
+const EDGE_WAIT_SHARE: f64 = 0.0;
 
 /// `--log-format` values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -246,9 +254,8 @@ impl ServiceArgs {
     /// The admission the flags describe: the floor and the starting point kept under the
     /// ceiling (`--max-in-flight 4` alone is a fixed limit of 4). At the edge a call is
     /// admitted only while it is predicted to take at most a quarter of its time (the rest
-    /// is the services' below, which then admit what the edge did, and room for a stall),
-    /// and one that does not fit may wait for a place for another quarter
-    /// (docs/overload.md).
+    /// is the services' below, which then admit what the edge did, and room for a stall);
+    /// one that does not fit is refused at once (`EDGE_WAIT_SHARE`, docs/overload.md).
     pub fn admission(
         &self,
         edge: bool,
