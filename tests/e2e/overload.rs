@@ -529,3 +529,64 @@ async fn a_caller_one_call_at_a_time_is_never_refused_while_another_bursts_past_
     }
     assert!(greedy_ok > 0, "the greedy caller is served its share");
 }
+
+/// The edge's line at the door (`--door-wait-share`), through the real wire. The ledger
+/// answers a charge in 300 ms and the edge's estimate is measured on charges sent one
+/// after another, so a second charge sent while one is in flight is predicted to take
+/// about 600 ms, more than the quarter of its 2 s it may (about 500 ms). Without a wait
+/// share it is refused at once; with half its time to wait, it waits at the edge and is
+/// served once the first is answered. Both are the same caller's (one connection), so no
+/// fair share lets the second in.
+#[tokio::test]
+async fn a_charge_that_does_not_fit_now_waits_at_the_door_with_a_wait_share_refused_without() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    for share in [0.0, 0.5] {
+        let mut options = Options::default();
+        options.spec.edge().door_wait_share = share;
+        options.spec.edge().service.min_concurrency = 1;
+        let chain = Chain::spawn(options).await;
+        chain.set_faults(LEDGER, delayed(300)).await;
+        let client = PaymentsClient::new(chain.channel(EDGE).await);
+        let account = new_account();
+        let deadline = Duration::from_secs(2);
+        // One at a time: a window of the estimate closes after 8 answers.
+        for _ in 0..10 {
+            charge_on(&client, &account, 1, Some(&new_key()), deadline)
+                .await
+                .expect("one at a time, each fits");
+        }
+        let key = new_key();
+        let first = charge_on(&client, &account, 1, Some(&key), deadline);
+        let second = async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let sent = Instant::now();
+            let answer = charge_on(&client, &account, 1, Some(&new_key()), deadline).await;
+            (answer, sent.elapsed())
+        };
+        let (first, (second, took)) = tokio::join!(first, second);
+        first.expect("the first fits");
+        eprintln!(
+            "wait share {share}: the second {:?} after {took:?}",
+            second.as_ref().map(|_| ()).map_err(|s| s.message())
+        );
+        if share == 0.0 {
+            let status = second.expect_err("refused");
+            assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+            assert!(status.message().contains("overloaded"), "{status:?}");
+            assert!(
+                status.metadata().get(resilience::wire::RELAYED).is_none(),
+                "refused at the edge: {status:?}"
+            );
+            assert!(
+                took < Duration::from_millis(250),
+                "refused at once: {took:?}"
+            );
+        } else {
+            second.expect("waited at the door, then served");
+            assert!(
+                took >= Duration::from_millis(400),
+                "it waited for the first (about 250 ms) and was then served (300 ms): {took:?}"
+            );
+        }
+    }
+}

@@ -180,10 +180,14 @@ async fn hop(
     } else {
         Statements::Off
     };
+    let admission = service
+        .admission(edge.then_some(args.door_wait_share))
+        .map_err(admission_flags)?;
     let node = node(
         service,
         name,
         budget,
+        admission,
         policies.config,
         tls,
         callers,
@@ -276,10 +280,12 @@ async fn ledger(
     let listeners = bind(service, "0.0.0.0:50055").await?;
     let statements = args.statements(tls.is_some())?;
     tracing::info!(?statements, "callers below the edge");
+    let admission = service.admission(None).map_err(admission_flags)?;
     let node = node(
         service,
         name,
         None,
+        admission,
         policies.config,
         tls,
         None,
@@ -417,11 +423,17 @@ enum Served {
     Ledger(Arc<dyn retrychain_node::metrics::DatabaseGauges>),
 }
 
+/// The admission flags' refusal, naming them.
+fn admission_flags(error: resilience::admission::InvalidAdmission) -> anyhow::Error {
+    anyhow::anyhow!("--min-concurrency / --initial-concurrency / --max-in-flight: {error}")
+}
+
 #[allow(clippy::too_many_arguments)] // one per part of a node, each made by its caller
 fn node(
     service: &ServiceArgs,
     name: String,
     budget: Option<Arc<dyn Throttle>>,
+    admission: resilience::AdmissionSettings,
     policy: Arc<ServiceConfig>,
     tls: Option<ServerTls>,
     callers: Option<retrychain_node::callers::CallersSettings>,
@@ -432,9 +444,6 @@ fn node(
         Served::Hop(balancer) => (None, Some(balancer)),
         Served::Ledger(database) => (Some(database), None),
     };
-    let admission = service
-        .admission(callers.is_some())
-        .map_err(|error| anyhow::anyhow!("--min-concurrency / --max-in-flight: {error}"))?;
     Ok(Arc::new(Node::new(NodeConfig {
         name,
         fault_injection: service.fault_injection,

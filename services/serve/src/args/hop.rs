@@ -45,6 +45,15 @@ pub struct HopArgs {
     /// which follow what the chain can answer in time.
     #[arg(long, env = "RETRYCHAIN_CALLER_MAX_IN_FLIGHT", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
     pub caller_max_in_flight: u32,
+    /// The edge: the share of a call's time that a first attempt which does not fit now
+    /// may wait at the door for a place, instead of being refused at once (0: refused at
+    /// once; at most 0.75, the edge keeping a quarter for the services below). It goes in
+    /// once it fits the time it has left, or, its wait over, if the chain answered calls
+    /// meanwhile at a pace that serves it in time; else it is refused then, after its wait.
+    /// Fewer refusals for clients that send again at once, some refusals late when the
+    /// chain slows (docs/overload.md).
+    #[arg(long, env = "RETRYCHAIN_DOOR_WAIT_SHARE", default_value_t = 0.0, value_parser = door_wait_share)]
+    pub door_wait_share: f64,
     /// The longest one attempt may take at one replica, in ms; past it the attempt fails
     /// UNAVAILABLE and may be retried at another (Envoy's per_try_timeout). Unset: 1000 ms
     /// when --downstream names several replicas or a dns:/// name (one frozen replica then
@@ -99,6 +108,24 @@ pub enum CallersArg {
     Authenticated,
     /// Anyone; a call without credentials is the anonymous caller's.
     Anyone,
+}
+
+/// The most of a call's time `--door-wait-share` may give to waiting: what the edge's
+/// headroom (a quarter for the services below) leaves.
+pub const MOST_DOOR_WAIT_SHARE: f64 = 0.75;
+
+/// `--door-wait-share`: a number from 0 to [`MOST_DOOR_WAIT_SHARE`].
+fn door_wait_share(value: &str) -> Result<f64, String> {
+    let share: f64 = value
+        .parse()
+        .map_err(|_| format!("{value:?} is not a number"))?;
+    if (0.0..=MOST_DOOR_WAIT_SHARE).contains(&share) {
+        Ok(share)
+    } else {
+        Err(format!(
+            "{value} is not a share from 0 to {MOST_DOOR_WAIT_SHARE} (the edge keeps a quarter of a call's time for the services below)"
+        ))
+    }
 }
 
 /// The per-attempt timeout a hop takes over replicas when none is given: long enough for

@@ -213,6 +213,7 @@ mod tests {
             args.jwt_audience = Some("retrychain".into());
             args.callers = Some(CallersArg::Anyone);
             args.caller_max_in_flight = 17;
+            args.door_wait_share = 0.25;
             args.tls_downstream_identity = Some("spiffe://retrychain/hop2".into());
         }
         let back = ServiceCli::try_parse_from(edge.to_args())
@@ -246,5 +247,36 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// The edge's wait at the door: a share of a call's time from 0 to what the headroom
+    /// leaves; anything else is refused with the range, and only the edge's admission
+    /// lets calls wait.
+    #[test]
+    fn a_door_wait_share_is_a_share_the_headroom_leaves_and_only_the_edge_s() {
+        for bad in ["0.8", "-0.1", "half", "NaN"] {
+            let flag = format!("--door-wait-share={bad}");
+            let error = ServiceCli::try_parse_from(["edge", flag.as_str()])
+                .expect_err("refused")
+                .to_string();
+            assert!(
+                (error.contains("--door-wait-share") && error.contains("from 0 to 0.75"))
+                    || error.contains("not a number"),
+                "{bad}: {error}"
+            );
+        }
+        let edge = ServiceCli::try_parse_from(["edge", "--door-wait-share", "0.75"])
+            .expect("the most it may be")
+            .command;
+        let ServiceCommand::Edge(args) = &edge else {
+            unreachable!("an edge")
+        };
+        let door = args
+            .service
+            .admission(Some(args.door_wait_share))
+            .expect("valid");
+        assert_eq!((door.wait_share, door.door), (0.75, true));
+        let relay = args.service.admission(None).expect("valid");
+        assert_eq!((relay.wait_share, relay.door), (0.0, false));
     }
 }

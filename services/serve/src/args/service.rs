@@ -18,22 +18,6 @@ use super::value::as_value_name;
 /// for a stall after admission (a ledger session killed, a starved core).
 const EDGE_HEADROOM: f64 = 0.25;
 
-/// The share of a call's time a first attempt that does not fit at once may wait at the
-/// edge for a place: queueing is not overload, and a call waiting there holds nothing
-/// below it, while one refused would be sent again at once by a client that does not
-/// wait out the pushback.
-///
-/// Off (0). With a quarter, the 1,500-in-flight overload test
-/// (`overload::a_session_ended_under_1500_in_flight…`) fails either way a line can end:
-/// admitting every call whose wait is over let 14 calls of one run in 4 meet the killed
-/// ledger session and wait out their deadlines; admitting them only while the chain
-/// answers at a pace that serves them in time refused more than 1% of the edge's
-/// refusals after their wait, past the contract's milliseconds (p99 of refusal time off
-/// the histogram's top in 8 of 9 runs): the line moved slower than the estimate said
-/// (callers under their fair share go in past it; not measured apart). The line stays in
-/// `resilience::admission` for a door that can afford it; the edge refuses at once.
-const EDGE_WAIT_SHARE: f64 = 0.0;
-
 /// `--log-format` values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum LogFormatArg {
@@ -252,14 +236,16 @@ impl ServiceArgs {
     }
 
     /// The admission the flags describe: the floor and the starting point kept under the
-    /// ceiling (`--max-in-flight 4` alone is a fixed limit of 4). At the edge a call is
-    /// admitted only while it is predicted to take at most a quarter of its time (the rest
-    /// is the services' below, which then admit what the edge did, and room for a stall);
-    /// one that does not fit is refused at once (`EDGE_WAIT_SHARE`, docs/overload.md).
+    /// ceiling (`--max-in-flight 4` alone is a fixed limit of 4). `door`: this service is
+    /// the edge, whose first attempts that do not fit may wait that share of their time
+    /// (`--door-wait-share`). At the edge a call is admitted only while it is predicted to
+    /// take at most a quarter of its time (the rest is the services' below, which then
+    /// admit what the edge did, and room for a stall); see docs/overload.md.
     pub fn admission(
         &self,
-        edge: bool,
+        door: Option<f64>,
     ) -> Result<resilience::AdmissionSettings, resilience::admission::InvalidAdmission> {
+        let edge = door.is_some();
         let max = self.max_in_flight as usize;
         let min = (self.min_concurrency as usize).min(max);
         resilience::AdmissionSettings {
@@ -267,7 +253,7 @@ impl ServiceArgs {
             max_limit: max,
             initial_limit: (self.initial_concurrency as usize).clamp(min, max.max(min)),
             headroom: if edge { EDGE_HEADROOM } else { 1.0 },
-            wait_share: if edge { EDGE_WAIT_SHARE } else { 0.0 },
+            wait_share: door.unwrap_or(0.0),
             door: edge,
             latency_objective: self.latency_objective_ms.map(Duration::from_millis),
             ..resilience::AdmissionSettings::default()
