@@ -341,11 +341,12 @@ impl ConcurrencyLimit {
     /// not come. The pace the line moved at says it: the call goes in if, behind the calls
     /// in flight at `waited / answered` each, it would be answered within half the time
     /// it has left (the other half for a stall after it goes in); otherwise it is refused
-    /// now. In steady overload the pace is the estimate's, and a call let wait goes in; a
-    /// refusal after a wait comes only when the chain slowed while it waited, where
-    /// forcing the line in would carry it past its deadline (measured: 14 calls in a run
-    /// of the 1,500-in-flight overload test with a database session ended). Refused at
-    /// the ceiling, the memory bound, too.
+    /// now, after its wait. Forcing it in instead carried calls past their deadlines
+    /// (measured: 14 calls in a run of the 1,500-in-flight overload test with a database
+    /// session ended); refusing it costs the contract's refusals in milliseconds, and
+    /// the chain answers slower than its estimate often enough for that to show (the
+    /// same test: over 1% of refusals after a wait) — why a door's wait is its operator's
+    /// choice. Refused at the ceiling, the memory bound, too.
     pub(super) fn admit_after_waiting(
         self: &Arc<Self>,
         ask: Ask,
