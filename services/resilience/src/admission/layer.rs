@@ -270,6 +270,13 @@ where
                             | Code::ResourceExhausted,
                         ) => {}
                         Some(_) if wire::is_overloaded(headers) => admitted.dropped(),
+                        // The chain below failed it: a sample, not a call served.
+                        Some(code)
+                            if crate::classify::is_retryable(code)
+                                || matches!(code, Code::Internal | Code::Unknown) =>
+                        {
+                            admitted.failed()
+                        }
                         _ => admitted.answered(),
                     }
                 }

@@ -81,8 +81,8 @@ pub struct ConcurrencyLimit {
     pub(super) on_refusal: Option<RefusalObserver>,
     /// First attempts waiting at the door for a place (see [`ConcurrencyLimit::enter`]).
     waiting: AtomicUsize,
-    /// Calls answered since start: how far the line at the door moved while a call
-    /// waited in it.
+    /// Calls served since start (answered, not failed below): how far the line at the door
+    /// moved while a call waited in it.
     answers: AtomicU64,
     /// Where they wait, first come first served: only the first is woken as a place is
     /// given back, and it keeps its place while it does not fit (a queue of its own, not
@@ -268,7 +268,7 @@ impl ConcurrencyLimit {
                 let may = self.budget(ask.time).unwrap_or_default()
                     + self
                         .wait_allowance(ask.time)
-                        .mul_f64((1.0 - self.settings.headroom).max(0.0));
+                        .mul_f64(1.0 - self.settings.headroom);
                 if predicted <= may {
                     Entry::Wait
                 } else {
@@ -551,9 +551,12 @@ impl ConcurrencyLimit {
         }
     }
 
-    /// A sample from an answered call.
-    fn answered(&self, latency: Duration, in_flight: usize) {
-        self.answers.fetch_add(1, Ordering::Relaxed);
+    /// A sample from an answered call; `served`: answered, not failed below (see
+    /// [`Admitted::failed`]).
+    fn sample(&self, latency: Duration, in_flight: usize, served: bool) {
+        if served {
+            self.answers.fetch_add(1, Ordering::Relaxed);
+        }
         let now = Instant::now();
         let mut drain = self.drain.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((per_call, most_in_flight)) = drain.answered(now, latency, in_flight) {
@@ -731,7 +734,18 @@ impl Admitted {
     pub fn answered(mut self) {
         // The sample first: the place given back wakes the first call waiting at the
         // door, which is judged by the estimate this answer updates.
-        self.limit.answered(self.admitted.elapsed(), self.in_flight);
+        self.limit
+            .sample(self.admitted.elapsed(), self.in_flight, true);
+        self.release();
+    }
+
+    /// The call was answered now with a failure of the chain below (unavailable, out of
+    /// time, broken): its time is a sample, as slow as the failure made it, but the line
+    /// at the door did not move by it — a stall whose calls fail or time out is still a
+    /// stall (see [`ConcurrencyLimit::wait_for_place`]).
+    pub fn failed(mut self) {
+        self.limit
+            .sample(self.admitted.elapsed(), self.in_flight, false);
         self.release();
     }
 
@@ -747,7 +761,7 @@ impl Admitted {
                 .unwrap_or(elapsed)
                 .max(elapsed)
                 .mul_f64(DROP_PENALTY);
-            self.limit.answered(latency, self.in_flight);
+            self.limit.sample(latency, self.in_flight, false);
         }
         self.release();
     }

@@ -52,7 +52,7 @@
 //! left, so that waiting never eats the room kept below; so at arrival it may be behind at
 //! most what drains in `budget + (1 − headroom) × wait`, and a call behind more is refused
 //! at once. A call let wait is served if the chain still drains: once its wait is over
-//! it goes in if, at the pace calls were answered while it waited, it would be answered
+//! it goes in if, at the pace calls were served (not failed below) while it waited, it would be answered
 //! within half the time it has left. The estimate cannot tell a stall below (a database
 //! session ended, a frozen service) from a quiet moment — it moves only with answers, and
 //! a stall is answers that do not come — but the line's own pace can, so a stall refuses

@@ -462,6 +462,53 @@ async fn a_line_that_did_not_move_while_its_calls_waited_is_refused_not_forced_i
 }
 
 #[tokio::test(start_paused = true)]
+async fn calls_that_fail_below_do_not_move_the_line_a_call_whose_wait_is_over_is_judged_by() {
+    for fail in [true, false] {
+        // The edge's door, with no floor of calls always admitted.
+        let limit = Arc::new(ConcurrencyLimit::new(AdmissionSettings {
+            min_limit: 1,
+            headroom: 0.25,
+            wait_share: 0.25,
+            door: true,
+            ..AdmissionSettings::default()
+        }));
+        measured(&limit, Duration::from_millis(10));
+        let mut held = fill(&limit, first(1000));
+        let waiter = in_line(&limit, first(1000)).await;
+        // The chain slowed to 100 ms a call: with 5 in flight the waiter (600 ms) still
+        // does not fit the quarter of its time.
+        measured(&limit, Duration::from_millis(100));
+        for _ in 0..20 {
+            let call = held.pop().expect("held");
+            if fail {
+                call.failed()
+            } else {
+                call.answered()
+            }
+            tokio::task::yield_now().await;
+        }
+        assert!(!waiter.is_finished(), "6 × 100 ms do not fit 250 ms");
+        tokio::time::advance(Duration::from_millis(251)).await;
+        let entered = waiter.await.unwrap();
+        if fail {
+            // 20 failures below in its wait are a stall, not a line that moved.
+            let refused = entered.expect_err("refused after its wait");
+            assert!(
+                refused
+                    .message()
+                    .contains("no call was answered while this one waited"),
+                "{}",
+                refused.message()
+            );
+        } else {
+            // 20 served: about 75 ms behind the 5 in flight, within half its 749 ms left.
+            held.push(entered.expect("the line moved"));
+        }
+        drop(held);
+    }
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_call_whose_wait_is_over_goes_in_if_the_pace_the_line_moved_at_serves_it_in_time() {
     let limit = door_that_queues();
     let held = fill(&limit, first(1000));
