@@ -1648,6 +1648,20 @@ async fn stall_the_database_under_load<S, M>(
     resend_and_check(edge, url, &sent).await;
 }
 
+/// Sends `signal` (`STOP`, `CONT`) to every process of `cluster`'s server: the postmaster
+/// and the backends of the connections open now.
+async fn signal_server(cluster: &tempgres::TempCluster, signal: &'static str) {
+    let pids = cluster.server_pids().unwrap();
+    off_runtime(move || {
+        for pid in pids {
+            let _ = Command::new("kill")
+                .args([format!("-{signal}"), pid.to_string()])
+                .status();
+        }
+    })
+    .await
+}
+
 /// Postgres frozen, the postmaster first and then every backend (SIGSTOP: a stalled VM or
 /// a paused container), for 7 s under load. A frozen server applies none of its own
 /// timeouts; the ledger's round-trip bound ends the charges it holds.
@@ -1656,33 +1670,139 @@ async fn a_frozen_database_holds_no_charge_past_the_round_trip_bound() {
     let _one = ONE_AT_A_TIME.lock().await;
     let (cluster, url, chain) = own_postgres_chain().await;
     chain.set_faults(LEDGER, delayed(20)).await;
-    let pids = cluster.server_pids().unwrap();
-    let signal = |signal: &'static str, pids: Vec<u32>| async move {
-        off_runtime(move || {
-            for pid in pids {
-                let _ = Command::new("kill")
-                    .args([format!("-{signal}"), pid.to_string()])
-                    .status();
-            }
-        })
-        .await
-    };
     stall_the_database_under_load(
         "Postgres frozen 7 s",
         &chain.addrs[EDGE],
         &url,
-        || async {
-            // The backends of the ledger's connections, started after `pids` was read too.
-            let pids = cluster.server_pids().unwrap();
-            signal("STOP", pids).await
-        },
-        || async {
-            let pids = cluster.server_pids().unwrap();
-            signal("CONT", pids).await
-        },
+        || signal_server(&cluster, "STOP"),
+        || signal_server(&cluster, "CONT"),
     )
     .await;
-    drop(pids);
+}
+
+/// One charge under `key`, what its client saw, and the status it failed with.
+async fn charge_seen(
+    client: &PaymentsClient<tonic::transport::Channel>,
+    account: &str,
+    key: String,
+    deadline: Duration,
+) -> (Sent, Option<tonic::Status>) {
+    let started = Instant::now();
+    let answer = charge_on(client, account, 1, Some(&key), deadline).await;
+    let took = started.elapsed();
+    let (code, message) = match &answer {
+        Ok(_) => (Code::Ok, String::new()),
+        Err(status) => (status.code(), status.message().to_owned()),
+    };
+    let sent = Sent {
+        account: account.to_owned(),
+        key,
+        amount: 1,
+        code,
+        message,
+        started,
+        took,
+    };
+    (sent, answer.err())
+}
+
+/// The line at the edge's door (`--door-wait-share`) against a real stall: Postgres frozen
+/// (SIGSTOP) while charges wait at the edge for a place. The ledger takes 300 ms a charge
+/// and the edge's estimate is measured one charge at a time, so with one charge in flight
+/// the next three are predicted at 0.6–1.2 s, past the quarter of their 2 s they may take
+/// below, and wait (half their time, about 1 s). The charge in flight meets the frozen
+/// database and holds its place until its deadline; nothing is answered while the others
+/// wait. When their wait is over they are refused at the edge — UNAVAILABLE, overloaded,
+/// saying that no call was answered — and reach no inner service, rather than being let in
+/// to meet the frozen database with half their time gone (how a wait ended before the
+/// line judged its own pace: such calls waited out their deadlines in the chain). Thawed,
+/// the chain serves again and every key is charged once.
+#[tokio::test]
+async fn a_frozen_database_empties_the_line_at_the_door_with_refusals_at_the_edge() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let cluster = own_cluster().await;
+    let url = cluster.url("postgres");
+    let mut options = Options::default();
+    options.spec.edge().door_wait_share = 0.5;
+    options.spec.edge().service.min_concurrency = 1;
+    let chain = Chain::spawn_on(options, url.clone()).await;
+    chain.set_faults(LEDGER, delayed(300)).await;
+    let client = PaymentsClient::new(chain.channel(EDGE).await);
+    let account = new_account();
+    let deadline = Duration::from_secs(2);
+    let mut sent = Vec::new();
+    // One at a time: a window of the estimate closes after 8 answers.
+    for _ in 0..10 {
+        let (charge, status) = charge_seen(&client, &account, new_key(), deadline).await;
+        assert!(status.is_none(), "one at a time, each fits: {status:?}");
+        sent.push(charge);
+    }
+
+    signal_server(&cluster, "STOP").await;
+    let first = charge_seen(&client, &account, new_key(), deadline);
+    let waiters = futures::future::join_all((0..3).map(|i| {
+        let client = &client;
+        let account = &account;
+        async move {
+            tokio::time::sleep(Duration::from_millis(50 + 10 * i)).await;
+            charge_seen(client, account, new_key(), deadline).await
+        }
+    }));
+    let ((first, _), waiters) = tokio::join!(first, waiters);
+    signal_server(&cluster, "CONT").await;
+    let thawed = Instant::now();
+    println!(
+        "the charge in flight: {:?} after {:?} ({})",
+        first.code, first.took, first.message
+    );
+    sent.push(first);
+    for (charge, status) in waiters {
+        println!(
+            "a waiter: {:?} after {:?} ({})",
+            charge.code, charge.took, charge.message
+        );
+        let status = status.expect("a waiter is refused: nothing was answered while it waited");
+        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+        assert!(
+            status.message().contains("no call was answered")
+                && status.message().contains("waiting"),
+            "refused for the stall, after its wait: {status:?}"
+        );
+        assert!(
+            status.metadata().get(resilience::wire::RELAYED).is_none(),
+            "refused at the edge, not below: {status:?}"
+        );
+        assert!(
+            matches!(
+                resilience::wire::pushback(&status),
+                resilience::wire::Pushback::RetryAfter(_)
+            ),
+            "told when to come back: {status:?}"
+        );
+        // Its wait (half of its 2 s, less the server's reserve), then the refusal: not its
+        // deadline, which a call let in would have met in the frozen chain.
+        assert!(
+            charge.took >= Duration::from_millis(700) && charge.took < Duration::from_millis(1600),
+            "refused once its wait was over: {:?}",
+            charge.took
+        );
+        sent.push(charge);
+    }
+
+    // Thawed, the chain serves again.
+    loop {
+        let (charge, status) = charge_seen(&client, &account, new_key(), deadline).await;
+        sent.push(charge);
+        if status.is_none() {
+            break;
+        }
+        assert!(
+            thawed.elapsed() < Duration::from_secs(5),
+            "served again within 5 s of the thaw: {status:?}"
+        );
+    }
+    println!("served again {:?} after the thaw", thawed.elapsed());
+    resend_and_check(&chain.addrs[EDGE], &url, &sent).await;
 }
 
 /// A TCP path that black-holes both ways (nothing arrives, nothing is refused, no FIN

@@ -643,6 +643,15 @@ impl Drop for Waiting {
     }
 }
 
+/// "1 call", "2 calls": counts in a refusal's message, read by people.
+fn calls(n: u64) -> String {
+    if n == 1 {
+        "1 call".to_owned()
+    } else {
+        format!("{n} calls")
+    }
+}
+
 /// UNAVAILABLE, overloaded, with when to come back (and, if it waited at the door first,
 /// for how long).
 fn refusal(priority: Priority, in_flight: usize, full: Full, waited: Duration) -> Status {
@@ -650,29 +659,28 @@ fn refusal(priority: Priority, in_flight: usize, full: Full, waited: Duration) -
         Priority::First => "",
         Priority::Retry => " (retries are refused before first attempts)",
     };
+    let in_flight = calls(in_flight as u64);
     let (pushback, message) = match full {
         Full::Ceiling => (
             Duration::from_millis(100),
-            format!(
-                "overloaded: this service is serving {in_flight} calls, its most at once{which}"
-            ),
+            format!("overloaded: this service is serving {in_flight}, its most at once{which}"),
         ),
         Full::Reserved => (
             Duration::from_millis(100),
             format!(
-                "overloaded: this service is serving {in_flight} calls; the rest of its room is kept for callers holding less than their share{which}"
+                "overloaded: this service is serving {in_flight}; the rest of its room is kept for callers holding less than their share{which}"
             ),
         ),
         Full::Unproven { measured_at, round } => (
             round,
             format!(
-                "overloaded: this service is serving {in_flight} calls and has been measured draining at most {measured_at} at once{which}"
+                "overloaded: this service is serving {in_flight} and has been measured draining at most {measured_at} at once{which}"
             ),
         ),
         Full::Late { predicted, budget } => (
             predicted.saturating_sub(budget).min(budget),
             format!(
-                "overloaded: behind the {in_flight} calls in flight this one would take about {} ms, more than the {} ms it may{which}",
+                "overloaded: behind the {in_flight} in flight this one would take about {} ms, more than the {} ms it may{which}",
                 predicted.as_millis(),
                 budget.as_millis()
             ),
@@ -684,7 +692,8 @@ fn refusal(priority: Priority, in_flight: usize, full: Full, waited: Duration) -
         } => (
             predicted.saturating_sub(may).min(may),
             format!(
-                "overloaded: {answered} calls were answered while this one waited; at that pace, behind the {in_flight} calls in flight it would take about {} ms, more than the {} ms it may{which}",
+                "overloaded: {} answered while this one waited; at that pace, behind the {in_flight} in flight it would take about {} ms, more than the {} ms it may{which}",
+                calls(answered),
                 predicted.as_millis(),
                 may.as_millis()
             ),
@@ -694,7 +703,7 @@ fn refusal(priority: Priority, in_flight: usize, full: Full, waited: Duration) -
         } => (
             waited,
             format!(
-                "overloaded: no call was answered while this one waited, behind {in_flight} calls in flight{which}"
+                "overloaded: no call was answered while this one waited, behind {in_flight} in flight{which}"
             ),
         ),
     };

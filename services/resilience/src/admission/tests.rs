@@ -526,7 +526,7 @@ async fn a_call_whose_wait_is_over_goes_in_if_the_pace_the_line_moved_at_serves_
     assert!(
         refused
             .message()
-            .contains("13 calls were answered while this one waited; at that pace, behind the 26 calls in flight it would take about 519 ms, more than the 375 ms it may"),
+            .contains("13 calls answered while this one waited; at that pace, behind the 26 calls in flight it would take about 519 ms, more than the 375 ms it may"),
         "{}",
         refused.message()
     );
