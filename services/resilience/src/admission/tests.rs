@@ -664,3 +664,65 @@ async fn a_call_that_waited_is_judged_by_the_time_it_has_left() {
     assert_eq!(limit.in_flight(), 20);
     drop(held);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_line_passed_by_callers_under_their_share_is_predicted_to_move_at_the_share_it_gets() {
+    let limit = door_that_queues();
+    let heavy = Ask {
+        caller: Some(CallerKey(1)),
+        ..first(1000)
+    };
+    let mut held = fill(&limit, heavy);
+    let mut waiters = Vec::new();
+    for _ in 0..5 {
+        waiters.push(in_line(&limit, heavy).await);
+    }
+    assert_eq!(limit.line_share(), 1.0, "no place given yet");
+    // Behind 25 in flight and 5 waiting at 10 ms a call: 300 ms of the 437 it may.
+    assert_eq!(entered(&limit, heavy), "wait");
+    // Every place that comes free goes to a caller under its share, past the line.
+    for light in 0..64 {
+        drop(held.remove(0));
+        let ask = Ask {
+            caller: Some(CallerKey(100 + light)),
+            ..first(1000)
+        };
+        match limit.enter(ask) {
+            Entry::Admitted(admitted) => held.push(admitted),
+            other => panic!("a caller under its share goes in: {other:?}"),
+        }
+        tokio::task::yield_now().await;
+    }
+    assert!(
+        waiters.iter().all(|w| !w.is_finished()),
+        "the line did not move"
+    );
+    let share = limit.line_share();
+    assert!(share < 0.15, "the line got none of 64 places: {share}");
+    // Behind 5 waiting in a line that moves at that share, the same call is now refused at
+    // once, saying why, rather than let wait for a turn that would not come in time.
+    let refused = match limit.enter(heavy) {
+        Entry::Refused(status) => status,
+        other => panic!("refused at once: {other:?}"),
+    };
+    assert_eq!(refused.code(), Code::Unavailable);
+    assert!(
+        refused.message().contains(
+            "behind the 25 calls in flight and 5 calls waiting at the door, which gets 13%"
+        ),
+        "{}",
+        refused.message()
+    );
+    assert!(wire::is_overloaded(
+        &refused.metadata().clone().into_headers()
+    ));
+    // With no line, the first to wait is behind the calls in flight alone (a call told
+    // apart from no caller, so that no share lets it in).
+    for waiter in waiters {
+        waiter.abort();
+        let _ = waiter.await;
+    }
+    tokio::task::yield_now().await;
+    assert_eq!(entered(&limit, first(1000)), "wait");
+    drop(held);
+}
