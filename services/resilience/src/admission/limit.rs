@@ -284,15 +284,16 @@ impl ConcurrencyLimit {
             // then admitted together after it: 281 calls waited out their deadlines at the
             // start of the 1,500-in-flight overload test). It is refused at once.
             Err((Full::Late { .. }, n)) if self.may_wait(&ask) => {
-                let per_call = Duration::from_nanos(self.per_call_ns.load(Ordering::Relaxed));
+                let per_call = self.per_call_ns.load(Ordering::Relaxed) as f64 / 1e9;
                 // The calls in flight drain at the estimate's rate; the line ahead of it
                 // moves only at the share of the places that come free which the line
-                // gets (callers under their fair share and retries go in past it).
+                // gets (callers under their fair share and retries go in past it). The
+                // first to wait is judged by the calls in flight alone, so that a line can
+                // always form and measure its share again.
                 let waiting = self.waiting.load(Ordering::Acquire);
                 let share = self.line_share();
-                let predicted = per_call
-                    .saturating_mul(n as u32)
-                    .saturating_add(per_call.mul_f64(waiting as f64 / share));
+                let in_flight_alone = seconds(per_call * n as f64);
+                let predicted = seconds(per_call * (n as f64 + waiting as f64 / share));
                 // Waiting w, it goes in once what is ahead of it has drained to its budget
                 // of the time left, headroom × (time − w): it fits if w ≤ its allowance,
                 // that is if all ahead drain within budget + (1 − headroom) × allowance.
@@ -302,12 +303,12 @@ impl ConcurrencyLimit {
                         .mul_f64(1.0 - self.settings.headroom);
                 if predicted <= may {
                     Entry::Wait
-                } else if waiting == 0 {
+                } else if in_flight_alone > may {
                     Entry::Refused(self.refuse(
                         ask,
                         n,
                         Full::Late {
-                            predicted,
+                            predicted: in_flight_alone,
                             budget: may,
                         },
                     ))
@@ -439,7 +440,9 @@ impl ConcurrencyLimit {
     }
 
     /// Of the places given while calls waited at the door, the share that went to them —
-    /// a moving average over about the last 32, 1 until a line has formed. The others
+    /// a moving average over about the last 32 (kept from one line to the next: a line that
+    /// formed after a low share gets its second and later calls refused at once until
+    /// its first calls' places raise it), 1 until a line has formed. The others
     /// went to calls admitted at once past the line: callers under their fair share
     /// (which the line must not hold back: see [`Holdings`]) and retries. A call told to
     /// wait is behind the line ahead of it at this share of the drain rate: measured on
@@ -710,6 +713,12 @@ impl Drop for Waiting {
         }
         self.limit.waiting.store(queue.len(), Ordering::Release);
     }
+}
+
+/// `secs` as a duration, the longest one past what a duration holds (a prediction that
+/// long is refused whatever it is compared with).
+fn seconds(secs: f64) -> Duration {
+    Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX)
 }
 
 /// "1 call", "2 calls": counts in a refusal's message, read by people.

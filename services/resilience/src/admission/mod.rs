@@ -51,7 +51,9 @@
 //! its place while it does not fit. Having waited `w`, it is judged by the time it has
 //! left, so that waiting never eats the room kept below; so at arrival it may be behind at
 //! most what drains in `budget + (1 − headroom) × wait`, and a call behind more is refused
-//! at once. A call let wait is served if the chain still drains: once its wait is over
+//! at once. The line ahead of it is counted with the callers that pass it: it moves at
+//! the share of freed places the line has been getting (callers under their fair share go
+//! in past it). A call let wait is served if the chain still drains: once its wait is over
 //! it goes in if, at the pace calls were served (not failed below) while it waited, it would be answered
 //! within half the time it has left. The estimate cannot tell a stall below (a database
 //! session ended, a frozen service) from a quiet moment — it moves only with answers, and

@@ -678,7 +678,7 @@ async fn a_line_passed_by_callers_under_their_share_is_predicted_to_move_at_the_
         waiters.push(in_line(&limit, heavy).await);
     }
     assert_eq!(limit.line_share(), 1.0, "no place given yet");
-    // Behind 25 in flight and 5 waiting at 10 ms a call: 300 ms of the 437 it may.
+    // Behind 25 in flight and 5 waiting at 10 ms a call: 310 ms of the 437 it may.
     assert_eq!(entered(&limit, heavy), "wait");
     // Every place that comes free goes to a caller under its share, past the line.
     for light in 0..64 {
@@ -716,7 +716,8 @@ async fn a_line_passed_by_callers_under_their_share_is_predicted_to_move_at_the_
     assert!(wire::is_overloaded(
         &refused.metadata().clone().into_headers()
     ));
-    // With no line, the first to wait is behind the calls in flight alone (a call told
+    // With no line, the first to wait is behind the calls in flight alone, whatever the
+    // share, so that a line can always form and measure its share again (a call told
     // apart from no caller, so that no share lets it in).
     for waiter in waiters {
         waiter.abort();
