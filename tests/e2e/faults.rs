@@ -1706,28 +1706,34 @@ async fn charge_seen(
     (sent, answer.err())
 }
 
-/// The line at the edge's door (`--door-wait-share`) against a real stall: Postgres frozen
-/// (SIGSTOP) while charges wait at the edge for a place. The ledger takes 300 ms a charge
-/// and the edge's estimate is measured one charge at a time, so with one charge in flight
-/// the next two are predicted at about 0.6 and 0.9 s, past the quarter of their 2 s they
-/// may take below (0.5 s) and within what they may wait for (1.24 s): they wait, for half
-/// their time. The charge in flight meets the frozen database and, the ledger's round-trip
-/// bound set past the deadline, holds its place until its deadline; nothing is answered
-/// while the others wait. When their wait is over they are refused at the edge — UNAVAILABLE, overloaded,
-/// saying that no call was answered — and reach no inner service, rather than being let in
-/// to meet the frozen database with half their time gone (how a wait ended before the
-/// line judged its own pace: such calls waited out their deadlines in the chain). Thawed,
-/// the chain serves again and every key is charged once.
-#[tokio::test]
-async fn a_frozen_database_empties_the_line_at_the_door_with_refusals_at_the_edge() {
-    let _one = ONE_AT_A_TIME.lock().await;
-    let cluster = own_cluster().await;
-    let url = cluster.url("postgres");
+/// The line at the edge's door (`--door-wait-share`) against a real stall of the database
+/// (`stall`, mended by `mend`) while charges wait at the edge for a place; the chain's
+/// ledger reaches the database at `chain_url`, the check reads it at `url`. The ledger
+/// takes 300 ms a charge and the edge's estimate is measured one charge at a time, so with
+/// one charge in flight the next two are predicted at about 0.6 and 0.9 s, past the
+/// quarter of their 2 s they may take below (0.5 s) and within what they may wait for
+/// (1.24 s): they wait, for half their time. The charge in flight meets the stall and, the
+/// ledger's round-trip bound set past the deadline, holds its place until its deadline;
+/// nothing is answered while the others wait. When their wait is over they are refused at
+/// the edge — UNAVAILABLE, overloaded, saying that no call was answered — and reach no
+/// inner service, rather than being let in to meet the stall with half their time gone
+/// (how a wait ended before the line judged its own pace: such calls waited out their
+/// deadlines in the chain). Mended, the chain serves again and every key is charged once.
+async fn the_line_at_the_door_against_a_stall<S, M>(
+    what: &str,
+    chain_url: String,
+    url: &str,
+    stall: impl FnOnce() -> S,
+    mend: impl FnOnce() -> M,
+) where
+    S: Future<Output = ()>,
+    M: Future<Output = ()>,
+{
     let mut options = Options::default();
     options.spec.edge().door_wait_share = 0.5;
     options.spec.edge().service.min_concurrency = 1;
     options.spec.ledger().db_round_trip_timeout_ms = 5000;
-    let chain = Chain::spawn_on(options, url.clone()).await;
+    let chain = Chain::spawn_on(options, chain_url).await;
     chain.set_faults(LEDGER, delayed(300)).await;
     let client = PaymentsClient::new(chain.channel(EDGE).await);
     let account = new_account();
@@ -1740,7 +1746,7 @@ async fn a_frozen_database_empties_the_line_at_the_door_with_refusals_at_the_edg
         sent.push(charge);
     }
 
-    signal_server(&cluster, "STOP").await;
+    stall().await;
     let first = charge_seen(&client, &account, new_key(), deadline);
     // The waiters once the first is in flight at the edge.
     let waiters = futures::future::join_all((0..2).map(|i| {
@@ -1752,10 +1758,10 @@ async fn a_frozen_database_empties_the_line_at_the_door_with_refusals_at_the_edg
         }
     }));
     let ((first, _), waiters) = tokio::join!(first, waiters);
-    signal_server(&cluster, "CONT").await;
+    mend().await;
     let thawed = Instant::now();
     println!(
-        "the charge in flight: {:?} after {:?} ({})",
+        "{what}: the charge in flight: {:?} after {:?} ({})",
         first.code, first.took, first.message
     );
     let waited_longest = waiters.iter().map(|(c, _)| c.started + c.took).max();
@@ -1767,7 +1773,7 @@ async fn a_frozen_database_empties_the_line_at_the_door_with_refusals_at_the_edg
     sent.push(first);
     for (charge, status) in waiters {
         println!(
-            "a waiter: {:?} after {:?} ({})",
+            "{what}: a waiter: {:?} after {:?} ({})",
             charge.code, charge.took, charge.message
         );
         let status = status.expect("a waiter is refused: nothing was answered while it waited");
@@ -1807,11 +1813,54 @@ async fn a_frozen_database_empties_the_line_at_the_door_with_refusals_at_the_edg
         }
         assert!(
             thawed.elapsed() < Duration::from_secs(5),
-            "served again within 5 s of the thaw: {status:?}"
+            "{what}: served again within 5 s of the mend: {status:?}"
         );
     }
-    println!("served again {:?} after the thaw", thawed.elapsed());
-    resend_and_check(&chain.addrs[EDGE], &url, &sent).await;
+    println!(
+        "{what}: served again {:?} after it was mended",
+        thawed.elapsed()
+    );
+    resend_and_check(&chain.addrs[EDGE], url, &sent).await;
+}
+
+/// [`the_line_at_the_door_against_a_stall`] with Postgres frozen (SIGSTOP).
+#[tokio::test]
+async fn a_frozen_database_empties_the_line_at_the_door_with_refusals_at_the_edge() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let cluster = own_cluster().await;
+    let url = cluster.url("postgres");
+    the_line_at_the_door_against_a_stall(
+        "Postgres frozen",
+        url.clone(),
+        &url,
+        || signal_server(&cluster, "STOP"),
+        || signal_server(&cluster, "CONT"),
+    )
+    .await;
+}
+
+/// [`the_line_at_the_door_against_a_stall`] with the ledger's path to Postgres
+/// black-holed (nothing arrives either way, nothing is refused).
+#[tokio::test]
+async fn a_black_holed_database_path_empties_the_line_at_the_door_with_refusals_at_the_edge() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let cluster = own_cluster().await;
+    let url = cluster.url("postgres");
+    let hole = BlackHole::start(cluster.port()).await;
+    let through_hole = format!("postgres://postgres@127.0.0.1:{}/postgres", hole.port);
+    the_line_at_the_door_against_a_stall(
+        "database path black-holed",
+        through_hole,
+        &url,
+        || async {
+            hole.cut.send_replace(true);
+        },
+        || async {
+            hole.cut.send_replace(false);
+        },
+    )
+    .await;
+    drop(cluster);
 }
 
 /// A TCP path that black-holes both ways (nothing arrives, nothing is refused, no FIN
