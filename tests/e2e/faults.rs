@@ -1757,7 +1757,25 @@ async fn the_line_at_the_door_against_a_stall<S, M>(
             charge_seen(client, account, new_key(), deadline).await
         }
     }));
-    let ((first, _), waiters) = tokio::join!(first, waiters);
+    // While they wait, the edge's metrics show the line.
+    let line_seen = async {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let metrics = scrape_metrics(&chain.admins[EDGE]).await;
+        let gauge = |name: &str| {
+            metrics
+                .lines()
+                .find(|line| line.starts_with(name))
+                .and_then(|line| line.rsplit(' ').next())
+                .and_then(|value| value.parse::<f64>().ok())
+        };
+        (
+            gauge("retrychain_door_waiting{"),
+            gauge("retrychain_door_line_share{"),
+        )
+    };
+    let ((first, _), waiters, (waiting, line_share)) = tokio::join!(first, waiters, line_seen);
+    assert_eq!(waiting, Some(2.0), "{what}: two calls in line at the edge");
+    assert_eq!(line_share, Some(1.0), "{what}: nobody went in past them");
     mend().await;
     let thawed = Instant::now();
     println!(

@@ -23,6 +23,7 @@
 //! | `ledger_db_connections{state="in_use"\|"idle"}`, `ledger_db_acquires_waiting` | gauge | the ledger's pool |
 //! | `ledger_db_round_trip_seconds` | histogram | each database round trip of a request |
 //! | `concurrency_limit`, `in_flight` | gauge | how many calls at once fit the last call's budget now (admission's concurrency), and the Payments calls being served |
+//! | `door_waiting`, `door_line_share` | gauge | the edge's line at the door (`--door-wait-share`): calls waiting in it now, and the share of the places given while calls waited that went to them (the rest to callers under their fair share and retries, past the line) |
 //! | `shed_total{attempt="first"\|"retry"}` | counter | calls refused as overloaded (Stats `shed`, `shed_retries`) |
 //! | `shed_seconds` | histogram | how long each refusal took to answer |
 //! | `ledger_processor_conflicts_total` | counter | Stats `processor_conflicts` |
@@ -239,6 +240,18 @@ impl Collector for NodeCollector {
             "in_flight",
             "Payments calls being served now",
             node.admission.in_flight() as i64,
+        )?;
+        Self::gauge(
+            &mut encoder,
+            "door_waiting",
+            "Payments calls waiting at the door for a place now (the edge, with --door-wait-share)",
+            node.admission.waiting() as i64,
+        )?;
+        Self::gauge(
+            &mut encoder,
+            "door_line_share",
+            "Of the places given while calls waited at the door, the share that went to them (1 before any line)",
+            node.admission.line_share(),
         )?;
         {
             let (first, retries) = node.admission.shed();

@@ -218,6 +218,11 @@ impl ConcurrencyLimit {
         self.in_flight.load(Ordering::Relaxed)
     }
 
+    /// Calls waiting at the door for a place now (see [`ConcurrencyLimit::enter`]).
+    pub fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::Relaxed)
+    }
+
     /// First attempts and retries refused since start.
     pub fn shed(&self) -> (u64, u64) {
         (
