@@ -1710,13 +1710,13 @@ async fn charge_seen(
 /// (`stall`, mended by `mend`) while charges wait at the edge for a place; the chain's
 /// ledger reaches the database at `chain_url`, the check reads it at `url`. The ledger
 /// takes 300 ms a charge and the edge's estimate is measured one charge at a time, so with
-/// one charge in flight the next is predicted at about 0.6 s, past the quarter of its 2 s
-/// it may take below (0.5 s) and within what it may wait for (0.87 s, 70% of 1.24): it
-/// waits, for half its time. The charge in flight meets the stall and, the
+/// one charge in flight the next two are predicted at about 0.6 and 0.9 s, past the
+/// quarter of their 2 s they may take below (0.5 s) and within what they may wait for
+/// (1.24 s): they wait, for half their time. The charge in flight meets the stall and, the
 /// ledger's round-trip bound set past the deadline, holds its place until its deadline;
-/// nothing is answered while the other waits. When its wait is over it is refused at
-/// the edge — UNAVAILABLE, overloaded, saying that no call was answered — and reaches no
-/// inner service, rather than being let in to meet the stall with half its time gone
+/// nothing is answered while the others wait. When their wait is over they are refused at
+/// the edge — UNAVAILABLE, overloaded, saying that no call was answered — and reach no
+/// inner service, rather than being let in to meet the stall with half their time gone
 /// (how a wait ended before the line judged its own pace: such calls waited out their
 /// deadlines in the chain). Mended, the chain serves again and every key is charged once.
 async fn the_line_at_the_door_against_a_stall<S, M>(
@@ -1748,8 +1748,8 @@ async fn the_line_at_the_door_against_a_stall<S, M>(
 
     stall().await;
     let first = charge_seen(&client, &account, new_key(), deadline);
-    // The waiter once the first is in flight at the edge.
-    let waiters = futures::future::join_all((0..1).map(|i| {
+    // The waiters once the first is in flight at the edge.
+    let waiters = futures::future::join_all((0..2).map(|i| {
         let client = &client;
         let account = &account;
         async move {
@@ -1774,7 +1774,7 @@ async fn the_line_at_the_door_against_a_stall<S, M>(
         )
     };
     let ((first, _), waiters, (waiting, line_share)) = tokio::join!(first, waiters, line_seen);
-    assert_eq!(waiting, Some(1.0), "{what}: a call in line at the edge");
+    assert_eq!(waiting, Some(2.0), "{what}: two calls in line at the edge");
     assert_eq!(line_share, Some(1.0), "{what}: nobody went in past them");
     mend().await;
     let thawed = Instant::now();

@@ -40,14 +40,6 @@ const LINE_SHARE_WEIGHT: f64 = 1.0 / 32.0;
 /// call for a while is still predicted to move (slowly: 64 places a turn).
 const LEAST_LINE_SHARE: f64 = 1.0 / 64.0;
 
-/// A call is let wait only if its turn is predicted within this share of what it may be
-/// behind; the rest is room for the line to move slower than measured. In the
-/// 1,500-in-flight overload test with a quarter to wait, goodput moved by half from one
-/// second to the next, and with turns predicted to the limit 6 of 16 runs refused more
-/// than 1% of their refusals after a wait; with 0.7, 1 of 12 (0.5: none in 4, but the line
-/// then barely forms and refuses as many as no line).
-const WAIT_MARGIN: f64 = 0.7;
-
 /// One call asking to be admitted.
 #[derive(Debug, Clone, Copy)]
 pub struct Ask {
@@ -309,13 +301,11 @@ impl ConcurrencyLimit {
                 let predicted = seconds(per_call * (n as f64 + waiting as f64 / share));
                 // Waiting w, it goes in once what is ahead of it has drained to its budget
                 // of the time left, headroom × (time − w): it fits if w ≤ its allowance,
-                // that is if all ahead drain within budget + (1 − headroom) × allowance —
-                // within the margin kept for a line slower than measured.
-                let may = (self.budget(ask.time).unwrap_or_default()
+                // that is if all ahead drain within budget + (1 − headroom) × allowance.
+                let may = self.budget(ask.time).unwrap_or_default()
                     + self
                         .wait_allowance(ask.time)
-                        .mul_f64(1.0 - self.settings.headroom))
-                .mul_f64(WAIT_MARGIN);
+                        .mul_f64(1.0 - self.settings.headroom);
                 if predicted <= may {
                     Entry::Wait
                 } else if in_flight_alone > may {

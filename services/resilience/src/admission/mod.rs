@@ -50,9 +50,8 @@
 //! first come first served — only the first is woken as a place comes free, and it keeps
 //! its place while it does not fit. Having waited `w`, it is judged by the time it has
 //! left, so that waiting never eats the room kept below; so at arrival it may be behind at
-//! most what drains in `budget + (1 − headroom) × wait` — of which it is let wait for 70%,
-//! the rest room for a line slower than measured — and a call behind more is refused at
-//! once. The line ahead of it is counted with the callers that pass it: it moves at
+//! most what drains in `budget + (1 − headroom) × wait`, and a call behind more is refused
+//! at once. The line ahead of it is counted with the callers that pass it: it moves at
 //! the share of freed places the line has been getting (callers under their fair share go
 //! in past it). A call let wait is served if the chain still drains: once its wait is over
 //! it goes in if, at the pace calls were served (not failed below) while it waited, it would be answered
