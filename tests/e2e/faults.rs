@@ -1711,8 +1711,8 @@ async fn charge_seen(
 /// ledger reaches the database at `chain_url`, the check reads it at `url`. The ledger
 /// takes 300 ms a charge and the edge's estimate is measured one charge at a time, so with
 /// one charge in flight the next two are predicted at about 0.6 and 0.9 s, past the
-/// quarter of their 2 s they may take below (0.5 s) and within what they may wait for
-/// (1.24 s): they wait, for half their time. The charge in flight meets the stall and, the
+/// quarter of their 2 s they may take below (0.5 s) and within what may drain ahead of
+/// them (that quarter and ¾ of half their time: 1.24 s): they wait, for half their time. The charge in flight meets the stall and, the
 /// ledger's round-trip bound set past the deadline, holds its place until its deadline;
 /// nothing is answered while the others wait. When their wait is over they are refused at
 /// the edge — UNAVAILABLE, overloaded, saying that no call was answered — and reach no

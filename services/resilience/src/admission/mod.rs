@@ -45,7 +45,8 @@
 //! that the edge refuses the next such call itself.
 //!
 //! **Waiting at the door.** A first attempt that does not fit now is not refused if it
-//! would go in within [`AdmissionSettings::wait_share`] of its time (the edge: a quarter):
+//! would go in within [`AdmissionSettings::wait_share`] of its time (the edge's
+//! `--door-wait-share`: 0 by default, so refused at once; a quarter, say, when switched on):
 //! it waits at the door, where it holds nothing below and costs no CPU, in a line served
 //! first come first served — only the first is woken as a place comes free, and it keeps
 //! its place while it does not fit. Having waited `w`, it is judged by the time it has
