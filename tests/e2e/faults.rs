@@ -1862,10 +1862,7 @@ async fn a_frozen_database_empties_the_line_at_the_door_with_refusals_at_the_edg
 #[tokio::test]
 async fn a_black_holed_database_path_empties_the_line_at_the_door_with_refusals_at_the_edge() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let cluster = own_cluster().await;
-    let url = cluster.url("postgres");
-    let hole = BlackHole::start(cluster.port()).await;
-    let through_hole = format!("postgres://postgres@127.0.0.1:{}/postgres", hole.port);
+    let (cluster, url, hole, through_hole) = BlackHole::on_own_cluster().await;
     the_line_at_the_door_against_a_stall(
         "database path black-holed",
         through_hole,
@@ -1892,6 +1889,16 @@ struct BlackHole {
 }
 
 impl BlackHole {
+    /// A cluster of this test's own, its database's URL, and a black hole in front of it
+    /// with the URL through the hole.
+    async fn on_own_cluster() -> (tempgres::TempCluster, String, BlackHole, String) {
+        let cluster = own_cluster().await;
+        let url = cluster.url("postgres");
+        let hole = BlackHole::start(cluster.port()).await;
+        let through_hole = format!("postgres://postgres@127.0.0.1:{}/postgres", hole.port);
+        (cluster, url, hole, through_hole)
+    }
+
     async fn start(target: u16) -> BlackHole {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
@@ -1946,10 +1953,7 @@ impl BlackHole {
 #[tokio::test]
 async fn a_black_holed_database_path_holds_no_charge_past_the_round_trip_bound() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let cluster = own_cluster().await;
-    let url = cluster.url("postgres");
-    let hole = BlackHole::start(cluster.port()).await;
-    let through_hole = format!("postgres://postgres@127.0.0.1:{}/postgres", hole.port);
+    let (cluster, url, hole, through_hole) = BlackHole::on_own_cluster().await;
     let chain = Chain::spawn_on(Options::default(), through_hole).await;
     chain.set_faults(LEDGER, delayed(20)).await;
     stall_the_database_under_load(

@@ -726,12 +726,16 @@ fn seconds(secs: f64) -> Duration {
     Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX)
 }
 
-/// "1 call", "2 calls": counts in a refusal's message, read by people.
-fn calls(n: u64) -> String {
-    if n == 1 {
-        "1 call".to_owned()
-    } else {
-        format!("{n} calls")
+/// "1 call", "2 calls": counts in a refusal's message, read by people (written into the
+/// message itself: a refusal allocates nothing more for it).
+struct Calls(u64);
+
+impl std::fmt::Display for Calls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            1 => f.write_str("1 call"),
+            n => write!(f, "{n} calls"),
+        }
     }
 }
 
@@ -742,7 +746,7 @@ fn refusal(priority: Priority, in_flight: usize, full: Full, waited: Duration) -
         Priority::First => "",
         Priority::Retry => " (retries are refused before first attempts)",
     };
-    let in_flight = calls(in_flight as u64);
+    let in_flight = Calls(in_flight as u64);
     let (pushback, message) = match full {
         Full::Ceiling => (
             Duration::from_millis(100),
@@ -777,7 +781,7 @@ fn refusal(priority: Priority, in_flight: usize, full: Full, waited: Duration) -
             predicted.saturating_sub(may).min(may),
             format!(
                 "overloaded: behind the {in_flight} in flight and {} waiting at the door, which gets {:.0}% of the places that come free (callers under their share go in first), this one would take about {} ms, more than the {} ms it may{which}",
-                calls(waiting as u64),
+                Calls(waiting as u64),
                 share * 100.0,
                 predicted.as_millis(),
                 may.as_millis()
@@ -791,7 +795,7 @@ fn refusal(priority: Priority, in_flight: usize, full: Full, waited: Duration) -
             predicted.saturating_sub(may).min(may),
             format!(
                 "overloaded: {} answered while this one waited; at that pace, behind the {in_flight} in flight it would take about {} ms, more than the {} ms it may{which}",
-                calls(answered),
+                Calls(answered),
                 predicted.as_millis(),
                 may.as_millis()
             ),
