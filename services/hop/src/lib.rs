@@ -22,9 +22,13 @@
 //!
 //! The edge decodes each message ([`Payments`]): it refuses bad input before anything
 //! below works on it, and signs a statement of the call's caller, account and amount. A
-//! relay forwards the message as the bytes it came in
-//! ([`retrychain_proto::passthrough`]): it acts on metadata alone, and the ledger decodes
-//! the message again before it acts on it.
+//! relay ([`Relay`]) forwards the message in the frames it came in, without gRPC's codec:
+//! it acts on metadata alone, and the ledger decodes the message again before it acts on
+//! it.
+
+mod forward;
+
+pub use forward::Relay;
 
 use std::{
     sync::Arc,
@@ -32,7 +36,6 @@ use std::{
     time::Duration,
 };
 
-use bytes::Bytes;
 use resilience::{
     Balancer, PropagateDeadlineLayer, RetryLayer, ServiceConfig, client::RetryService,
     propagate::PropagateDeadline, wire,
@@ -47,12 +50,9 @@ use retrychain_node::{
     statement::{CALLER_SIGNER, CALLER_STATEMENT, Call},
     telemetry::{InjectTrace, InjectTraceLayer},
 };
-use retrychain_proto::{
-    passthrough,
-    v1::{
-        Account, ChargeReply, ChargeRequest, GetAccountRequest, payments_client::PaymentsClient,
-        payments_server::Payments,
-    },
+use retrychain_proto::v1::{
+    Account, ChargeReply, ChargeRequest, GetAccountRequest, payments_client::PaymentsClient,
+    payments_server::Payments,
 };
 use tonic::{
     Request, Response, Status,
@@ -223,8 +223,9 @@ pub struct Hop {
     mode: RetryMode,
     /// The downstream service, under the [`Downstream`] stack: the edge's calls.
     downstream: PaymentsClient<Downstream>,
-    /// The same, forwarding encoded messages: a relay's calls.
-    forward: passthrough::payments_client::PaymentsClient<Downstream>,
+    /// The same stack, called with each request's body as it came: a relay's calls
+    /// ([`Relay`]).
+    below: Downstream,
 }
 
 impl Hop {
@@ -234,7 +235,7 @@ impl Hop {
         Self {
             role,
             mode: settings.mode,
-            forward: passthrough::payments_client::PaymentsClient::new(downstream.clone()),
+            below: downstream.clone(),
             downstream: PaymentsClient::new(downstream),
             node,
         }
@@ -407,7 +408,7 @@ fn relayed(downstream: MetadataMap) -> MetadataMap {
     metadata
 }
 
-/// The edge's handlers (a relay serves [`passthrough`]'s): the message is decoded, so bad
+/// The edge's handlers (a relay is served by [`Relay`]): the message is decoded, so bad
 /// input is refused here, before any service below works on it, and the caller's
 /// statement can name the account and the amount.
 #[tonic::async_trait]
@@ -463,33 +464,6 @@ impl Payments for Hop {
                     self.state_caller(&extensions, &scope, call, &mut outgoing)?;
                 }
                 relay(self.downstream.clone().get_account(outgoing).await)
-            })
-            .await
-    }
-}
-
-/// A relay's handlers: the message is forwarded as it came, unread (the edge validated it,
-/// the ledger decodes it again); everything a relay does is done with the metadata.
-#[tonic::async_trait]
-impl passthrough::payments_server::Payments for Hop {
-    async fn charge(&self, request: Request<Bytes>) -> Result<Response<Bytes>, Status> {
-        let scope = RpcScope::begin(&self.node, "Charge", &request);
-        let (incoming, _, message) = request.into_parts();
-        scope
-            .run(async {
-                let outgoing = self.outgoing(&incoming, &scope, true, message)?;
-                relay(self.forward.clone().charge(outgoing).await)
-            })
-            .await
-    }
-
-    async fn get_account(&self, request: Request<Bytes>) -> Result<Response<Bytes>, Status> {
-        let scope = RpcScope::begin(&self.node, "GetAccount", &request);
-        let (incoming, _, message) = request.into_parts();
-        scope
-            .run(async {
-                let outgoing = self.outgoing(&incoming, &scope, false, message)?;
-                relay(self.forward.clone().get_account(outgoing).await)
             })
             .await
     }

@@ -43,6 +43,6 @@ pub use node::{Node, NodeConfig, Statements};
 pub use rpc::RpcScope;
 pub use server::{
     DRAIN_GRACE, Listeners, PaymentsService, READY_PREFIX, ReadyAddrs, ServeError, decoding,
-    default_admin_addr, forwarding, serve, shutdown_signal,
+    default_admin_addr, serve, shutdown_signal,
 };
 pub use stats::Counters;

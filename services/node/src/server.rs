@@ -9,7 +9,7 @@ use std::{net::SocketAddr, sync::Arc, time::Duration};
 
 use resilience::{AdmissionLayer, DeadlineLayer};
 use retrychain_proto::{
-    FILE_DESCRIPTOR_SET, passthrough,
+    FILE_DESCRIPTOR_SET,
     v1::{
         control_server::ControlServer,
         payments_server::{Payments, PaymentsServer},
@@ -161,8 +161,8 @@ pub enum ServeError {
     Transport(#[from] tonic::transport::Error),
 }
 
-/// A served `Payments`: one of tonic's generated servers for it, [`decoding`] or
-/// [`forwarding`] its messages.
+/// A served `Payments`: tonic's generated server ([`decoding`] its messages), or a relay's
+/// own forwarding them unread (`retrychain_hop::Relay`).
 pub trait PaymentsService:
     tower::Service<
         http::Request<tonic::body::Body>,
@@ -195,15 +195,6 @@ impl<S> PaymentsService for S where
 /// [`MAX_REQUEST_BYTES`].
 pub fn decoding<P: Payments>(payments: P) -> PaymentsServer<P> {
     PaymentsServer::new(payments).max_decoding_message_size(MAX_REQUEST_BYTES)
-}
-
-/// `payments` served with its messages left encoded (a relay: [`passthrough`]), none over
-/// [`MAX_REQUEST_BYTES`] either.
-pub fn forwarding<P: passthrough::payments_server::Payments>(
-    payments: P,
-) -> passthrough::payments_server::PaymentsServer<P> {
-    passthrough::payments_server::PaymentsServer::new(payments)
-        .max_decoding_message_size(MAX_REQUEST_BYTES)
 }
 
 /// Serves `payments` on the public listener and the node's Control service on the admin

@@ -1,6 +1,5 @@
 //! The `retrychain.v1` wire contract as Rust types: clients and servers for `Payments`
-//! and `Control`, `Payments` once more for services that forward its messages unread
-//! ([`passthrough`]), and the encoded descriptor set that gRPC reflection serves so that
+//! and `Control`, and the encoded descriptor set that gRPC reflection serves so that
 //! `grpcurl list` works without proto files.
 
 #![allow(missing_docs)] // generated code carries the proto comments, not Rust docs
@@ -9,8 +8,6 @@
 pub mod v1 {
     tonic::include_proto!("retrychain.v1");
 }
-
-pub mod passthrough;
 
 /// The encoded `FileDescriptorSet` of every retrychain proto, for tonic-reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] =

@@ -6,7 +6,7 @@ use std::{net::SocketAddr, pin::Pin, sync::Arc, time::Duration};
 
 use anyhow::Context;
 use resilience::{AdaptiveThrottle, Balancer, Downstream, RetryBudget, ServiceConfig, Throttle};
-use retrychain_hop::{Hop, HopSettings, Role};
+use retrychain_hop::{Hop, HopSettings, Relay, Role};
 use retrychain_ledger::{
     InFlight, KeyStore, Ledger, StoreOptions,
     processor::{ProcessorRecord, RecordOptions},
@@ -14,7 +14,7 @@ use retrychain_ledger::{
 };
 use retrychain_node::{
     Listeners, Node, NodeConfig, ReadyAddrs, ServeError, Statements, authz::ServerTls, decoding,
-    default_admin_addr, forwarding, serve, telemetry,
+    default_admin_addr, serve, telemetry,
 };
 use retrychain_tls::{ClientAuth, Tls};
 
@@ -217,7 +217,7 @@ async fn hop(
     // The edge decodes each message (it validates and states it); a relay forwards it unread.
     let serving: Pin<Box<dyn Future<Output = Result<(), ServeError>> + Send>> = match role {
         Role::Edge => Box::pin(serve(listeners, node, decoding(hop), reserve, shutdown)),
-        Role::Relay => Box::pin(serve(listeners, node, forwarding(hop), reserve, shutdown)),
+        Role::Relay => Box::pin(serve(listeners, node, Relay::new(hop), reserve, shutdown)),
     };
     Ok(Started {
         addrs,

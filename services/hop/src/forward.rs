@@ -1,0 +1,456 @@
+//! A relay's `Payments` (hop2, hop3, hop4): each call forwarded as an HTTP/2 request with
+//! its gRPC message left in the frames it came in.
+//!
+//! A relay acts on metadata alone: the deadline, the idempotency key, the trace, the retry
+//! mode, the caller's signed statement. The edge has already decoded and validated the
+//! message, and the ledger decodes it again before it acts on it, so a malformed message
+//! still gets its status where it is first decoded. tonic's generated server and client
+//! would read each message out of its frame into a buffer of their own and frame it again
+//! into another, on the way in and on the way out: four buffers and four copies per
+//! relayed call, for bytes the relay never reads. Here the request's body is read whole
+//! (its one data frame kept as it came) and sent on as it is; the reply's body likewise,
+//! with its trailers read for the call's status, and answered with fresh trailers.
+//!
+//! Everything else a relay does is [`Hop`]'s, the same as the edge's: the call's scope
+//! (its span, its line, its own DEADLINE_EXCEEDED), the outgoing metadata
+//! ([`Hop::outgoing`]), the [`Downstream`](crate::Downstream) stack, and what of the answer
+//! travels back up ([`crate::relay`]).
+
+use std::{
+    convert::Infallible,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+};
+
+use bytes::{Bytes, BytesMut};
+use http::{
+    HeaderMap, HeaderValue, StatusCode,
+    header::{CONTENT_TYPE, TE},
+};
+use http_body::Frame;
+use http_body_util::BodyExt;
+use retrychain_node::{RpcScope, server::MAX_REQUEST_BYTES};
+use retrychain_proto::v1::payments_server::PaymentsServer;
+use tonic::{
+    Code, Request, Response, Status, body::Body, metadata::MetadataMap, server::NamedService,
+};
+use tower::ServiceExt;
+
+use crate::{Hop, relay};
+
+/// A method a relay forwards.
+struct Method {
+    /// `/retrychain.v1.Payments/<name>`: the request's path, and the call's below.
+    path: &'static str,
+    /// The method's name, for the call's line and counters.
+    name: &'static str,
+    /// Whether a call must carry an idempotency key (one that changes something).
+    key_required: bool,
+}
+
+/// Every `Payments` method. A method added to the proto is added here too (a test reads
+/// the descriptor and fails until it is); until then a relay answers it UNIMPLEMENTED.
+const METHODS: [Method; 2] = [
+    Method {
+        path: "/retrychain.v1.Payments/Charge",
+        name: "Charge",
+        key_required: true,
+    },
+    Method {
+        path: "/retrychain.v1.Payments/GetAccount",
+        name: "GetAccount",
+        key_required: false,
+    },
+];
+
+/// The length prefix and flag before each gRPC message in a body.
+const FRAME_HEADER: usize = 5;
+
+/// The largest reply read from the service below: tonic's default limit for a decoded
+/// message, which a reply of this service never comes near (a `ChargeReply` is tens of
+/// bytes); a larger one is a fault below, answered as one.
+const MAX_REPLY_BYTES: usize = 4 * 1024 * 1024;
+
+/// `application/grpc`, on every answer and every call below.
+const GRPC: HeaderValue = HeaderValue::from_static("application/grpc");
+
+/// A relay's `Payments`, served as HTTP/2 requests (see the module's documentation).
+#[derive(Debug, Clone)]
+pub struct Relay(Arc<Hop>);
+
+impl Relay {
+    /// `hop` (a relay's) serving `Payments` by forwarding each call's body unread.
+    pub fn new(hop: Hop) -> Self {
+        Self(Arc::new(hop))
+    }
+}
+
+impl NamedService for Relay {
+    const NAME: &'static str = <PaymentsServer<()> as NamedService>::NAME;
+}
+
+impl tower::Service<http::Request<Body>> for Relay {
+    type Response = http::Response<Body>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        // Every call's readiness is the downstream stack's, awaited in `call`.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        let hop = Arc::clone(&self.0);
+        Box::pin(async move { Ok(hop.forward(request).await) })
+    }
+}
+
+impl Hop {
+    /// Serves one relayed call: the metadata acted on, the body sent on unread, the answer
+    /// relayed.
+    async fn forward(&self, request: http::Request<Body>) -> http::Response<Body> {
+        let path = request.uri().path();
+        let Some(method) = METHODS.iter().find(|method| method.path == path) else {
+            return Status::unimplemented(format!("no method {path} in Payments")).into_http();
+        };
+        let (head, body) = request.into_parts();
+        let request =
+            Request::from_parts(MetadataMap::from_headers(head.headers), head.extensions, ());
+        let scope = RpcScope::begin(&self.node, method.name, &request);
+        let (incoming, _, ()) = request.into_parts();
+        let answer = scope
+            .run(async {
+                let message = read_request(body).await?;
+                let outgoing = self.outgoing(&incoming, &scope, method.key_required, message)?;
+                relay(self.send(method.path, outgoing).await)
+            })
+            .await;
+        match answer {
+            Ok(reply) => answer_with(reply),
+            Err(status) => status.into_http(),
+        }
+    }
+
+    /// Sends `outgoing` (its body the request's, as it came) to `path` through the
+    /// downstream stack, and reads the answer.
+    async fn send(
+        &self,
+        path: &'static str,
+        outgoing: Request<Bytes>,
+    ) -> Result<Response<Bytes>, Status> {
+        let (metadata, extensions, body) = outgoing.into_parts();
+        let mut request = http::Request::new(Body::new(http_body_util::Full::new(body)));
+        *request.method_mut() = http::Method::POST;
+        *request.uri_mut() = http::Uri::from_static(path);
+        *request.version_mut() = http::Version::HTTP_2;
+        *request.headers_mut() = metadata.into_headers();
+        request
+            .headers_mut()
+            .insert(TE, HeaderValue::from_static("trailers"));
+        request.headers_mut().insert(CONTENT_TYPE, GRPC);
+        *request.extensions_mut() = extensions;
+        let response = self
+            .below
+            .clone()
+            .oneshot(request)
+            .await
+            .map_err(Status::from_error)?;
+        read_reply(response).await
+    }
+}
+
+/// A body read to its end: its data (one frame kept as it came, several joined) and its
+/// trailers.
+struct Whole {
+    /// Every data frame's bytes, in order.
+    data: Bytes,
+    /// The trailers, when the body ended with them.
+    trailers: Option<HeaderMap>,
+}
+
+/// Why a body could not be read whole.
+enum Unread {
+    /// It failed (the peer reset the stream, the connection broke): the failure.
+    Failed(Status),
+    /// It is longer than the limit.
+    TooLong,
+}
+
+/// Reads `body` to its end, up to `limit` bytes of data.
+async fn read_whole(mut body: Body, limit: usize) -> Result<Whole, Unread> {
+    let mut data = Bytes::new();
+    // Only when a second data frame comes: the frames joined.
+    let mut joined: Option<BytesMut> = None;
+    let mut trailers = None;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(Unread::Failed)?;
+        let frame = match frame.into_data() {
+            Ok(chunk) => {
+                let held = joined.as_ref().map_or(data.len(), BytesMut::len);
+                if held + chunk.len() > limit {
+                    return Err(Unread::TooLong);
+                }
+                match &mut joined {
+                    Some(joined) => joined.extend_from_slice(&chunk),
+                    None if data.is_empty() => data = chunk,
+                    None => {
+                        let mut both = BytesMut::with_capacity(held + chunk.len());
+                        both.extend_from_slice(&data);
+                        both.extend_from_slice(&chunk);
+                        joined = Some(both);
+                    }
+                }
+                continue;
+            }
+            Err(frame) => frame,
+        };
+        if let Ok(map) = frame.into_trailers() {
+            trailers = Some(map);
+        }
+    }
+    Ok(Whole {
+        data: joined.map_or(data, BytesMut::freeze),
+        trailers,
+    })
+}
+
+/// The request's message, framed as it came, at most [`MAX_REQUEST_BYTES`]
+/// (RESOURCE_EXHAUSTED past it, as the edge and the ledger answer a message too large).
+async fn read_request(body: Body) -> Result<Bytes, Status> {
+    match read_whole(body, MAX_REQUEST_BYTES + FRAME_HEADER).await {
+        Ok(whole) => Ok(whole.data),
+        Err(Unread::Failed(status)) => Err(status),
+        Err(Unread::TooLong) => Err(Status::resource_exhausted(format!(
+            "request message too large: more than the limit of {MAX_REQUEST_BYTES} bytes"
+        ))),
+    }
+}
+
+/// The answer of the service below, as the tonic client would have read it: a failure
+/// from a trailers-only answer or from the trailers, else the reply's framed message and
+/// its metadata (headers and trailers).
+async fn read_reply(response: http::Response<Body>) -> Result<Response<Bytes>, Status> {
+    let (head, body) = response.into_parts();
+    if let Some(status) = Status::from_header_map(&head.headers)
+        && status.code() != Code::Ok
+    {
+        return Err(status);
+    }
+    let whole = match read_whole(body, MAX_REPLY_BYTES).await {
+        Ok(whole) => whole,
+        Err(Unread::Failed(status)) => return Err(status),
+        Err(Unread::TooLong) => {
+            return Err(Status::internal(format!(
+                "the reply from below is over {MAX_REPLY_BYTES} bytes"
+            )));
+        }
+    };
+    let status = whole
+        .trailers
+        .as_ref()
+        .and_then(Status::from_header_map)
+        .or_else(|| Status::from_header_map(&head.headers))
+        .unwrap_or_else(|| without_status(head.status));
+    if status.code() != Code::Ok {
+        return Err(status);
+    }
+    if whole.data.is_empty() {
+        return Err(Status::internal(
+            "the service below answered OK without a reply",
+        ));
+    }
+    let mut headers = head.headers;
+    if let Some(trailers) = whole.trailers {
+        headers.extend(trailers);
+    }
+    Ok(Response::from_parts(
+        MetadataMap::from_headers(headers),
+        whole.data,
+        Default::default(),
+    ))
+}
+
+/// The status of an answer that carried no `grpc-status`, from its HTTP status, as gRPC's
+/// clients infer it (grpc's `doc/http-grpc-status-mapping.md`); an HTTP 200 without one
+/// broke the protocol mid-answer: UNKNOWN.
+fn without_status(http: StatusCode) -> Status {
+    let code = match http {
+        StatusCode::BAD_REQUEST => Code::Internal,
+        StatusCode::UNAUTHORIZED => Code::Unauthenticated,
+        StatusCode::FORBIDDEN => Code::PermissionDenied,
+        StatusCode::NOT_FOUND => Code::Unimplemented,
+        StatusCode::TOO_MANY_REQUESTS
+        | StatusCode::BAD_GATEWAY
+        | StatusCode::SERVICE_UNAVAILABLE
+        | StatusCode::GATEWAY_TIMEOUT => Code::Unavailable,
+        _ => Code::Unknown,
+    };
+    Status::new(
+        code,
+        format!("the service below answered HTTP {http} without a grpc-status"),
+    )
+}
+
+/// The gRPC answer for `reply`: its metadata in the headers, its framed message, and
+/// trailers saying OK.
+fn answer_with(reply: Response<Bytes>) -> http::Response<Body> {
+    let (metadata, message, _) = reply.into_parts();
+    let mut trailers = HeaderMap::with_capacity(1);
+    trailers.insert("grpc-status", HeaderValue::from_static("0"));
+    let frames: [Result<Frame<Bytes>, Infallible>; 2] =
+        [Ok(Frame::data(message)), Ok(Frame::trailers(trailers))];
+    let body = http_body_util::StreamBody::new(futures::stream::iter(frames));
+    let mut response = http::Response::new(Body::new(body));
+    *response.headers_mut() = metadata.into_headers();
+    response.headers_mut().insert(CONTENT_TYPE, GRPC);
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use prost::Message;
+
+    use super::*;
+
+    #[test]
+    fn every_method_of_the_proto_is_forwarded() {
+        let set = prost_types::FileDescriptorSet::decode(retrychain_proto::FILE_DESCRIPTOR_SET)
+            .expect("the descriptor set");
+        let service = set
+            .file
+            .iter()
+            .filter(|file| file.package() == "retrychain.v1")
+            .flat_map(|file| &file.service)
+            .find(|service| service.name() == "Payments")
+            .expect("Payments");
+        let mut in_proto: Vec<String> = service
+            .method
+            .iter()
+            .map(|method| {
+                assert!(
+                    !method.client_streaming() && !method.server_streaming(),
+                    "{}: a relay reads a request and a reply whole, unary methods only",
+                    method.name()
+                );
+                format!("/retrychain.v1.Payments/{}", method.name())
+            })
+            .collect();
+        let mut forwarded: Vec<String> = METHODS.iter().map(|m| m.path.to_owned()).collect();
+        in_proto.sort();
+        forwarded.sort();
+        assert_eq!(forwarded, in_proto);
+        for method in &METHODS {
+            assert!(method.path.ends_with(&format!("/{}", method.name)));
+        }
+    }
+
+    fn body(frames: Vec<Frame<Bytes>>) -> Body {
+        let frames: Vec<Result<Frame<Bytes>, Status>> = frames.into_iter().map(Ok).collect();
+        Body::new(http_body_util::StreamBody::new(futures::stream::iter(
+            frames,
+        )))
+    }
+
+    #[tokio::test]
+    async fn one_frame_is_kept_as_it_came_and_several_are_joined() {
+        let chunk = Bytes::from_static(b"\0\0\0\0\x03abc");
+        let whole = read_whole(body(vec![Frame::data(chunk.clone())]), 64)
+            .await
+            .ok()
+            .expect("read");
+        assert_eq!(whole.data.as_ptr(), chunk.as_ptr(), "no copy of one frame");
+        let whole = read_whole(
+            body(vec![
+                Frame::data(Bytes::from_static(b"\0\0\0")),
+                Frame::data(Bytes::from_static(b"\0\x01")),
+                Frame::data(Bytes::from_static(b"z")),
+                Frame::trailers(HeaderMap::new()),
+            ]),
+            64,
+        )
+        .await
+        .ok()
+        .expect("read");
+        assert_eq!(&whole.data[..], b"\0\0\0\0\x01z");
+        assert!(whole.trailers.is_some());
+    }
+
+    #[tokio::test]
+    async fn a_body_past_the_limit_is_not_read_whole() {
+        let long = body(vec![
+            Frame::data(Bytes::from(vec![0; 40])),
+            Frame::data(Bytes::from(vec![0; 40])),
+        ]);
+        assert!(matches!(read_whole(long, 64).await, Err(Unread::TooLong)));
+        let status = read_request(body(vec![Frame::data(Bytes::from(vec![
+            0;
+            MAX_REQUEST_BYTES
+                + FRAME_HEADER
+                + 1
+        ]))]))
+        .await
+        .expect_err("too long");
+        assert_eq!(status.code(), Code::ResourceExhausted);
+    }
+
+    #[tokio::test]
+    async fn a_reply_says_its_status_where_grpc_puts_it() {
+        let ok_trailers = || {
+            let mut map = HeaderMap::new();
+            map.insert("grpc-status", HeaderValue::from_static("0"));
+            map.insert("x-from-trailers", HeaderValue::from_static("yes"));
+            map
+        };
+        let reply = |status: StatusCode, frames| {
+            let mut response = http::Response::new(body(frames));
+            *response.status_mut() = status;
+            response
+        };
+        let message = || Frame::data(Bytes::from_static(b"\0\0\0\0\x02hi"));
+
+        // A reply, its trailers' metadata kept.
+        let ok = read_reply(reply(
+            StatusCode::OK,
+            vec![message(), Frame::trailers(ok_trailers())],
+        ))
+        .await
+        .expect("ok");
+        assert_eq!(&ok.get_ref()[..], b"\0\0\0\0\x02hi");
+        assert!(ok.metadata().get("x-from-trailers").is_some());
+
+        // A trailers-only failure.
+        let failed = Status::unavailable("down").into_http::<Body>();
+        let status = read_reply(failed).await.expect_err("failed");
+        assert_eq!(
+            (status.code(), status.message()),
+            (Code::Unavailable, "down")
+        );
+
+        // A failure in the trailers, after headers.
+        let mut trailers = HeaderMap::new();
+        Status::aborted("later").add_header(&mut trailers).unwrap();
+        let status = read_reply(reply(StatusCode::OK, vec![Frame::trailers(trailers)]))
+            .await
+            .expect_err("failed");
+        assert_eq!(status.code(), Code::Aborted);
+
+        // No grpc-status at all: from the HTTP status, UNKNOWN on a 200.
+        for (http, code) in [
+            (StatusCode::SERVICE_UNAVAILABLE, Code::Unavailable),
+            (StatusCode::NOT_FOUND, Code::Unimplemented),
+            (StatusCode::OK, Code::Unknown),
+        ] {
+            let status = read_reply(reply(http, vec![message()]))
+                .await
+                .expect_err("no status");
+            assert_eq!(status.code(), code, "{http}");
+        }
+
+        // OK without a message.
+        let status = read_reply(reply(StatusCode::OK, vec![Frame::trailers(ok_trailers())]))
+            .await
+            .expect_err("no message");
+        assert_eq!(status.code(), Code::Internal);
+    }
+}
