@@ -23,13 +23,14 @@ use std::{
     task::{Context, Poll},
 };
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http::{
     HeaderMap, HeaderValue, StatusCode,
     header::{CONTENT_TYPE, TE},
 };
 use http_body::Frame;
 use http_body_util::BodyExt;
+use resilience::replay::Gather;
 use retrychain_node::{RpcScope, server::MAX_REQUEST_BYTES};
 use retrychain_proto::v1::payments_server::PaymentsServer;
 use tonic::{
@@ -179,38 +180,17 @@ enum Unread {
 
 /// Reads `body` to its end, up to `limit` bytes of data.
 async fn read_whole(mut body: Body, limit: usize) -> Result<Whole, Unread> {
-    let mut data = Bytes::new();
-    // Only when a second data frame comes: the frames joined.
-    let mut joined: Option<BytesMut> = None;
+    let mut data = Gather::default();
     let mut trailers = None;
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(Unread::Failed)?;
-        let frame = match frame.into_data() {
-            Ok(chunk) => {
-                let held = joined.as_ref().map_or(data.len(), BytesMut::len);
-                if held + chunk.len() > limit {
-                    return Err(Unread::TooLong);
-                }
-                match &mut joined {
-                    Some(joined) => joined.extend_from_slice(&chunk),
-                    None if data.is_empty() => data = chunk,
-                    None => {
-                        let mut both = BytesMut::with_capacity(held + chunk.len());
-                        both.extend_from_slice(&data);
-                        both.extend_from_slice(&chunk);
-                        joined = Some(both);
-                    }
-                }
-                continue;
-            }
-            Err(frame) => frame,
-        };
-        if let Ok(map) = frame.into_trailers() {
-            trailers = Some(map);
+        match frame.map_err(Unread::Failed)?.into_data() {
+            Ok(chunk) if data.len() + chunk.len() > limit => return Err(Unread::TooLong),
+            Ok(chunk) => data.push(chunk),
+            Err(frame) => trailers = frame.into_trailers().ok().or(trailers),
         }
     }
     Ok(Whole {
-        data: joined.map_or(data, BytesMut::freeze),
+        data: data.into_bytes(),
         trailers,
     })
 }
