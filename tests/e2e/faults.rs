@@ -1132,6 +1132,83 @@ async fn hostile_input_gets_its_documented_code_and_writes_nothing() {
     assert_eq!(status.code(), Code::Unimplemented);
 }
 
+/// Frames no gRPC client sends, straight at every service: each answers them itself, with
+/// the code tonic's servers give them, and nothing below sees them. A relay reads no
+/// message, but it reads the frame around it: a bad one passed on would fail at the
+/// ledger, and hop4's balancer would count that failure against a healthy ledger.
+#[tokio::test]
+async fn a_malformed_grpc_frame_is_refused_where_it_arrives() {
+    let chain = Chain::spawn(Options::default()).await;
+    let url = chain.database_url.clone().unwrap();
+    let framed = |flag: u8, len: u32, payload: &[u8]| {
+        let mut bytes = vec![flag];
+        bytes.extend_from_slice(&len.to_be_bytes());
+        bytes.extend_from_slice(payload);
+        bytes
+    };
+    let cases: Vec<(&str, Vec<u8>, Option<&str>, &str)> = vec![
+        ("no message", vec![], None, "13"),
+        ("a frame header cut short", vec![0, 0, 0], None, "13"),
+        ("a message cut short", framed(0, 40, b"abc"), None, "13"),
+        ("a compressed message", framed(1, 3, b"abc"), None, "13"),
+        ("a compression flag of 7", framed(7, 3, b"abc"), None, "13"),
+        (
+            "a compressed request",
+            framed(0, 0, b""),
+            Some("gzip"),
+            "12",
+        ),
+        (
+            "over 64 KiB by its prefix",
+            framed(0, 1 << 20, b"abc"),
+            None,
+            "8",
+        ),
+    ];
+    for (target, addr) in ["edge", "hop2", "hop3", "hop4", "ledger"]
+        .into_iter()
+        .zip(&chain.addrs)
+    {
+        let addr = host_port(addr);
+        let connection = h2_connection(&addr).await;
+        for (what, body, encoding, code) in &cases {
+            let mut request =
+                http::Request::post(format!("http://{addr}/retrychain.v1.Payments/Charge"))
+                    .header("content-type", "application/grpc")
+                    .header("te", "trailers")
+                    .header(TIMEOUT_HEADER, "5S")
+                    .header(IDEMPOTENCY_KEY, new_key());
+            if let Some(encoding) = encoding {
+                request = request.header("grpc-encoding", *encoding);
+            }
+            let mut sender = connection.clone().ready().await.unwrap();
+            let (response, mut stream) = sender
+                .send_request(request.body(()).unwrap(), false)
+                .unwrap();
+            stream
+                .send_data(bytes::Bytes::from(body.clone()), true)
+                .unwrap();
+            let response = response.await.unwrap();
+            let headers = response.headers();
+            assert_eq!(
+                headers.get("grpc-status").map(|s| s.to_str().unwrap()),
+                Some(*code),
+                "{target}, {what}: {headers:?}"
+            );
+            assert!(
+                !headers.contains_key(resilience::wire::RELAYED),
+                "{target}, {what}: answered below, not here: {headers:?}"
+            );
+        }
+    }
+    assert_eq!(row_counts(&url).await, (0, 0, 0), "nothing written");
+    // And the chain serves well-formed calls, its balancers having seen no failure.
+    chain
+        .charge_new(Duration::from_secs(5), &[])
+        .await
+        .expect("a charge after the malformed ones");
+}
+
 /// What is sent, the message and extra metadata, and the code it must get.
 type HostileCase = (
     &'static str,

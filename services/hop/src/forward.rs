@@ -8,8 +8,10 @@
 //! would read each message out of its frame into a buffer of their own and frame it again
 //! into another, on the way in and on the way out: four buffers and four copies per
 //! relayed call, for bytes the relay never reads. Here the request's body is read whole
-//! (its one data frame kept as it came) and sent on as it is; the reply's body likewise,
-//! with its trailers read for the call's status, and answered with fresh trailers.
+//! into one buffer, its frame checked as tonic's server checks it (one whole,
+//! uncompressed message within the size limit: a malformed frame is refused here, not
+//! passed on to fail below), and sent on as it is; the reply's body likewise, its status
+//! read where a gRPC client reads it, and answered with fresh trailers.
 //!
 //! Everything else a relay does is [`Hop`]'s, the same as the edge's: the call's scope
 //! (its span, its line, its own DEADLINE_EXCEEDED), the outgoing metadata
@@ -23,14 +25,13 @@ use std::{
     task::{Context, Poll},
 };
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::{
     HeaderMap, HeaderValue, StatusCode,
     header::{CONTENT_TYPE, TE},
 };
 use http_body::Frame;
 use http_body_util::BodyExt;
-use resilience::replay::Gather;
 use retrychain_node::{RpcScope, server::MAX_REQUEST_BYTES};
 use retrychain_proto::v1::payments_server::PaymentsServer;
 use tonic::{
@@ -108,21 +109,29 @@ impl tower::Service<http::Request<Body>> for Relay {
 }
 
 impl Hop {
-    /// Serves one relayed call: the metadata acted on, the body sent on unread, the answer
-    /// relayed.
+    /// Serves one relayed call: the request's message read and checked as tonic's server
+    /// reads it (before the call's scope begins, so a refused or stalled body is answered
+    /// by the server's layers and counted by none), the metadata acted on, the message
+    /// sent on as it came, the answer relayed.
     async fn forward(&self, request: http::Request<Body>) -> http::Response<Body> {
         let path = request.uri().path();
         let Some(method) = METHODS.iter().find(|method| method.path == path) else {
             return Status::unimplemented(format!("no method {path} in Payments")).into_http();
         };
         let (head, body) = request.into_parts();
+        if let Some(refused) = refuse_compressed(&head.headers) {
+            return refused;
+        }
+        let message = match read_request(body).await {
+            Ok(message) => message,
+            Err(status) => return status.into_http(),
+        };
         let request =
             Request::from_parts(MetadataMap::from_headers(head.headers), head.extensions, ());
         let scope = RpcScope::begin(&self.node, method.name, &request);
         let (incoming, _, ()) = request.into_parts();
         let answer = scope
             .run(async {
-                let message = read_request(body).await?;
                 let outgoing = self.outgoing(&incoming, &scope, method.key_required, message)?;
                 relay(self.send(method.path, outgoing).await)
             })
@@ -133,7 +142,7 @@ impl Hop {
         }
     }
 
-    /// Sends `outgoing` (its body the request's, as it came) to `path` through the
+    /// Sends `outgoing` (its body the request's framed message) to `path` through the
     /// downstream stack, and reads the answer.
     async fn send(
         &self,
@@ -161,10 +170,11 @@ impl Hop {
     }
 }
 
-/// A body read to its end: its data (one frame kept as it came, several joined) and its
-/// trailers.
+/// A body read to its end: its data and its trailers.
 struct Whole {
-    /// Every data frame's bytes, in order.
+    /// Every data frame's bytes, in order, in a buffer of their own: a frame is a slice of
+    /// the connection's receive buffer, and a call that kept it (a retry holds its request
+    /// for the whole call) would keep that whole buffer alive.
     data: Bytes,
     /// The trailers, when the body ended with them.
     trailers: Option<HeaderMap>,
@@ -174,42 +184,111 @@ struct Whole {
 enum Unread {
     /// It failed (the peer reset the stream, the connection broke): the failure.
     Failed(Status),
-    /// It is longer than the limit.
-    TooLong,
+    /// It is longer than the limit: what was read of it, up to the limit.
+    TooLong(Bytes),
 }
 
 /// Reads `body` to its end, up to `limit` bytes of data.
 async fn read_whole(mut body: Body, limit: usize) -> Result<Whole, Unread> {
-    let mut data = Gather::default();
+    let mut data = BytesMut::new();
     let mut trailers = None;
     while let Some(frame) = body.frame().await {
         match frame.map_err(Unread::Failed)?.into_data() {
-            Ok(chunk) if data.len() + chunk.len() > limit => return Err(Unread::TooLong),
-            Ok(chunk) => data.push(chunk),
+            Ok(chunk) if data.len() + chunk.len() > limit => {
+                data.extend_from_slice(&chunk[..limit - data.len()]);
+                return Err(Unread::TooLong(data.freeze()));
+            }
+            Ok(chunk) => data.extend_from_slice(&chunk),
             Err(frame) => trailers = frame.into_trailers().ok().or(trailers),
         }
     }
     Ok(Whole {
-        data: data.into_bytes(),
+        data: data.freeze(),
         trailers,
     })
 }
 
-/// The request's message, framed as it came, at most [`MAX_REQUEST_BYTES`]
-/// (RESOURCE_EXHAUSTED past it, as the edge and the ledger answer a message too large).
+/// The answer to a request with messages compressed (`grpc-encoding` other than
+/// `identity`), as tonic's servers answer it: UNIMPLEMENTED, saying what is accepted. No
+/// service of the chain accepts compression, and a relay that sent such a message on would
+/// leave the ledger unable to read it.
+fn refuse_compressed(headers: &HeaderMap) -> Option<http::Response<Body>> {
+    match headers.get("grpc-encoding").map(HeaderValue::as_bytes) {
+        None | Some(b"identity") => None,
+        Some(encoding) => {
+            let mut refused = Status::unimplemented(format!(
+                "the request is compressed ({}), which this service does not accept",
+                String::from_utf8_lossy(encoding)
+            ))
+            .into_http::<Body>();
+            refused
+                .headers_mut()
+                .insert("grpc-accept-encoding", HeaderValue::from_static("identity"));
+            Some(refused)
+        }
+    }
+}
+
+/// The one message of a unary gRPC body, still in its frame (the flag byte and the length
+/// prefix), as tonic's decoder would accept it: uncompressed, whole, at most
+/// `max_message` bytes (RESOURCE_EXHAUSTED past it, as every service of the chain says).
+/// Bytes past the message are left out, as tonic leaves them unread.
+fn one_message(data: Bytes, max_message: usize) -> Result<Bytes, Status> {
+    let Some(header) = data.get(..FRAME_HEADER) else {
+        return Err(Status::internal(if data.is_empty() {
+            "missing message: the body ended before one"
+        } else {
+            "the body ended inside a message's frame header"
+        }));
+    };
+    let length = u32::from_be_bytes([header[1], header[2], header[3], header[4]]) as usize;
+    match header[0] {
+        0 => {}
+        1 => {
+            return Err(Status::internal(
+                "a message is marked compressed, and no grpc-encoding was given",
+            ));
+        }
+        flag => {
+            return Err(Status::internal(format!(
+                "a message's compression flag is {flag}, neither 0 nor 1"
+            )));
+        }
+    }
+    if length > max_message {
+        return Err(Status::resource_exhausted(format!(
+            "request message too large: found {length} bytes, the limit is: {max_message} bytes"
+        )));
+    }
+    if data.len() < FRAME_HEADER + length {
+        return Err(Status::internal(format!(
+            "the body ended inside a message: {} of its {length} bytes came",
+            data.len() - FRAME_HEADER
+        )));
+    }
+    Ok(data.slice(..FRAME_HEADER + length))
+}
+
+/// The request's message, framed as it came ([`one_message`]).
 async fn read_request(body: Body) -> Result<Bytes, Status> {
-    match read_whole(body, MAX_REQUEST_BYTES + FRAME_HEADER).await {
-        Ok(whole) => Ok(whole.data),
+    match read_whole(body, FRAME_HEADER + MAX_REQUEST_BYTES).await {
+        Ok(whole) => one_message(whole.data, MAX_REQUEST_BYTES),
         Err(Unread::Failed(status)) => Err(status),
-        Err(Unread::TooLong) => Err(Status::resource_exhausted(format!(
-            "request message too large: more than the limit of {MAX_REQUEST_BYTES} bytes"
-        ))),
+        // Its length prefix says how large: unless the message fits and more came after
+        // it, which no gRPC client sends to a unary method.
+        Err(Unread::TooLong(read)) => match one_message(read, MAX_REQUEST_BYTES) {
+            Err(status) => Err(status),
+            Ok(_) => Err(Status::resource_exhausted(format!(
+                "request body too large: more than {} bytes",
+                FRAME_HEADER + MAX_REQUEST_BYTES
+            ))),
+        },
     }
 }
 
 /// The answer of the service below, as the tonic client would have read it: a failure
-/// from a trailers-only answer or from the trailers, else the reply's framed message and
-/// its metadata (headers and trailers).
+/// from a trailers-only answer, from the trailers or from the HTTP status, else the
+/// reply's framed message and its metadata (headers and trailers).
 async fn read_reply(response: http::Response<Body>) -> Result<Response<Bytes>, Status> {
     let (head, body) = response.into_parts();
     if let Some(status) = Status::from_header_map(&head.headers)
@@ -217,10 +296,10 @@ async fn read_reply(response: http::Response<Body>) -> Result<Response<Bytes>, S
     {
         return Err(status);
     }
-    let whole = match read_whole(body, MAX_REPLY_BYTES).await {
+    let whole = match read_whole(body, FRAME_HEADER + MAX_REPLY_BYTES).await {
         Ok(whole) => whole,
         Err(Unread::Failed(status)) => return Err(status),
-        Err(Unread::TooLong) => {
+        Err(Unread::TooLong(_)) => {
             return Err(Status::internal(format!(
                 "the reply from below is over {MAX_REPLY_BYTES} bytes"
             )));
@@ -235,18 +314,20 @@ async fn read_reply(response: http::Response<Body>) -> Result<Response<Bytes>, S
     if status.code() != Code::Ok {
         return Err(status);
     }
-    if whole.data.is_empty() {
-        return Err(Status::internal(
-            "the service below answered OK without a reply",
-        ));
-    }
+    // A reply that tonic's client would not read is a fault below, not the caller's.
+    let message = one_message(whole.data, MAX_REPLY_BYTES).map_err(|status| {
+        Status::internal(format!(
+            "the reply from below is not a gRPC message: {}",
+            status.message()
+        ))
+    })?;
     let mut headers = head.headers;
     if let Some(trailers) = whole.trailers {
         headers.extend(trailers);
     }
     Ok(Response::from_parts(
         MetadataMap::from_headers(headers),
-        whole.data,
+        message,
         Default::default(),
     ))
 }
@@ -332,14 +413,16 @@ mod tests {
         )))
     }
 
+    /// A framed message of `len` bytes, its flag `flag`.
+    fn framed(flag: u8, len: u32, payload: &[u8]) -> Vec<u8> {
+        let mut bytes = vec![flag];
+        bytes.extend_from_slice(&len.to_be_bytes());
+        bytes.extend_from_slice(payload);
+        bytes
+    }
+
     #[tokio::test]
-    async fn one_frame_is_kept_as_it_came_and_several_are_joined() {
-        let chunk = Bytes::from_static(b"\0\0\0\0\x03abc");
-        let whole = read_whole(body(vec![Frame::data(chunk.clone())]), 64)
-            .await
-            .ok()
-            .expect("read");
-        assert_eq!(whole.data.as_ptr(), chunk.as_ptr(), "no copy of one frame");
+    async fn a_body_is_read_whole_across_frames_with_its_trailers() {
         let whole = read_whole(
             body(vec![
                 Frame::data(Bytes::from_static(b"\0\0\0")),
@@ -354,24 +437,80 @@ mod tests {
         .expect("read");
         assert_eq!(&whole.data[..], b"\0\0\0\0\x01z");
         assert!(whole.trailers.is_some());
-    }
-
-    #[tokio::test]
-    async fn a_body_past_the_limit_is_not_read_whole() {
         let long = body(vec![
             Frame::data(Bytes::from(vec![0; 40])),
             Frame::data(Bytes::from(vec![0; 40])),
         ]);
-        assert!(matches!(read_whole(long, 64).await, Err(Unread::TooLong)));
-        let status = read_request(body(vec![Frame::data(Bytes::from(vec![
-            0;
-            MAX_REQUEST_BYTES
-                + FRAME_HEADER
-                + 1
-        ]))]))
-        .await
-        .expect_err("too long");
+        match read_whole(long, 64).await {
+            Err(Unread::TooLong(read)) => assert_eq!(read.len(), 64),
+            _ => panic!("read past the limit"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_request_is_one_whole_uncompressed_message_within_the_limit() {
+        let read = |bytes: Vec<u8>| read_request(body(vec![Frame::data(Bytes::from(bytes))]));
+        // One message, and what came after it left out.
+        let mut two = framed(0, 2, b"hi");
+        two.extend(framed(0, 1, b"!"));
+        assert_eq!(
+            &read(two).await.expect("read")[..],
+            &framed(0, 2, b"hi")[..]
+        );
+        // None, or cut short: what tonic's server answers INTERNAL.
+        for cut in [vec![], vec![0, 0], framed(0, 5, b"abc")] {
+            let status = read(cut.clone()).await.expect_err("cut");
+            assert_eq!(status.code(), Code::Internal, "{cut:?}: {status:?}");
+        }
+        // Compressed, or a flag that means nothing.
+        for flag in [1, 2, 255] {
+            let status = read(framed(flag, 1, b"x")).await.expect_err("flag");
+            assert_eq!(status.code(), Code::Internal, "flag {flag}");
+        }
+        // Over the limit, said from the prefix whether or not the rest came.
+        let limit = MAX_REQUEST_BYTES as u32;
+        for bytes in [
+            framed(0, limit + 1, &[]),
+            framed(0, limit + 1, &vec![0; MAX_REQUEST_BYTES + 1]),
+        ] {
+            let status = read(bytes).await.expect_err("too large");
+            assert_eq!(status.code(), Code::ResourceExhausted);
+            assert!(
+                status
+                    .message()
+                    .contains(&format!("found {} bytes", limit + 1)),
+                "{status:?}"
+            );
+        }
+        // A message at the limit, with more after it than the body may hold.
+        let mut past = framed(0, limit, &vec![0; MAX_REQUEST_BYTES]);
+        past.extend(framed(0, 3, b"abc"));
+        let status = read(past).await.expect_err("too long");
         assert_eq!(status.code(), Code::ResourceExhausted);
+        assert_eq!(
+            read(framed(0, limit, &vec![0; MAX_REQUEST_BYTES]))
+                .await
+                .expect("at the limit")
+                .len(),
+            FRAME_HEADER + MAX_REQUEST_BYTES
+        );
+    }
+
+    #[test]
+    fn a_compressed_request_is_refused_saying_what_is_accepted() {
+        let with = |encoding: Option<&'static str>| {
+            let mut headers = HeaderMap::new();
+            if let Some(encoding) = encoding {
+                headers.insert("grpc-encoding", HeaderValue::from_static(encoding));
+            }
+            refuse_compressed(&headers)
+        };
+        assert!(with(None).is_none());
+        assert!(with(Some("identity")).is_none());
+        let refused = with(Some("gzip")).expect("refused");
+        let status = Status::from_header_map(refused.headers()).expect("a status");
+        assert_eq!(status.code(), Code::Unimplemented);
+        assert_eq!(refused.headers()["grpc-accept-encoding"], "identity");
     }
 
     #[tokio::test]
@@ -427,10 +566,18 @@ mod tests {
             assert_eq!(status.code(), code, "{http}");
         }
 
-        // OK without a message.
+        // OK without a message, or with one tonic's client would not read: a fault below.
         let status = read_reply(reply(StatusCode::OK, vec![Frame::trailers(ok_trailers())]))
             .await
             .expect_err("no message");
+        assert_eq!(status.code(), Code::Internal);
+        let compressed = Frame::data(Bytes::from(framed(1, 2, b"hi")));
+        let status = read_reply(reply(
+            StatusCode::OK,
+            vec![compressed, Frame::trailers(ok_trailers())],
+        ))
+        .await
+        .expect_err("compressed");
         assert_eq!(status.code(), Code::Internal);
     }
 }

@@ -84,51 +84,10 @@ impl Drop for Reservation<'_> {
     }
 }
 
-/// A body's data frames gathered into one buffer: the first frame kept as it came (a unary
-/// gRPC body is one frame, so nothing is copied), the frames joined from the second on.
-#[derive(Debug, Default)]
-pub struct Gather {
-    /// The first frame, as it came.
-    first: Bytes,
-    /// From a second frame on, every frame so far, copied.
-    joined: Option<BytesMut>,
-}
-
-impl Gather {
-    /// Adds the next data frame.
-    pub fn push(&mut self, chunk: Bytes) {
-        match &mut self.joined {
-            Some(joined) => joined.extend_from_slice(&chunk),
-            None if self.first.is_empty() => self.first = chunk,
-            None => {
-                let mut both = BytesMut::with_capacity(self.first.len() + chunk.len());
-                both.extend_from_slice(&self.first);
-                both.extend_from_slice(&chunk);
-                self.joined = Some(both);
-            }
-        }
-    }
-
-    /// The bytes gathered so far.
-    pub fn len(&self) -> usize {
-        self.joined.as_ref().map_or(self.first.len(), BytesMut::len)
-    }
-
-    /// Whether nothing is gathered yet.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Every frame's bytes, in order.
-    pub fn into_bytes(self) -> Bytes {
-        self.joined.map_or(self.first, BytesMut::freeze)
-    }
-}
-
 /// Reads `body` up to the limits: `Ok` with all of it, or `Err` with a body that replays
 /// what was read and then the rest (to send once, unretried).
 async fn buffer(budget: &Arc<ReplayBudget>, mut body: Body) -> Result<Buffered, Body> {
-    let mut bytes = Gather::default();
+    let mut bytes = BytesMut::new();
     let mut reservation = Reservation {
         budget: budget.as_ref(),
         bytes: 0,
@@ -137,7 +96,7 @@ async fn buffer(budget: &Arc<ReplayBudget>, mut body: Body) -> Result<Buffered, 
         let frame = match body.frame().await {
             None => break,
             Some(Ok(frame)) => frame,
-            Some(Err(error)) => return Err(error_after(bytes.into_bytes(), error)),
+            Some(Err(error)) => return Err(error_after(bytes.freeze(), error)),
         };
         let Ok(data) = frame.into_data() else {
             continue; // request trailers: gRPC clients send none
@@ -145,9 +104,9 @@ async fn buffer(budget: &Arc<ReplayBudget>, mut body: Body) -> Result<Buffered, 
         let size = data.len();
         let total = budget.buffered.fetch_add(size, Ordering::AcqRel) + size;
         reservation.bytes += size;
-        bytes.push(data);
+        bytes.extend_from_slice(&data);
         if bytes.len() > budget.per_call || total > budget.per_channel {
-            return Err(chain(bytes.into_bytes(), body));
+            return Err(chain(bytes.freeze(), body));
         }
         if body.is_end_stream() {
             break;
@@ -156,7 +115,7 @@ async fn buffer(budget: &Arc<ReplayBudget>, mut body: Body) -> Result<Buffered, 
     // The bytes are now held by the `Buffered`, which gives them back when dropped.
     reservation.bytes = 0;
     Ok(Buffered {
-        bytes: bytes.into_bytes(),
+        bytes: bytes.freeze(),
         budget: Arc::clone(budget),
     })
 }
