@@ -162,7 +162,7 @@ pub enum ServeError {
 }
 
 /// A served `Payments`: tonic's generated server ([`decoding`] its messages), or a relay's
-/// own forwarding them unread (`retrychain_hop::Relay`).
+/// own forwarding them unread (`retrychain_hop::Forwarding`).
 pub trait PaymentsService:
     tower::Service<
         http::Request<tonic::body::Body>,

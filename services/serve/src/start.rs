@@ -6,7 +6,7 @@ use std::{net::SocketAddr, pin::Pin, sync::Arc, time::Duration};
 
 use anyhow::Context;
 use resilience::{AdaptiveThrottle, Balancer, Downstream, RetryBudget, ServiceConfig, Throttle};
-use retrychain_hop::{Hop, HopSettings, Relay, Role};
+use retrychain_hop::{Forwarding, Hop, HopSettings, Role};
 use retrychain_ledger::{
     InFlight, KeyStore, Ledger, StoreOptions,
     processor::{ProcessorRecord, RecordOptions},
@@ -217,7 +217,13 @@ async fn hop(
     // The edge decodes each message (it validates and states it); a relay forwards it unread.
     let serving: Pin<Box<dyn Future<Output = Result<(), ServeError>> + Send>> = match role {
         Role::Edge => Box::pin(serve(listeners, node, decoding(hop), reserve, shutdown)),
-        Role::Relay => Box::pin(serve(listeners, node, Relay::new(hop), reserve, shutdown)),
+        Role::Relay => Box::pin(serve(
+            listeners,
+            node,
+            Forwarding::new(hop),
+            reserve,
+            shutdown,
+        )),
     };
     Ok(Started {
         addrs,

@@ -16,7 +16,7 @@
 //! Everything else a relay does is [`Hop`]'s, the same as the edge's: the call's scope
 //! (its span, its line, its own DEADLINE_EXCEEDED), the outgoing metadata
 //! ([`Hop::outgoing`]), the [`Downstream`](crate::Downstream) stack, and what of the answer
-//! travels back up ([`crate::relay`]).
+//! travels back up ([`relay`]).
 
 use std::{
     convert::Infallible,
@@ -39,7 +39,7 @@ use tonic::{
 };
 use tower::ServiceExt;
 
-use crate::{Hop, relay};
+use super::{Hop, relay};
 
 /// A method a relay forwards.
 struct Method {
@@ -79,20 +79,20 @@ const GRPC: HeaderValue = HeaderValue::from_static("application/grpc");
 
 /// A relay's `Payments`, served as HTTP/2 requests (see the module's documentation).
 #[derive(Debug, Clone)]
-pub struct Relay(Arc<Hop>);
+pub struct Forwarding(Arc<Hop>);
 
-impl Relay {
+impl Forwarding {
     /// `hop` (a relay's) serving `Payments` by forwarding each call's body unread.
     pub fn new(hop: Hop) -> Self {
         Self(Arc::new(hop))
     }
 }
 
-impl NamedService for Relay {
+impl NamedService for Forwarding {
     const NAME: &'static str = <PaymentsServer<()> as NamedService>::NAME;
 }
 
-impl tower::Service<http::Request<Body>> for Relay {
+impl tower::Service<http::Request<Body>> for Forwarding {
     type Response = http::Response<Body>;
     type Error = Infallible;
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
