@@ -11,6 +11,8 @@
 //! - [`cpu_seconds`]: a process's user + system CPU time, from `/proc`.
 //! - [`storm_args`]: `retrychain storm`'s settings from a command line, for benchmarks that
 //!   run storms in process.
+//! - [`refusal_buckets`], [`refusal_p99_ms`]: how long the edge took to answer its
+//!   refusals, from its `shed_seconds` histogram, over a stretch of a run.
 
 use std::time::Duration;
 
@@ -349,4 +351,60 @@ pub fn median(values: &[f64]) -> f64 {
     } else {
         sorted[middle]
     }
+}
+
+/// The edge's refusal-time histogram (`retrychain_shed_seconds`, read from `/metrics` on
+/// its admin address): the cumulative count at each bucket's bound, in seconds.
+pub async fn refusal_buckets(admin: &str) -> anyhow::Result<Vec<(f64, f64)>> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let host = admin.trim_start_matches("http://").trim_end_matches('/');
+    let mut stream = tokio::net::TcpStream::connect(host).await?;
+    stream
+        .write_all(
+            format!("GET /metrics HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n")
+                .as_bytes(),
+        )
+        .await?;
+    let mut text = String::new();
+    stream.read_to_string(&mut text).await?;
+    let mut buckets = Vec::new();
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("retrychain_shed_seconds_bucket{") else {
+            continue;
+        };
+        let le = rest.split("le=\"").nth(1).and_then(|s| s.split('"').next());
+        let count = rest.rsplit(' ').next().and_then(|n| n.parse::<f64>().ok());
+        if let (Some(le), Some(count)) = (le, count) {
+            let le = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse()?
+            };
+            buckets.push((le, count));
+        }
+    }
+    Ok(buckets)
+}
+
+/// Of the refusals the edge answered between two readings of [`refusal_buckets`], the
+/// bound (ms) of the bucket that holds the 99th percentile; `None` when there were none.
+pub fn refusal_p99_ms(before: &[(f64, f64)], after: &[(f64, f64)]) -> Option<f64> {
+    let delta: Vec<(f64, f64)> = after
+        .iter()
+        .map(|(le, n)| {
+            let was = before
+                .iter()
+                .find(|(b, _)| b == le)
+                .map_or(0.0, |(_, n)| *n);
+            (*le, n - was)
+        })
+        .collect();
+    let total = delta.iter().map(|(_, n)| *n).fold(0.0, f64::max);
+    (total > 0.0).then(|| {
+        delta
+            .iter()
+            .find(|(_, n)| *n >= 0.99 * total)
+            .map_or(f64::INFINITY, |(le, _)| *le)
+            * 1000.0
+    })
 }

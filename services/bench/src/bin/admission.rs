@@ -91,6 +91,12 @@ struct Run {
     edge_cpu_us: f64,
     /// The load generator's CPU per call it sent, µs.
     generator_cpu_us_per_call: f64,
+    /// How long a refused call waited for its refusal, as the load generator saw it:
+    /// the median and the p99, ms (`None` without refusals).
+    refusal_ms: Option<(f64, f64)>,
+    /// The bound (ms) of the edge's `shed_seconds` bucket that holds the p99 of its
+    /// refusals over the run, by its own clock (`None` without refusals at the edge).
+    edge_refusal_p99_ms: Option<f64>,
     /// Where the machine's CPU went over the run.
     cpu: CpuAccount,
 }
@@ -223,6 +229,12 @@ struct Point {
     edge_cpu_rounds: usize,
     /// The load generator's CPU per call, median over both chains' rounds.
     generator_cpu_us_per_call: f64,
+    /// With admission, how long a refused call waited for its refusal (the load
+    /// generator's p99, ms), over the rounds with refusals.
+    refusal_p99_ms: Option<Spread>,
+    /// With admission, the edge's own p99 bound for its refusals (ms), over the rounds
+    /// with refusals at the edge.
+    edge_refusal_p99_ms: Option<Spread>,
     /// Where the CPU went per call answered OK, medians over the rounds.
     on_per_ok: PerOk,
     off_per_ok: PerOk,
@@ -263,6 +275,18 @@ impl Point {
             edge_cpu_us_per_refusal: Spread::of(&per_refusal),
             edge_cpu_rounds: per_refusal.len(),
             generator_cpu_us_per_call: retrychain_bench::median(&generator),
+            refusal_p99_ms: Spread::of(
+                &rounds
+                    .iter()
+                    .filter_map(|r| r.on.refusal_ms.map(|(_, p99)| p99))
+                    .collect::<Vec<_>>(),
+            ),
+            edge_refusal_p99_ms: Spread::of(
+                &rounds
+                    .iter()
+                    .filter_map(|r| r.on.edge_refusal_p99_ms)
+                    .collect::<Vec<_>>(),
+            ),
             on_per_ok: PerOk::median(&rounds.iter().map(|r| PerOk::of(&r.on)).collect::<Vec<_>>()),
             off_per_ok: PerOk::median(
                 &rounds.iter().map(|r| PerOk::of(&r.off)).collect::<Vec<_>>(),
@@ -372,6 +396,9 @@ async fn run(
     extra: &[String],
 ) -> anyhow::Result<Run> {
     let before = shed_counts(admins).await?;
+    let buckets_before = retrychain_bench::refusal_buckets(&admins[0])
+        .await
+        .unwrap_or_default();
     let start = CpuReading::now(pids, postgres)?;
     let report: StormReport = storm::run(&storm_args(edge, &admins[0], duration, extra)?).await?;
     let end = CpuReading::now(pids, postgres)?;
@@ -395,6 +422,9 @@ async fn run(
         idle_us: us(start.machine.1, end.machine.1),
     };
     let after = shed_counts(admins).await?;
+    let buckets_after = retrychain_bench::refusal_buckets(&admins[0])
+        .await
+        .unwrap_or_default();
     let refused_by: Vec<u64> = after
         .iter()
         .zip(&before)
@@ -411,6 +441,9 @@ async fn run(
         ok: report.ok,
         edge_cpu_us: edge_cpu,
         generator_cpu_us_per_call: generator_us / report.requests.max(1) as f64,
+        refusal_ms: (report.shed > 0)
+            .then_some((report.shed_latency_ms.p50, report.shed_latency_ms.p99)),
+        edge_refusal_p99_ms: retrychain_bench::refusal_p99_ms(&buckets_before, &buckets_after),
         cpu,
     })
 }
@@ -418,7 +451,7 @@ async fn run(
 fn show_round(i: usize, round: &Round) {
     let line = |which: &str, r: &Run| {
         eprintln!(
-            "    {which:<4} goodput {:>6.0}/s  ok p99 {:>7.1} ms  refused {:>7} of {:>7} (by edge..ledger {:?}; edge's share {})  load generator {:.1} µs CPU a call",
+            "    {which:<4} goodput {:>6.0}/s  ok p99 {:>7.1} ms  refused {:>7} of {:>7} (by edge..ledger {:?}; edge's share {}{})  load generator {:.1} µs CPU a call",
             r.goodput_rps,
             r.ok_p99_ms,
             r.refused,
@@ -426,6 +459,11 @@ fn show_round(i: usize, round: &Round) {
             r.refused_by,
             r.edge_share
                 .map_or("-".to_owned(), |s| format!("{:.1}%", s * 100.0)),
+            r.refusal_ms.map_or(String::new(), |(p50, p99)| format!(
+                "; a refusal waited p50 {p50:.1} / p99 {p99:.1} ms, at the edge p99 ≤ {}",
+                r.edge_refusal_p99_ms
+                    .map_or("-".to_owned(), |ms| format!("{ms} ms"))
+            )),
             r.generator_cpu_us_per_call,
         );
         eprintln!("         {}", PerOk::of(r).describe());
@@ -448,7 +486,7 @@ fn show(point: &Point) {
         )
     };
     eprintln!(
-        "{}: goodput on / off {}, ok p99 on / off {}; on {}/s, off {}/s; refused {} of {} (edge's share {}){}  [median (lowest–highest) of {} rounds]",
+        "{}: goodput on / off {}, ok p99 on / off {}; on {}/s, off {}/s; refused {} of {} (edge's share {}){}{}  [median (lowest–highest) of {} rounds]",
         point.load,
         spread(&point.goodput_ratio, 2),
         spread(&point.ok_p99_ratio, 2),
@@ -466,6 +504,14 @@ fn show(point: &Point) {
                 spread(&s, 1),
                 point.edge_cpu_rounds
             )),
+        match (point.refusal_p99_ms, point.edge_refusal_p99_ms) {
+            (None, _) => String::new(),
+            (Some(client), edge) => format!(
+                "; a refusal's p99 {} ms at the load generator, ≤ {} ms at the edge",
+                spread(&client, 1),
+                edge.map_or("-".to_owned(), |e| spread(&e, 2))
+            ),
+        },
         point.rounds.len(),
     );
     eprintln!("  on:  {}", point.on_per_ok.describe());

@@ -130,60 +130,6 @@ fn rss(pids: &str) -> Vec<(String, u64)> {
         .collect()
 }
 
-/// The edge's refusal-time histogram: cumulative counts per bucket bound (seconds).
-async fn refusal_buckets(admin: &str) -> anyhow::Result<Vec<(f64, f64)>> {
-    let host = admin.trim_start_matches("http://").trim_end_matches('/');
-    let mut stream = tokio::net::TcpStream::connect(host).await?;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    stream
-        .write_all(
-            format!("GET /metrics HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n")
-                .as_bytes(),
-        )
-        .await?;
-    let mut text = String::new();
-    stream.read_to_string(&mut text).await?;
-    let mut buckets = Vec::new();
-    for line in text.lines() {
-        let Some(rest) = line.strip_prefix("retrychain_shed_seconds_bucket{") else {
-            continue;
-        };
-        let le = rest.split("le=\"").nth(1).and_then(|s| s.split('"').next());
-        let count = rest.rsplit(' ').next().and_then(|n| n.parse::<f64>().ok());
-        if let (Some(le), Some(count)) = (le, count) {
-            let le = if le == "+Inf" {
-                f64::INFINITY
-            } else {
-                le.parse()?
-            };
-            buckets.push((le, count));
-        }
-    }
-    Ok(buckets)
-}
-
-/// The bound of the bucket holding the 99th percentile of (after − before).
-fn p99_between(before: &[(f64, f64)], after: &[(f64, f64)]) -> Option<f64> {
-    let delta: Vec<(f64, f64)> = after
-        .iter()
-        .map(|(le, n)| {
-            let was = before
-                .iter()
-                .find(|(b, _)| b == le)
-                .map_or(0.0, |(_, n)| *n);
-            (*le, n - was)
-        })
-        .collect();
-    let total = delta.iter().map(|(_, n)| *n).fold(0.0, f64::max);
-    (total > 0.0).then(|| {
-        delta
-            .iter()
-            .find(|(_, n)| *n >= 0.99 * total)
-            .map_or(f64::INFINITY, |(le, _)| *le)
-            * 1000.0
-    })
-}
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
@@ -200,7 +146,9 @@ async fn main() -> anyhow::Result<()> {
     for &factor in &cli.steps {
         tokio::time::sleep(Duration::from_secs(1)).await;
         let rate = capacity_rps * factor;
-        let before = refusal_buckets(&edge_admin).await.unwrap_or_default();
+        let before = retrychain_bench::refusal_buckets(&edge_admin)
+            .await
+            .unwrap_or_default();
         let report = storm::run(&storm_args(
             &cli,
             &[
@@ -214,7 +162,9 @@ async fn main() -> anyhow::Result<()> {
         )?)
         .await
         .with_context(|| format!("the step at {factor}x"))?;
-        let after = refusal_buckets(&edge_admin).await.unwrap_or_default();
+        let after = retrychain_bench::refusal_buckets(&edge_admin)
+            .await
+            .unwrap_or_default();
         tokio::time::sleep(cli.settle).await;
         let step = Step {
             factor,
@@ -226,7 +176,7 @@ async fn main() -> anyhow::Result<()> {
             shed_share: report.shed as f64 / report.requests.max(1) as f64,
             shed_p50_ms: report.shed_latency_ms.p50,
             shed_p99_ms: report.shed_latency_ms.p99,
-            edge_refusal_p99_ms: p99_between(&before, &after),
+            edge_refusal_p99_ms: retrychain_bench::refusal_p99_ms(&before, &after),
             other_failures: report.requests - report.ok - report.shed,
             rss_after_kib: rss(&cli.pids),
         };
