@@ -15,7 +15,7 @@ use tokio::{sync::Notify, time::Instant};
 use tonic::Status;
 
 use super::{
-    drain::Drain,
+    drain::{Drain, Outcome},
     fairness::{CallerKey, Holdings, Priority},
     settings::AdmissionSettings,
 };
@@ -628,15 +628,14 @@ impl ConcurrencyLimit {
         }
     }
 
-    /// A sample from an answered call; `served`: answered, not failed below (see
-    /// [`Admitted::failed`]).
-    fn sample(&self, latency: Duration, in_flight: usize, served: bool) {
-        if served {
+    /// A sample from an answered call, ended as `outcome`.
+    fn sample(&self, latency: Duration, in_flight: usize, outcome: Outcome) {
+        if outcome == Outcome::Served {
             self.answers.fetch_add(1, Ordering::Relaxed);
         }
         let now = Instant::now();
         let mut drain = self.drain.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((per_call, most_in_flight)) = drain.answered(now, latency, in_flight) {
+        if let Some((per_call, most_in_flight)) = drain.answered(now, latency, in_flight, outcome) {
             self.per_call_ns
                 .store(((per_call * 1e9) as u64).max(1), Ordering::Relaxed);
             self.measured_at.store(most_in_flight, Ordering::Relaxed);
@@ -846,17 +845,18 @@ impl Admitted {
         // The sample first: the place given back wakes the first call waiting at the
         // door, which is judged by the estimate this answer updates.
         self.limit
-            .sample(self.admitted.elapsed(), self.in_flight, true);
+            .sample(self.admitted.elapsed(), self.in_flight, Outcome::Served);
         self.release();
     }
 
     /// The call was answered now with a failure of the chain below (unavailable, out of
-    /// time, broken): its time is a sample, as slow as the failure made it, but the line
-    /// at the door did not move by it — a stall whose calls fail or time out is still a
-    /// stall (see [`ConcurrencyLimit::wait_for_place`]).
+    /// time, broken): its time is a sample the estimate believes only while nothing is
+    /// served (see [`Drain::answered`]), and the line at the door did not move by it — a
+    /// stall whose calls fail or time out is still a stall (see
+    /// [`ConcurrencyLimit::wait_for_place`]).
     pub fn failed(mut self) {
         self.limit
-            .sample(self.admitted.elapsed(), self.in_flight, false);
+            .sample(self.admitted.elapsed(), self.in_flight, Outcome::Failed);
         self.release();
     }
 
@@ -872,7 +872,7 @@ impl Admitted {
                 .unwrap_or(elapsed)
                 .max(elapsed)
                 .mul_f64(DROP_PENALTY);
-            self.limit.sample(latency, self.in_flight, false);
+            self.limit.sample(latency, self.in_flight, Outcome::Dropped);
         }
         self.release();
     }

@@ -21,8 +21,10 @@
 //!
 //! ```text
 //! every window (≥ 10 ms and ≥ 8 answers):
-//!   per_call ← Σ latency / Σ calls in flight when each was admitted, if higher (at once);
-//!              else an EWMA toward it (seconds each call in flight adds: 1 / drain rate)
+//!   per_call ← Σ latency / Σ calls in flight when each was admitted, over the calls
+//!              served and dropped (over the failures only if there are no others);
+//!              if higher (at once), else an EWMA toward it (seconds each call in flight
+//!              adds: 1 / drain rate), at once too if the last figure was of failures
 //! a call arriving with n − 1 in flight:
 //!   predicted = n × per_call
 //!   budget    = min(its timeout − the server's reserve, the latency objective) × headroom
@@ -102,7 +104,20 @@
 //!
 //! The time from admission to the answer's headers, with the calls in flight when it was
 //! admitted, for every answer but CANCELLED (the caller left; the time says nothing about
-//! the server) and an error of the layers below (no answer). A DEADLINE_EXCEEDED is a
+//! the server), a refusal before any work (bad arguments, credentials, method) and an
+//! error of the layers below (no answer). It is one of three kinds ([`Outcome`]):
+//!
+//! - **served**: its time is the drain's;
+//! - **dropped** (refused below for overload): twice its whole budget (see
+//!   [`Admitted::dropped`]);
+//! - **failed** below (unavailable, out of time, internal): its time is mostly what
+//!   failing took — a timeout, the backoff between retries below — which does not grow
+//!   with the calls in flight. A window's failures are believed only when it has nothing
+//!   else (a stall: every call fails or times out), and the first window with calls
+//!   served replaces a figure of failures at once. Before, an every-layer outage left the
+//!   edge's estimate at seconds a call for as long as the EWMA took to forget it: the
+//!   edge refused 998 of the next 5 s's charges that the chain then served in
+//!   milliseconds.
 
 mod drain;
 mod fairness;
@@ -112,7 +127,7 @@ mod settings;
 #[cfg(test)]
 mod tests;
 
-pub use drain::Drain;
+pub use drain::{Drain, Outcome};
 pub use fairness::{CallerKey, Priority};
 pub use layer::{Admission, AdmissionLayer, DRAIN_WITHIN, KeyOf};
 pub use limit::{Admitted, Ask, ConcurrencyLimit, DROP_PENALTY, Entry, GROWTH};

@@ -17,10 +17,86 @@ fn run(d: &mut Drain, now: &mut Instant, windows: u32, latency: Duration, in_fli
     for _ in 0..windows {
         *now += Duration::from_millis(10);
         for _ in 0..8 {
-            d.answered(*now, latency, in_flight);
+            d.answered(*now, latency, in_flight, Outcome::Served);
         }
     }
     d.per_call().expect("measured")
+}
+
+/// [`run`], the answers failures below.
+fn fail(
+    d: &mut Drain,
+    now: &mut Instant,
+    windows: u32,
+    latency: Duration,
+    in_flight: usize,
+) -> f64 {
+    for _ in 0..windows {
+        *now += Duration::from_millis(10);
+        for _ in 0..8 {
+            d.answered(*now, latency, in_flight, Outcome::Failed);
+        }
+    }
+    d.per_call().expect("measured")
+}
+
+#[test]
+fn a_stall_whose_calls_all_fail_is_believed_at_once() {
+    let mut now = Instant::now();
+    let mut d = Drain::new(AdmissionSettings::default(), now);
+    run(&mut d, &mut now, 30, Duration::from_micros(3200), 32);
+    // Every call fails after its 5 s, 32 in flight: nothing else says how fast it drains.
+    let per_call = fail(&mut d, &mut now, 1, Duration::from_secs(5), 32);
+    assert!((per_call - 5.0 / 32.0).abs() < 1e-9, "{per_call}");
+}
+
+#[test]
+fn an_outages_failures_are_forgotten_once_calls_are_served_again() {
+    let mut now = Instant::now();
+    let mut d = Drain::new(AdmissionSettings::default(), now);
+    run(&mut d, &mut now, 30, Duration::from_micros(3200), 32);
+    // Every layer retrying a processor that is down: 7 s to fail, 8 in flight.
+    let outage = fail(&mut d, &mut now, 20, Duration::from_secs(7), 8);
+    assert!((outage - 7.0 / 8.0).abs() < 1e-9, "{outage}");
+    // The first window served after it is believed whole, not an EWMA's step toward it
+    // (a fifth of the way a window: 40 windows to come within 0.1% of it).
+    let per_call = run(&mut d, &mut now, 1, Duration::from_micros(3200), 32);
+    assert!((per_call - 100e-6).abs() < 1e-9, "{per_call}");
+    // A faster figure after served calls is still believed gradually.
+    let per_call = run(&mut d, &mut now, 1, Duration::from_micros(1600), 32);
+    assert!((per_call - 90e-6).abs() < 1e-9, "{per_call}");
+}
+
+#[test]
+fn failures_beside_served_calls_do_not_move_the_estimate() {
+    let mut now = Instant::now();
+    let mut d = Drain::new(AdmissionSettings::default(), now);
+    run(&mut d, &mut now, 30, Duration::from_micros(3200), 32);
+    for _ in 0..30 {
+        now += Duration::from_millis(10);
+        for _ in 0..4 {
+            d.answered(now, Duration::from_micros(3200), 32, Outcome::Served);
+            d.answered(now, Duration::from_secs(2), 32, Outcome::Failed);
+        }
+    }
+    let per_call = d.per_call().expect("measured");
+    assert!((per_call - 100e-6).abs() < 1e-9, "{per_call}");
+}
+
+#[test]
+fn a_drop_beside_served_calls_raises_the_estimate() {
+    let mut now = Instant::now();
+    let mut d = Drain::new(AdmissionSettings::default(), now);
+    run(&mut d, &mut now, 30, Duration::from_micros(3200), 32);
+    now += Duration::from_millis(10);
+    for _ in 0..7 {
+        d.answered(now, Duration::from_micros(3200), 32, Outcome::Served);
+    }
+    // Refused below: twice a budget of 1.25 s.
+    d.answered(now, Duration::from_millis(2500), 32, Outcome::Dropped);
+    let per_call = d.per_call().expect("measured");
+    let expected = (7.0 * 3.2e-3 + 2.5) / (8.0 * 32.0);
+    assert!((per_call - expected).abs() < 1e-9, "{per_call}");
 }
 
 #[test]
@@ -726,4 +802,46 @@ async fn a_line_passed_by_callers_under_their_share_is_predicted_to_move_at_the_
     tokio::task::yield_now().await;
     assert_eq!(entered(&limit, first(1000)), "wait");
     drop(held);
+}
+
+#[tokio::test(start_paused = true)]
+async fn once_calls_are_served_after_an_outage_its_failures_refuse_nothing() {
+    let limit = Arc::new(ConcurrencyLimit::new(AdmissionSettings {
+        headroom: 0.25,
+        door: true,
+        ..AdmissionSettings::default()
+    }));
+    // The outage: 8 charges with 30 s to go, every layer retrying a processor that is
+    // down for 7 s before each fails.
+    let outage: Vec<Admitted> = (0..8)
+        .map(|_| limit.try_admit(first(30_000)).expect("room"))
+        .collect();
+    tokio::time::advance(Duration::from_secs(7)).await;
+    outage.into_iter().for_each(Admitted::failed);
+    // Nothing else was answered: 7 s × 8 over 1 + 2 + … + 8 in flight is the estimate.
+    let per_call = Duration::from_nanos(limit.per_call_ns.load(Ordering::Relaxed));
+    assert_eq!(per_call.as_millis(), 1555);
+    // So a 5 s charge's 1.25 s fits none past the 16 always admitted.
+    let served: Vec<Admitted> = (0..16)
+        .map(|_| limit.try_admit(first(5000)).expect("the least limit"))
+        .collect();
+    limit
+        .try_admit(first(5000))
+        .expect_err("the outage's figure refuses it");
+    // The chain is back: the 16 are served, 8 in 20 ms and 8 in 40 ms (two windows).
+    let mut served = served.into_iter();
+    for _ in 0..2 {
+        tokio::time::advance(Duration::from_millis(20)).await;
+        served.by_ref().take(8).for_each(Admitted::answered);
+    }
+    // Measured with 16 in flight, 32 go in at once (twice what was measured).
+    let back: Vec<Admitted> = (0..32)
+        .map(|_| {
+            limit
+                .try_admit(first(5000))
+                .expect("the chain serves again")
+        })
+        .collect();
+    assert_eq!(limit.in_flight(), 32);
+    drop(back);
 }
