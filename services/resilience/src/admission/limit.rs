@@ -6,7 +6,7 @@ use std::{
     future::Future,
     sync::{
         Arc, Mutex,
-        atomic::{AtomicU64, AtomicUsize, Ordering},
+        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
     },
     time::Duration,
 };
@@ -72,6 +72,8 @@ pub struct ConcurrencyLimit {
     in_flight: AtomicUsize,
     /// [`Drain::per_call`] in nanoseconds (0: not yet measured), readable without the lock.
     pub(super) per_call_ns: AtomicU64,
+    /// [`Drain::of_failures`], readable without the lock.
+    of_failures: AtomicBool,
     /// The most calls in flight the last window's answers were admitted with: the
     /// estimate is trusted up to [`GROWTH`] times that, no further.
     pub(super) measured_at: AtomicUsize,
@@ -175,6 +177,7 @@ impl ConcurrencyLimit {
             settings,
             in_flight: AtomicUsize::new(0),
             per_call_ns: AtomicU64::new(0),
+            of_failures: AtomicBool::new(false),
             measured_at: AtomicUsize::new(0),
             drain: Mutex::new(Drain::new(settings, Instant::now())),
             callers: Holdings::new(),
@@ -636,14 +639,37 @@ impl ConcurrencyLimit {
         let now = Instant::now();
         let mut drain = self.drain.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((per_call, most_in_flight)) = drain.answered(now, latency, in_flight, outcome) {
-            self.per_call_ns
-                .store(((per_call * 1e9) as u64).max(1), Ordering::Relaxed);
-            self.measured_at.store(most_in_flight, Ordering::Relaxed);
+            self.store_estimate(Some((per_call, most_in_flight)));
+            self.of_failures
+                .store(drain.of_failures(), Ordering::Relaxed);
+        }
+    }
+
+    /// Makes `estimate` (seconds a call in flight, and the most calls in flight it was
+    /// measured with; `None`: not measured) the one calls are judged by.
+    fn store_estimate(&self, estimate: Option<(f64, usize)>) {
+        let (per_call_ns, measured_at) = match estimate {
+            Some((per_call, most_in_flight)) => (((per_call * 1e9) as u64).max(1), most_in_flight),
+            None => (0, 0),
+        };
+        self.per_call_ns.store(per_call_ns, Ordering::Relaxed);
+        self.measured_at.store(measured_at, Ordering::Relaxed);
+    }
+
+    /// No call in flight: a figure of failures is forgotten (see [`Drain::idle`]).
+    fn idle(&self) {
+        let mut drain = self.drain.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(estimate) = drain.idle() {
+            self.store_estimate(estimate);
+            self.of_failures.store(false, Ordering::Relaxed);
         }
     }
 
     fn release(&self, caller: Option<CallerKey>) {
-        self.in_flight.fetch_sub(1, Ordering::AcqRel);
+        let before = self.in_flight.fetch_sub(1, Ordering::AcqRel);
+        if before == 1 && self.of_failures.load(Ordering::Relaxed) {
+            self.idle();
+        }
         if let Some(caller) = caller {
             self.callers.give_back(caller);
         }

@@ -114,10 +114,11 @@
 //!   failing took — a timeout, the backoff between retries below — which does not grow
 //!   with the calls in flight. A window's failures are believed only when it has nothing
 //!   else (a stall: every call fails or times out), and the first window with calls
-//!   served replaces a figure of failures at once. Before, an every-layer outage left the
-//!   edge's estimate at seconds a call for as long as the EWMA took to forget it: the
-//!   edge refused 998 of the next 5 s's charges that the chain then served in
-//!   milliseconds.
+//!   served replaces a figure of failures at once, as does the last call in flight
+//!   answered (the figure served before comes back: see [`Drain::idle`]). Before, an
+//!   every-layer outage left the edge's estimate at seconds a call for as long as the
+//!   EWMA took to forget it: the edge refused 998 of the next 5 s's charges that the
+//!   chain then served in milliseconds.
 
 mod drain;
 mod fairness;

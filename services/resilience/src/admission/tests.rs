@@ -804,36 +804,53 @@ async fn a_line_passed_by_callers_under_their_share_is_predicted_to_move_at_the_
     drop(held);
 }
 
-#[tokio::test(start_paused = true)]
-async fn once_calls_are_served_after_an_outage_its_failures_refuse_nothing() {
-    let limit = Arc::new(ConcurrencyLimit::new(AdmissionSettings {
+/// The edge's settings, without a wait at the door.
+fn edge_door() -> Arc<ConcurrencyLimit> {
+    Arc::new(ConcurrencyLimit::new(AdmissionSettings {
         headroom: 0.25,
         door: true,
         ..AdmissionSettings::default()
-    }));
-    // The outage: 8 charges with 30 s to go, every layer retrying a processor that is
-    // down for 7 s before each fails.
+    }))
+}
+
+/// An every-layer outage on `limit`: 8 charges with 30 s to go, every layer retrying a
+/// processor that is down for 7 s before each fails.
+async fn every_layer_outage(limit: &Arc<ConcurrencyLimit>) {
     let outage: Vec<Admitted> = (0..8)
         .map(|_| limit.try_admit(first(30_000)).expect("room"))
         .collect();
     tokio::time::advance(Duration::from_secs(7)).await;
     outage.into_iter().for_each(Admitted::failed);
-    // Nothing else was answered: 7 s × 8 over 1 + 2 + … + 8 in flight is the estimate.
-    let per_call = Duration::from_nanos(limit.per_call_ns.load(Ordering::Relaxed));
-    assert_eq!(per_call.as_millis(), 1555);
+}
+
+/// `limit`'s estimate of the seconds a call in flight adds.
+fn per_call(limit: &ConcurrencyLimit) -> Duration {
+    Duration::from_nanos(limit.per_call_ns.load(Ordering::Relaxed))
+}
+
+#[tokio::test(start_paused = true)]
+async fn under_load_through_an_outage_the_first_calls_served_after_it_end_its_refusals() {
+    let limit = edge_door();
+    // A call that outlasts the outage keeps the edge from going idle.
+    let long = limit.try_admit(first(30_000)).expect("room");
+    every_layer_outage(&limit).await;
+    // Nothing else was answered: 7 s × 8 over 2 + 3 + … + 9 in flight is the estimate.
+    assert_eq!(per_call(&limit).as_millis(), 1272);
     // So a 5 s charge's 1.25 s fits none past the 16 always admitted.
-    let served: Vec<Admitted> = (0..16)
+    let served: Vec<Admitted> = (0..15)
         .map(|_| limit.try_admit(first(5000)).expect("the least limit"))
         .collect();
     limit
         .try_admit(first(5000))
         .expect_err("the outage's figure refuses it");
-    // The chain is back: the 16 are served, 8 in 20 ms and 8 in 40 ms (two windows).
+    // The chain is back: 8 are served in 20 ms, then 7 more in 40 ms as the long call
+    // fails (two windows).
     let mut served = served.into_iter();
-    for _ in 0..2 {
-        tokio::time::advance(Duration::from_millis(20)).await;
-        served.by_ref().take(8).for_each(Admitted::answered);
-    }
+    tokio::time::advance(Duration::from_millis(20)).await;
+    served.by_ref().take(8).for_each(Admitted::answered);
+    tokio::time::advance(Duration::from_millis(20)).await;
+    long.failed();
+    served.for_each(Admitted::answered);
     // Measured with 16 in flight, 32 go in at once (twice what was measured).
     let back: Vec<Admitted> = (0..32)
         .map(|_| {
@@ -843,5 +860,34 @@ async fn once_calls_are_served_after_an_outage_its_failures_refuse_nothing() {
         })
         .collect();
     assert_eq!(limit.in_flight(), 32);
+    drop(back);
+}
+
+#[tokio::test(start_paused = true)]
+async fn once_an_outages_calls_are_all_answered_its_failures_refuse_nothing() {
+    let limit = edge_door();
+    // Served: 16 in flight, 10 and 20 ms each (a window of 8 at a time).
+    for _ in 0..4 {
+        let mut served = (0..16)
+            .map(|_| limit.try_admit(first(5000)).expect("room"))
+            .collect::<Vec<Admitted>>()
+            .into_iter();
+        for _ in 0..2 {
+            tokio::time::advance(Duration::from_millis(10)).await;
+            served.by_ref().take(8).for_each(Admitted::answered);
+        }
+    }
+    assert!(per_call(&limit) < Duration::from_millis(10));
+    every_layer_outage(&limit).await;
+    // The outage over, nothing in flight: the figure served before it is back (not the
+    // outage's 1.5 s a call), and a burst of 32 goes in at once.
+    assert!(per_call(&limit) < Duration::from_millis(10));
+    let back: Vec<Admitted> = (0..32)
+        .map(|_| {
+            limit
+                .try_admit(first(5000))
+                .expect("the chain serves again")
+        })
+        .collect();
     drop(back);
 }
