@@ -590,3 +590,40 @@ async fn a_charge_that_does_not_fit_now_waits_at_the_door_with_a_wait_share_refu
         }
     }
 }
+
+/// An outage's failures do not outlive it at the door: eight every-layer charges against
+/// a processor that is down (243 failing calls each), then the processor back and 32
+/// charges at once, every one served. The edge's drain estimate had been learned from
+/// those failures alone, and the build before refused the 16 past the least limit
+/// ("behind the 16 calls in flight this one would take about 4173 ms, more than the 1247
+/// ms it may"), and went on refusing such bursts until an EWMA had forgotten the figure.
+#[tokio::test]
+async fn a_burst_after_an_every_layer_outage_is_served_not_refused_for_the_outages_failures() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let chain = Chain::spawn(Options::processes()).await;
+    chain.fail_processor().await;
+    let outage = futures::future::join_all(
+        (0..8).map(|_| chain.charge_new(Duration::from_secs(30), &[(RETRY_MODE, "every-layer")])),
+    )
+    .await;
+    for failed in outage {
+        let status = failed.expect_err("the processor is down");
+        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    }
+    assert_eq!(chain.stats(LEDGER).await.downstream_attempts, 8 * 243);
+    chain.set_faults(LEDGER, faults()).await;
+
+    let burst =
+        futures::future::join_all((0..32).map(|_| chain.charge_new(Duration::from_secs(5), &[])))
+            .await;
+    let refused: Vec<String> = burst
+        .iter()
+        .filter_map(|answer| answer.as_ref().err())
+        .map(|status| format!("{:?}: {}", status.code(), status.message()))
+        .collect();
+    assert!(
+        refused.is_empty(),
+        "{} of 32 refused after the outage: {refused:?}",
+        refused.len()
+    );
+}
