@@ -15,10 +15,11 @@ pub enum Outcome {
     /// Refused for overload by a service below: its time is a penalty standing for a call
     /// that did not fit (see [`Admitted::dropped`](super::Admitted::dropped)).
     Dropped,
-    /// Failed below (unavailable, out of time, broken): its time is mostly what failing
-    /// took — timeouts, and the backoff between retries below — which does not grow with
-    /// the calls in flight, so Little's law reads it as a drain rate it is not. It is
-    /// believed only when nothing else is answered (see [`Drain::answered`]).
+    /// Failed below (unavailable, out of time, broken). Its time may be the drain's (a
+    /// call that queued until its deadline) or mostly what failing took — a refused
+    /// connection, the backoff between retries below — which does not grow with the calls
+    /// in flight, and which Little's law would read as a drain rate it is not. So it
+    /// counts only in a window of mostly failures (see [`Drain::answered`]).
     Failed,
 }
 
@@ -26,15 +27,16 @@ pub enum Outcome {
 /// time, so tests drive it exactly.
 #[derive(Debug, Clone)]
 pub struct Drain {
-    /// Rates.
+    /// Rates and bounds.
     settings: AdmissionSettings,
     /// Seconds of latency per call in flight, once a window has closed.
     per_call: Option<f64>,
-    /// Whether `per_call` was measured on failures alone.
+    /// Whether `per_call` is a figure of failures: measured on a window of mostly failed
+    /// calls.
     of_failures: bool,
-    /// The last figure measured with calls served, and the most calls in flight its
+    /// The last figure that was not of failures, and the most calls in flight its
     /// window's answers were admitted with: what [`Drain::idle`] goes back to.
-    served: Option<(f64, usize)>,
+    told: Option<(f64, usize)>,
     /// The window being filled.
     window: Window,
 }
@@ -44,8 +46,6 @@ pub struct Drain {
 struct Window {
     /// When it began.
     began: Instant,
-    /// Answers, of every outcome.
-    answers: u32,
     /// The calls served and dropped.
     told: Sums,
     /// The calls failed.
@@ -55,6 +55,8 @@ struct Window {
 /// Sums over some answers of a window.
 #[derive(Debug, Clone, Copy, Default)]
 struct Sums {
+    /// Answers.
+    answers: u32,
     /// Of latencies, in seconds.
     latency: f64,
     /// Of the calls in flight when each answer's call was admitted.
@@ -65,13 +67,19 @@ struct Sums {
 
 impl Sums {
     fn add(&mut self, latency: Duration, in_flight: usize) {
+        self.answers += 1;
         self.latency += latency.as_secs_f64();
         self.in_flight += in_flight.max(1) as f64;
         self.most_in_flight = self.most_in_flight.max(in_flight);
     }
 
-    fn is_empty(&self) -> bool {
-        self.in_flight == 0.0
+    fn and(self, other: Sums) -> Sums {
+        Sums {
+            answers: self.answers + other.answers,
+            latency: self.latency + other.latency,
+            in_flight: self.in_flight + other.in_flight,
+            most_in_flight: self.most_in_flight.max(other.most_in_flight),
+        }
     }
 }
 
@@ -79,7 +87,6 @@ impl Window {
     fn new(began: Instant) -> Self {
         Self {
             began,
-            answers: 0,
             told: Sums::default(),
             failed: Sums::default(),
         }
@@ -93,7 +100,7 @@ impl Drain {
             settings,
             per_call: None,
             of_failures: false,
-            served: None,
+            told: None,
             window: Window::new(now),
         }
     }
@@ -103,19 +110,27 @@ impl Drain {
         self.per_call
     }
 
+    /// Whether the estimate is a figure of failures.
+    pub fn of_failures(&self) -> bool {
+        self.of_failures
+    }
+
     /// An answer at `now` that took `latency`, its call admitted when `in_flight` calls
     /// (itself included) were being served, ended as `outcome`; when it closed a window,
     /// the new estimate and the most calls in flight the window's answers were admitted
     /// with (how far the estimate has been seen to hold).
     ///
-    /// A window is measured on its served and dropped calls; its failures count only in a
-    /// window of nothing else — a stall, whose calls all fail or time out, and which
-    /// admission must still learn of. Measured otherwise: after 20 charges of 243 failing
-    /// calls each (every layer retrying a processor that is down, 30 s deadlines), the
-    /// edge's estimate said about 0.44 s a call in flight, its limit fell from about 1,500 to
-    /// 17, and
-    /// once the outage was over it refused 998 of the next 5 s's charges at 32 in flight,
-    /// while the chain served them in milliseconds.
+    /// A window of mostly calls served and dropped is measured on them alone: its failures
+    /// are the chain failing, not draining. A window of mostly failures is measured on all
+    /// its answers, and is a figure of failures: a stall or a slowdown, where calls queue
+    /// until their deadlines, which admission must learn of — or an outage, whose failures
+    /// say how long failing took. It is believed as any slower figure is, at once, but
+    /// the first window of mostly calls served replaces it at once too (not an EWMA's
+    /// step), and [`Drain::idle`] forgets it. Measured before: after 20 charges of 243
+    /// failing calls each (every layer retrying a processor that is down), the edge's
+    /// figure was about 0.44 s a call in flight, its limit fell from about
+    /// 1,500 to 17, and it refused 453–998 of the next 5 s's charges at 32 in flight,
+    /// which the chain then served in milliseconds.
     pub fn answered(
         &mut self,
         now: Instant,
@@ -128,25 +143,24 @@ impl Drain {
             Outcome::Served | Outcome::Dropped => w.told.add(latency, in_flight),
             Outcome::Failed => w.failed.add(latency, in_flight),
         }
-        w.answers += 1;
-        if w.answers < self.settings.window_answers
+        if w.told.answers + w.failed.answers < self.settings.window_answers
             || now.saturating_duration_since(w.began) < self.settings.window
         {
             return None;
         }
         let window = std::mem::replace(&mut self.window, Window::new(now));
-        let (sums, of_failures) = if window.told.is_empty() {
-            (window.failed, true)
+        let of_failures = window.failed.answers > window.told.answers;
+        let sums = if of_failures {
+            window.told.and(window.failed)
         } else {
-            (window.told, false)
+            window.told
         };
         let measured = sums.latency / sums.in_flight;
         // A slower drain is believed at once, a faster one gradually (a peak-EWMA, as the
         // balancer keeps its replicas' latency): admitting on a stale fast figure fills a
         // queue that will not be served in time, refusing on a stale slow one for a few
-        // windows costs a few refusals. A figure of failures alone gives way at once to
-        // the first window with calls served: it said how long the chain took to fail,
-        // not how fast it serves, and the chain that serves again is measured anew.
+        // windows costs a few refusals. A figure of failures gives way at once: it said
+        // how the chain failed, and the chain that serves again is measured anew.
         let s = self.settings.smoothing;
         let per_call = match self.per_call {
             Some(before) if measured < before && !self.of_failures => {
@@ -157,33 +171,36 @@ impl Drain {
         self.per_call = Some(per_call);
         self.of_failures = of_failures;
         if !of_failures {
-            self.served = Some((per_call, sums.most_in_flight));
+            self.told = Some((per_call, sums.most_in_flight));
         }
         Some((per_call, sums.most_in_flight))
     }
 
-    /// Whether the estimate is a figure of failures alone.
-    pub fn of_failures(&self) -> bool {
-        self.of_failures
-    }
-
-    /// No call is in flight any more: a figure of failures goes back to the last one
-    /// measured with calls served (none: nothing measured), which it returns with the
-    /// most calls in flight that figure was measured with; `None` if the estimate was not
-    /// of failures (nothing changes).
+    /// No call is in flight any more: a figure of failures goes back to the last figure
+    /// that was not, which it returns with how far it is trusted (`None`: nothing
+    /// measured, as at a start); `None` if the estimate was not of failures (nothing
+    /// changes).
     ///
     /// A figure of failures describes calls that were failing; once none is left, nothing
-    /// says the next ones will fail, and the load that arrives next — a burst, after an
-    /// outage — would be judged by it until its first calls had been served. Measured
-    /// without this: after 10 charges of 243 failing calls each, 147 of the first second's
-    /// charges at 32 in flight refused in its first 100 ms. A stall under load (the case a
-    /// figure of failures is believed for) keeps calls in flight: they are what stalls.
+    /// says the next ones will, and the load that arrives next — a burst, after an outage
+    /// — would be judged by it until its first calls had been served. Measured without
+    /// this: after 10 charges of 243 failing calls each, 147 of the next second's charges
+    /// at 32 in flight were refused in its first 100 ms. The figure it goes back to is
+    /// trusted only as far as [`AdmissionSettings::min_limit`], so the depth it was
+    /// measured at has to be proven again, doubling each window (the outage may not be
+    /// over: the service may be idle only because its callers back off between retries),
+    /// as TCP starts slowly again after an idle time. A stall under load keeps calls in
+    /// flight: it is believed there for as long as they stall.
     pub fn idle(&mut self) -> Option<Option<(f64, usize)>> {
         if !self.of_failures {
             return None;
         }
         self.of_failures = false;
-        self.per_call = self.served.map(|(per_call, _)| per_call);
-        Some(self.served)
+        self.per_call = self.told.map(|(per_call, _)| per_call);
+        let min_limit = self.settings.min_limit;
+        Some(
+            self.told
+                .map(|(per_call, most_in_flight)| (per_call, most_in_flight.min(min_limit))),
+        )
     }
 }

@@ -70,7 +70,8 @@ pub struct ConcurrencyLimit {
     settings: AdmissionSettings,
     /// Calls admitted and not yet answered.
     in_flight: AtomicUsize,
-    /// [`Drain::per_call`] in nanoseconds (0: not yet measured), readable without the lock.
+    /// [`Drain::per_call`] in nanoseconds (0: not measured, or only failures measured since
+    /// a start: see [`Drain::idle`]), readable without the lock.
     pub(super) per_call_ns: AtomicU64,
     /// [`Drain::of_failures`], readable without the lock.
     of_failures: AtomicBool,
@@ -430,7 +431,7 @@ impl ConcurrencyLimit {
             })
         };
         if let Some(full) = full {
-            self.in_flight.fetch_sub(1, Ordering::AcqRel);
+            self.leave();
             return Err(self.refuse_after(ask, n, full, waited));
         }
         if let Some(caller) = ask.caller {
@@ -534,7 +535,7 @@ impl ConcurrencyLimit {
             }),
             Err(full) => {
                 // Not `release`: a refused try frees no place, so wakes no one waiting.
-                self.in_flight.fetch_sub(1, Ordering::AcqRel);
+                self.leave();
                 Err((full, n))
             }
         }
@@ -641,7 +642,7 @@ impl ConcurrencyLimit {
         if let Some((per_call, most_in_flight)) = drain.answered(now, latency, in_flight, outcome) {
             self.store_estimate(Some((per_call, most_in_flight)));
             self.of_failures
-                .store(drain.of_failures(), Ordering::Relaxed);
+                .store(drain.of_failures(), Ordering::Release);
         }
     }
 
@@ -656,20 +657,27 @@ impl ConcurrencyLimit {
         self.measured_at.store(measured_at, Ordering::Relaxed);
     }
 
-    /// No call in flight: a figure of failures is forgotten (see [`Drain::idle`]).
-    fn idle(&self) {
-        let mut drain = self.drain.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(estimate) = drain.idle() {
-            self.store_estimate(estimate);
-            self.of_failures.store(false, Ordering::Relaxed);
+    /// One call fewer in flight, admitted or only tried (its try counted it): the last to
+    /// leave while the estimate is a figure of failures forgets it (see [`Drain::idle`]).
+    /// Every way out of `in_flight` comes here, or a refused try that happened to leave
+    /// last would keep a figure of failures until calls were served again.
+    fn leave(&self) {
+        let before = self.in_flight.fetch_sub(1, Ordering::AcqRel);
+        if before == 1 && self.of_failures.load(Ordering::Acquire) {
+            let mut drain = self.drain.lock().unwrap_or_else(|p| p.into_inner());
+            // Still idle under the lock: a call admitted meanwhile may have measured a
+            // figure of its own.
+            if self.in_flight.load(Ordering::Acquire) == 0
+                && let Some(estimate) = drain.idle()
+            {
+                self.store_estimate(estimate);
+                self.of_failures.store(false, Ordering::Release);
+            }
         }
     }
 
     fn release(&self, caller: Option<CallerKey>) {
-        let before = self.in_flight.fetch_sub(1, Ordering::AcqRel);
-        if before == 1 && self.of_failures.load(Ordering::Relaxed) {
-            self.idle();
-        }
+        self.leave();
         if let Some(caller) = caller {
             self.callers.give_back(caller);
         }

@@ -22,7 +22,7 @@
 //! ```text
 //! every window (≥ 10 ms and ≥ 8 answers):
 //!   per_call ← Σ latency / Σ calls in flight when each was admitted, over the calls
-//!              served and dropped (over the failures only if there are no others);
+//!              served and dropped (over all if most failed: a figure of failures);
 //!              if higher (at once), else an EWMA toward it (seconds each call in flight
 //!              adds: 1 / drain rate), at once too if the last figure was of failures
 //! a call arriving with n − 1 in flight:
@@ -110,15 +110,17 @@
 //! - **served**: its time is the drain's;
 //! - **dropped** (refused below for overload): twice its whole budget (see
 //!   [`Admitted::dropped`]);
-//! - **failed** below (unavailable, out of time, internal): its time is mostly what
-//!   failing took — a timeout, the backoff between retries below — which does not grow
-//!   with the calls in flight. A window's failures are believed only when it has nothing
-//!   else (a stall: every call fails or times out), and the first window with calls
-//!   served replaces a figure of failures at once, as does the last call in flight
-//!   answered (the figure served before comes back: see [`Drain::idle`]). Before, an
-//!   every-layer outage left the edge's estimate at seconds a call for as long as the
-//!   EWMA took to forget it: the edge refused 998 of the next 5 s's charges that the
-//!   chain then served in milliseconds.
+//! - **failed** below (unavailable, out of time, internal): its time may be the drain's (a
+//!   call that queued until its deadline) or mostly what failing took — a refused
+//!   connection, the backoff between retries below — which does not grow with the calls
+//!   in flight. A window's failures count only when they are most of it (a stall or a
+//!   slowdown, which admission must learn of, or an outage): a figure of failures. The
+//!   first window of mostly calls served replaces it at once, and once no call is in
+//!   flight it goes back to the last figure that was not, trusted again only as far as
+//!   `min_limit` ([`Drain::idle`]). Before, an every-layer outage left the edge's
+//!   estimate at about 0.44 s a call in flight for as long as the EWMA took to forget it:
+//!   the edge refused 453–998 of the next 5 s's charges at 32 in flight, which the chain
+//!   then served in milliseconds.
 
 mod drain;
 mod fairness;

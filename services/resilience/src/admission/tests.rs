@@ -68,7 +68,7 @@ fn an_outages_failures_are_forgotten_once_calls_are_served_again() {
 }
 
 #[test]
-fn failures_beside_served_calls_do_not_move_the_estimate() {
+fn failures_beside_as_many_served_calls_do_not_move_the_estimate() {
     let mut now = Instant::now();
     let mut d = Drain::new(AdmissionSettings::default(), now);
     run(&mut d, &mut now, 30, Duration::from_micros(3200), 32);
@@ -81,6 +81,23 @@ fn failures_beside_served_calls_do_not_move_the_estimate() {
     }
     let per_call = d.per_call().expect("measured");
     assert!((per_call - 100e-6).abs() < 1e-9, "{per_call}");
+}
+
+#[test]
+fn a_window_of_mostly_timeouts_is_measured_on_all_its_answers() {
+    let mut now = Instant::now();
+    let mut d = Drain::new(AdmissionSettings::default(), now);
+    run(&mut d, &mut now, 30, Duration::from_micros(3200), 32);
+    // A slowdown: one call in eight still served, the others queued until their 5 s.
+    now += Duration::from_millis(10);
+    d.answered(now, Duration::from_micros(3200), 32, Outcome::Served);
+    for _ in 0..7 {
+        d.answered(now, Duration::from_secs(5), 32, Outcome::Failed);
+    }
+    let per_call = d.per_call().expect("measured");
+    let expected = (3.2e-3 + 7.0 * 5.0) / (8.0 * 32.0);
+    assert!((per_call - expected).abs() < 1e-9, "{per_call}");
+    assert!(d.of_failures());
 }
 
 #[test]
@@ -890,4 +907,48 @@ async fn once_an_outages_calls_are_all_answered_its_failures_refuse_nothing() {
         })
         .collect();
     drop(back);
+}
+
+#[tokio::test(start_paused = true)]
+async fn after_an_outage_the_depth_served_before_it_is_proven_again() {
+    let limit = edge_door();
+    // Served: 64 in flight, 10 and 20 ms each (a window of 8 at a time).
+    for _ in 0..2 {
+        let mut served = (0..64)
+            .map(|_| limit.try_admit(first(5000)).expect("room"))
+            .collect::<Vec<Admitted>>()
+            .into_iter();
+        for _ in 0..8 {
+            tokio::time::advance(Duration::from_millis(10)).await;
+            served.by_ref().take(8).for_each(Admitted::answered);
+        }
+    }
+    assert_eq!(limit.measured_at.load(Ordering::Relaxed), 64);
+    every_layer_outage(&limit).await;
+    // Idle after it: the figure served before, trusted to twice the least limit, not to
+    // twice the 64 it was measured at — the outage may not be over.
+    let held: Vec<Admitted> = (0..32)
+        .map(|_| limit.try_admit(first(5000)).expect("within twice 16"))
+        .collect();
+    let refused = limit.try_admit(first(5000)).expect_err("past it");
+    assert!(
+        refused.message().contains("measured draining at most 16"),
+        "{}",
+        refused.message()
+    );
+    drop(held);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_outage_with_nothing_served_before_it_leaves_the_start_s_limit() {
+    let limit = edge_door();
+    every_layer_outage(&limit).await;
+    // Nothing was served before it: as at a start, the initial limit, for every caller.
+    assert_eq!(limit.per_call_ns.load(Ordering::Relaxed), 0);
+    assert_eq!(limit.limit(), AdmissionSettings::default().initial_limit);
+    let held: Vec<Admitted> = (0..256)
+        .map(|_| limit.try_admit(first(5000)).expect("the initial limit"))
+        .collect();
+    limit.try_admit(first(5000)).expect_err("past it");
+    drop(held);
 }
