@@ -177,17 +177,20 @@ impl Drain {
     }
 
     /// No call is in flight any more: a figure of failures goes back to the last figure
-    /// that was not, which it returns with how far it is trusted (`None`: nothing
-    /// measured, as at a start); `None` if the estimate was not of failures (nothing
-    /// changes).
+    /// that was not, which it returns with the calls in flight it is taken as measured
+    /// at (`None`: nothing measured, as at a start); `None` if the estimate was not of
+    /// failures (nothing changes). The failures of the window being filled are dropped
+    /// with it: left there, a few of them beside the first call served after the outage
+    /// would make a figure of failures again.
     ///
     /// A figure of failures describes calls that were failing; once none is left, nothing
     /// says the next ones will, and the load that arrives next — a burst, after an outage
     /// — would be judged by it until its first calls had been served. Measured without
     /// this: after 10 charges of 243 failing calls each, 147 of the next second's charges
     /// at 32 in flight were refused in its first 100 ms. The figure it goes back to is
-    /// trusted only as far as [`AdmissionSettings::min_limit`], so the depth it was
-    /// measured at has to be proven again, doubling each window (the outage may not be
+    /// taken as measured at [`AdmissionSettings::min_limit`] calls in flight at most, so
+    /// trusted to twice that ([`GROWTH`](super::GROWTH)), and the depth it was measured at
+    /// has to be proven again, doubling each window (the outage may not be
     /// over: the service may be idle only because its callers back off between retries),
     /// as TCP starts slowly again after an idle time. A stall under load keeps calls in
     /// flight: it is believed there for as long as they stall.
@@ -196,6 +199,7 @@ impl Drain {
             return None;
         }
         self.of_failures = false;
+        self.window.failed = Sums::default();
         self.per_call = self.told.map(|(per_call, _)| per_call);
         let min_limit = self.settings.min_limit;
         Some(

@@ -653,8 +653,10 @@ impl ConcurrencyLimit {
             Some((per_call, most_in_flight)) => (((per_call * 1e9) as u64).max(1), most_in_flight),
             None => (0, 0),
         };
-        self.per_call_ns.store(per_call_ns, Ordering::Relaxed);
+        // The depth first: a call judged between the two stores pairs the old figure with
+        // the new depth, not the new figure with an old depth it was not measured at.
         self.measured_at.store(measured_at, Ordering::Relaxed);
+        self.per_call_ns.store(per_call_ns, Ordering::Relaxed);
     }
 
     /// One call fewer in flight, admitted or only tried (its try counted it): the last to
@@ -884,8 +886,9 @@ impl Admitted {
     }
 
     /// The call was answered now with a failure of the chain below (unavailable, out of
-    /// time, broken): its time is a sample the estimate believes only while nothing is
-    /// served (see [`Drain::answered`]), and the line at the door did not move by it — a
+    /// time, broken): its time is a sample that counts only in a window where failures
+    /// are most of the answers (see [`Drain::answered`]), and the line at the door did
+    /// not move by it — a
     /// stall whose calls fail or time out is still a stall (see
     /// [`ConcurrencyLimit::wait_for_place`]).
     pub fn failed(mut self) {

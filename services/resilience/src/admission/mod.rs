@@ -116,11 +116,11 @@
 //!   in flight. A window's failures count only when they are most of it (a stall or a
 //!   slowdown, which admission must learn of, or an outage): a figure of failures. The
 //!   first window of mostly calls served replaces it at once, and once no call is in
-//!   flight it goes back to the last figure that was not, trusted again only as far as
-//!   `min_limit` ([`Drain::idle`]). Before, an every-layer outage left the edge's
-//!   estimate at about 0.44 s a call in flight for as long as the EWMA took to forget it:
-//!   the edge refused 453–998 of the next 5 s's charges at 32 in flight, which the chain
-//!   then served in milliseconds.
+//!   flight it goes back to the last figure that was not, taken as measured at no more
+//!   than `min_limit` calls in flight, so trusted to twice that ([`Drain::idle`]).
+//!   Before, an every-layer outage left the edge's estimate at about 0.44 s a call in
+//!   flight for as long as the EWMA took to forget it: the edge refused 453–998 of the
+//!   next 5 s's charges at 32 in flight, which the chain then served in milliseconds.
 
 mod drain;
 mod fairness;

@@ -59,7 +59,7 @@ fn an_outages_failures_are_forgotten_once_calls_are_served_again() {
     let outage = fail(&mut d, &mut now, 20, Duration::from_secs(7), 8);
     assert!((outage - 7.0 / 8.0).abs() < 1e-9, "{outage}");
     // The first window served after it is believed whole, not an EWMA's step toward it
-    // (a fifth of the way a window: 40 windows to come within 0.1% of it).
+    // (a fifth of the way a window: about 72 windows to come within 0.1% of it).
     let per_call = run(&mut d, &mut now, 1, Duration::from_micros(3200), 32);
     assert!((per_call - 100e-6).abs() < 1e-9, "{per_call}");
     // A faster figure after served calls is still believed gradually.
@@ -951,4 +951,33 @@ async fn an_outage_with_nothing_served_before_it_leaves_the_start_s_limit() {
         .collect();
     limit.try_admit(first(5000)).expect_err("past it");
     drop(held);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_failures_left_in_a_window_at_idle_do_not_make_a_figure_again() {
+    let limit = edge_door();
+    // 15 charges fail together: the first 8 close a window (a figure of failures), the
+    // other 7 are left in the next one, and the edge is idle.
+    let outage: Vec<Admitted> = (0..15)
+        .map(|_| limit.try_admit(first(30_000)).expect("room"))
+        .collect();
+    tokio::time::advance(Duration::from_secs(7)).await;
+    outage.into_iter().for_each(Admitted::failed);
+    assert_eq!(limit.per_call_ns.load(Ordering::Relaxed), 0, "forgotten");
+    // The chain is back: the first call served, 20 ms on, is the eighth answer of a window
+    // over 10 ms old — with the 7 failures left in it, a figure of 7 s failures again
+    // (another call still in flight, so the edge is not idle again).
+    let served = limit.try_admit(first(5000)).expect("the initial limit");
+    let other = limit.try_admit(first(5000)).expect("the initial limit");
+    tokio::time::advance(Duration::from_millis(20)).await;
+    served.answered();
+    assert_eq!(
+        limit.per_call_ns.load(Ordering::Relaxed),
+        0,
+        "nothing measured yet"
+    );
+    let held: Vec<Admitted> = (0..32)
+        .map(|_| limit.try_admit(first(5000)).expect("the initial limit"))
+        .collect();
+    drop((other, held));
 }
