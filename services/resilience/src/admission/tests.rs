@@ -830,14 +830,32 @@ fn edge_door() -> Arc<ConcurrencyLimit> {
     }))
 }
 
-/// An every-layer outage on `limit`: 8 charges with 30 s to go, every layer retrying a
+/// An every-layer outage on `limit`: `n` charges with 30 s to go, every layer retrying a
 /// processor that is down for 7 s before each fails.
-async fn every_layer_outage(limit: &Arc<ConcurrencyLimit>) {
-    let outage: Vec<Admitted> = (0..8)
+async fn every_layer_outage(limit: &Arc<ConcurrencyLimit>, n: usize) {
+    let outage: Vec<Admitted> = (0..n)
         .map(|_| limit.try_admit(first(30_000)).expect("room"))
         .collect();
     tokio::time::advance(Duration::from_secs(7)).await;
     outage.into_iter().for_each(Admitted::failed);
+}
+
+/// `n` charges with 5 s to go, each admitted (`why`: why it must be).
+fn charges(limit: &Arc<ConcurrencyLimit>, n: usize, why: &str) -> Vec<Admitted> {
+    (0..n)
+        .map(|_| limit.try_admit(first(5000)).expect(why))
+        .collect()
+}
+
+/// `rounds` of `depth` charges at once, served 8 every 10 ms (a window each time).
+async fn serve(limit: &Arc<ConcurrencyLimit>, depth: usize, rounds: usize) {
+    for _ in 0..rounds {
+        let mut served = charges(limit, depth, "room").into_iter();
+        while served.len() > 0 {
+            tokio::time::advance(Duration::from_millis(10)).await;
+            served.by_ref().take(8).for_each(Admitted::answered);
+        }
+    }
 }
 
 /// `limit`'s estimate of the seconds a call in flight adds.
@@ -850,13 +868,11 @@ async fn under_load_through_an_outage_the_first_calls_served_after_it_end_its_re
     let limit = edge_door();
     // A call that outlasts the outage keeps the edge from going idle.
     let long = limit.try_admit(first(30_000)).expect("room");
-    every_layer_outage(&limit).await;
+    every_layer_outage(&limit, 8).await;
     // Nothing else was answered: 7 s × 8 over 2 + 3 + … + 9 in flight is the estimate.
     assert_eq!(per_call(&limit).as_millis(), 1272);
     // So a 5 s charge's 1.25 s fits none past the 16 always admitted.
-    let served: Vec<Admitted> = (0..15)
-        .map(|_| limit.try_admit(first(5000)).expect("the least limit"))
-        .collect();
+    let served = charges(&limit, 15, "the least limit");
     limit
         .try_admit(first(5000))
         .expect_err("the outage's figure refuses it");
@@ -869,13 +885,7 @@ async fn under_load_through_an_outage_the_first_calls_served_after_it_end_its_re
     long.failed();
     served.for_each(Admitted::answered);
     // Measured with 16 in flight, 32 go in at once (twice what was measured).
-    let back: Vec<Admitted> = (0..32)
-        .map(|_| {
-            limit
-                .try_admit(first(5000))
-                .expect("the chain serves again")
-        })
-        .collect();
+    let back = charges(&limit, 32, "the chain serves again");
     assert_eq!(limit.in_flight(), 32);
     drop(back);
 }
@@ -883,53 +893,26 @@ async fn under_load_through_an_outage_the_first_calls_served_after_it_end_its_re
 #[tokio::test(start_paused = true)]
 async fn once_an_outages_calls_are_all_answered_its_failures_refuse_nothing() {
     let limit = edge_door();
-    // Served: 16 in flight, 10 and 20 ms each (a window of 8 at a time).
-    for _ in 0..4 {
-        let mut served = (0..16)
-            .map(|_| limit.try_admit(first(5000)).expect("room"))
-            .collect::<Vec<Admitted>>()
-            .into_iter();
-        for _ in 0..2 {
-            tokio::time::advance(Duration::from_millis(10)).await;
-            served.by_ref().take(8).for_each(Admitted::answered);
-        }
-    }
+    // Served: 16 in flight, 10 and 20 ms each.
+    serve(&limit, 16, 4).await;
     assert!(per_call(&limit) < Duration::from_millis(10));
-    every_layer_outage(&limit).await;
+    every_layer_outage(&limit, 8).await;
     // The outage over, nothing in flight: the figure served before it is back (not the
     // outage's 1.5 s a call), and a burst of 32 goes in at once.
     assert!(per_call(&limit) < Duration::from_millis(10));
-    let back: Vec<Admitted> = (0..32)
-        .map(|_| {
-            limit
-                .try_admit(first(5000))
-                .expect("the chain serves again")
-        })
-        .collect();
-    drop(back);
+    drop(charges(&limit, 32, "the chain serves again"));
 }
 
 #[tokio::test(start_paused = true)]
 async fn after_an_outage_the_depth_served_before_it_is_proven_again() {
     let limit = edge_door();
-    // Served: 64 in flight, 10 and 20 ms each (a window of 8 at a time).
-    for _ in 0..2 {
-        let mut served = (0..64)
-            .map(|_| limit.try_admit(first(5000)).expect("room"))
-            .collect::<Vec<Admitted>>()
-            .into_iter();
-        for _ in 0..8 {
-            tokio::time::advance(Duration::from_millis(10)).await;
-            served.by_ref().take(8).for_each(Admitted::answered);
-        }
-    }
+    // Served: 64 in flight, 10 to 80 ms each.
+    serve(&limit, 64, 2).await;
     assert_eq!(limit.measured_at.load(Ordering::Relaxed), 64);
-    every_layer_outage(&limit).await;
+    every_layer_outage(&limit, 8).await;
     // Idle after it: the figure served before, trusted to twice the least limit, not to
     // twice the 64 it was measured at — the outage may not be over.
-    let held: Vec<Admitted> = (0..32)
-        .map(|_| limit.try_admit(first(5000)).expect("within twice 16"))
-        .collect();
+    let held = charges(&limit, 32, "within twice 16");
     let refused = limit.try_admit(first(5000)).expect_err("past it");
     assert!(
         refused.message().contains("measured draining at most 16"),
@@ -942,13 +925,11 @@ async fn after_an_outage_the_depth_served_before_it_is_proven_again() {
 #[tokio::test(start_paused = true)]
 async fn an_outage_with_nothing_served_before_it_leaves_the_start_s_limit() {
     let limit = edge_door();
-    every_layer_outage(&limit).await;
+    every_layer_outage(&limit, 8).await;
     // Nothing was served before it: as at a start, the initial limit, for every caller.
     assert_eq!(limit.per_call_ns.load(Ordering::Relaxed), 0);
     assert_eq!(limit.limit(), AdmissionSettings::default().initial_limit);
-    let held: Vec<Admitted> = (0..256)
-        .map(|_| limit.try_admit(first(5000)).expect("the initial limit"))
-        .collect();
+    let held = charges(&limit, 256, "the initial limit");
     limit.try_admit(first(5000)).expect_err("past it");
     drop(held);
 }
@@ -958,26 +939,18 @@ async fn the_failures_left_in_a_window_at_idle_do_not_make_a_figure_again() {
     let limit = edge_door();
     // 15 charges fail together: the first 8 close a window (a figure of failures), the
     // other 7 are left in the next one, and the edge is idle.
-    let outage: Vec<Admitted> = (0..15)
-        .map(|_| limit.try_admit(first(30_000)).expect("room"))
-        .collect();
-    tokio::time::advance(Duration::from_secs(7)).await;
-    outage.into_iter().for_each(Admitted::failed);
+    every_layer_outage(&limit, 15).await;
     assert_eq!(limit.per_call_ns.load(Ordering::Relaxed), 0, "forgotten");
     // The chain is back: the first call served, 20 ms on, is the eighth answer of a window
     // over 10 ms old — with the 7 failures left in it, a figure of 7 s failures again
     // (another call still in flight, so the edge is not idle again).
-    let served = limit.try_admit(first(5000)).expect("the initial limit");
-    let other = limit.try_admit(first(5000)).expect("the initial limit");
+    let mut two = charges(&limit, 2, "the initial limit");
     tokio::time::advance(Duration::from_millis(20)).await;
-    served.answered();
+    two.pop().expect("two").answered();
     assert_eq!(
         limit.per_call_ns.load(Ordering::Relaxed),
         0,
         "nothing measured yet"
     );
-    let held: Vec<Admitted> = (0..32)
-        .map(|_| limit.try_admit(first(5000)).expect("the initial limit"))
-        .collect();
-    drop((other, held));
+    drop((two, charges(&limit, 32, "the initial limit")));
 }
