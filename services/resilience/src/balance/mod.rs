@@ -49,7 +49,8 @@
 //! # Layout
 //!
 //! - [`settings`]: [`BalanceSettings`], ejection's thresholds.
-//! - [`resolve`]: where the calls go — `--downstream` read, names resolved, channels.
+//! - [`resolve`]: where the calls go — `--downstream` read, names resolved, connectors.
+//! - [`connection`]: one replica's HTTP/2 connection, and the call's timer.
 //! - [`replica`]: one replica as the balancer knows it — its load estimate, its health,
 //!   a call in flight to it.
 //! - [`ejection`]: outlier ejection over the replicas, and who is spared it.
@@ -57,6 +58,7 @@
 //!   a retry elsewhere), following a DNS name, the per-attempt timeout, and the tower
 //!   service.
 
+mod connection;
 mod ejection;
 mod replica;
 mod resolve;
@@ -65,7 +67,7 @@ mod settings;
 use ejection::Ejector;
 use replica::{Health, InFlight, Load, Outcome, Replica};
 pub use resolve::{Connector, Downstream, DownstreamError, RESOLVE_EVERY};
-use resolve::{channel, resolve};
+use resolve::{connection, resolve};
 pub use settings::BalanceSettings;
 
 use std::{
@@ -77,7 +79,7 @@ use std::{
 use rand::{RngExt, rngs::SmallRng};
 use tokio::time::Instant;
 use tonic::{Code, Status, body::Body};
-use tower::{Service, ServiceExt};
+use tower::Service;
 
 use crate::{deadline::PerAttemptTimeout, wire};
 
@@ -262,7 +264,7 @@ impl Balancer {
             .collect()
     }
 
-    /// Sets the replicas to `urls` (those already known keep their channel and history),
+    /// Sets the replicas to `urls` (those already known keep their connection and history),
     /// as a resolution of the name does; for tests of churn.
     pub fn set_replicas(&self, urls: &[String]) {
         self.shared.update(urls);
@@ -302,13 +304,13 @@ impl Shared {
             }
             match current.iter().find(|r| &r.url == url) {
                 Some(known) => next.push(Arc::clone(known)),
-                None => match channel(url, self.connector.as_ref()) {
-                    Ok(channel) => next.push(Arc::new(Replica {
+                None => match connection(url, self.connector.as_ref()) {
+                    Ok(connection) => next.push(Arc::new(Replica {
                         id: self
                             .next_id
                             .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
                         url: url.clone(),
-                        channel,
+                        connection,
                         load: Mutex::new(Load::new()),
                         health: Mutex::new(Health::default()),
                     })),
@@ -408,7 +410,7 @@ impl Service<http::Request<Body>> for Balancer {
     type Error = BoxError;
     type Future = BoxFuture<Result<Self::Response, Self::Error>>;
 
-    /// Always ready: readiness is each replica's channel's, awaited in the call.
+    /// Always ready: a replica's connection is opened, when it must be, in the call.
     fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         Poll::Ready(Ok(()))
     }
@@ -433,40 +435,30 @@ impl Service<http::Request<Body>> for Balancer {
             .extensions()
             .get::<PerAttemptTimeout>()
             .map(|cut| cut.0);
+        // The attempt's timer: its `grpc-timeout`, which is the per-attempt timeout when
+        // there is one (the shorter of the two, should a caller have written another).
+        let timeout = match (wire::timeout_of(request.headers()).ok().flatten(), per_try) {
+            (Some(sent), Some(per_try)) => Some(sent.min(per_try)),
+            (sent, per_try) => sent.or(per_try),
+        };
         let shared = Arc::clone(&self.shared);
-        let channel = replica.channel.clone();
         let in_flight = InFlight::start(Arc::clone(&replica));
         Box::pin(async move {
-            let sent = channel.oneshot(request);
+            // Where the engine cut the attempt to its per-attempt timeout, the timer's
+            // expiry is this attempt's failure, never the call's deadline — told as such,
+            // and a sample of the replica's slowness.
+            let mut answer = replica.connection.send(request, timeout).await;
             let mut timed_out = false;
-            let per_try_failure = |per_try: Duration| {
-                Box::new(Status::unavailable(format!(
-                    "{} did not answer within the per-attempt timeout ({} ms)",
-                    replica.url,
-                    per_try.as_millis()
-                ))) as BoxError
-            };
-            let mut answer = match per_try {
-                Some(per_try) => match tokio::time::timeout(per_try, sent).await {
-                    Ok(answer) => answer.map_err(BoxError::from),
-                    Err(_) => {
-                        timed_out = true;
-                        Err(per_try_failure(per_try))
-                    }
-                },
-                None => sent.await.map_err(BoxError::from),
-            };
             if let Some(per_try) = per_try {
                 match &mut answer {
                     Ok(response) => per_try_expired(response, &replica.url, per_try),
-                    // The channel keeps a timer of its own for the `grpc-timeout` it sent
-                    // (tonic's), set to the same per-attempt timeout a moment after ours:
-                    // on the same millisecond tick it is polled first and wins. Its
-                    // expiry is this attempt's timeout all the same, never the call's
-                    // deadline — told as ours is, and a sample of the replica's slowness.
                     Err(error) if crate::classify::is_local_timeout(&**error) => {
                         timed_out = true;
-                        answer = Err(per_try_failure(per_try));
+                        answer = Err(Box::new(Status::unavailable(format!(
+                            "{} did not answer within the per-attempt timeout ({} ms)",
+                            replica.url,
+                            per_try.as_millis()
+                        ))));
                     }
                     Err(_) => {}
                 }

@@ -1,4 +1,4 @@
-//! One replica as the balancer knows it: its channel, its load estimate (peak-EWMA of
+//! One replica as the balancer knows it: its connection, its load estimate (peak-EWMA of
 //! response times × calls in flight), its health (outlier ejection's view), and the
 //! guard that counts a call in flight to it.
 
@@ -8,7 +8,8 @@ use std::{
 };
 
 use tokio::time::Instant;
-use tonic::transport::Channel;
+
+use super::connection::Connection;
 
 /// The response time a replica is assumed to have before its first answer: optimistic, so
 /// that a replica that joins (or comes back) is tried at once and its real time learnt.
@@ -17,7 +18,7 @@ pub(super) const DEFAULT_RTT: Duration = Duration::from_millis(1);
 /// How fast the estimate forgets a slow answer: a sample's weight halves in about 7 s.
 pub(super) const DECAY: Duration = Duration::from_secs(10);
 
-/// One replica: its channel and what the balancer has seen of it.
+/// One replica: its connection and what the balancer has seen of it.
 #[derive(Debug)]
 pub(super) struct Replica {
     /// Unique for the life of the process: a replica that leaves and comes back at the same
@@ -25,8 +26,8 @@ pub(super) struct Replica {
     pub(super) id: u64,
     /// `http://host:port`.
     pub(super) url: String,
-    /// Connected on first use, reconnected as needed.
-    pub(super) channel: Channel,
+    /// Opened on first use, again after it closes.
+    pub(super) connection: Connection,
     /// The load estimate.
     pub(super) load: Mutex<Load>,
     /// Outlier ejection's view of it.

@@ -1,9 +1,12 @@
 //! Where a hop's calls go: `--downstream` read (one URL, several, or a `dns:///` name),
-//! the name resolved again every [`RESOLVE_EVERY`], and the channel each replica gets.
+//! the name resolved again every [`RESOLVE_EVERY`], and how each replica's connection is
+//! opened.
 
-use std::{sync::Arc, time::Duration};
+use std::time::Duration;
 
-use tonic::transport::{Channel, Endpoint};
+use tower::{BoxError, ServiceExt};
+
+use super::connection::{self, Connection, Dial, Io};
 
 /// How often a DNS name is resolved again.
 pub const RESOLVE_EVERY: Duration = Duration::from_secs(5);
@@ -97,11 +100,11 @@ impl std::fmt::Display for Downstream {
 }
 
 /// How a replica's connections are opened when not over plain TCP: a connector the
-/// caller supplies (TLS, with the identities it presents and expects), applied to the
-/// endpoint the balancer configured. The balancer knows nothing of what the connector does,
-/// so that this library depends on no TLS stack of its own.
+/// caller supplies (TLS, with the identities it presents and expects). The balancer knows
+/// nothing of what the connector does, so that this library depends on no TLS stack of
+/// its own.
 #[derive(Clone)]
-pub struct Connector(Arc<dyn Fn(&Endpoint) -> Channel + Send + Sync>);
+pub struct Connector(Dial);
 
 impl std::fmt::Debug for Connector {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -110,35 +113,37 @@ impl std::fmt::Debug for Connector {
 }
 
 impl Connector {
-    /// Connections opened by `connector` (a tower service from a URI to an I/O stream, as
-    /// tonic's `Endpoint::connect_with_connector_lazy` takes it).
+    /// Connections opened by `connector`: a tower service from a URI to an I/O stream (the
+    /// shape of tonic's `Endpoint::connect_with_connector`, so one connector serves both).
+    /// Its time counts in the connect timeout, a TLS handshake included.
     pub fn new<C>(connector: C) -> Self
     where
         C: tower::Service<http::Uri> + Clone + Send + Sync + 'static,
-        C::Response: hyper::rt::Read + hyper::rt::Write + Send + Unpin,
+        C::Response: hyper::rt::Read + hyper::rt::Write + Send + Unpin + 'static,
         C::Future: Send,
-        tower::BoxError: From<C::Error> + Send,
+        BoxError: From<C::Error> + Send,
     {
-        Self(Arc::new(move |endpoint: &Endpoint| {
-            endpoint.connect_with_connector_lazy(connector.clone())
+        Self(std::sync::Arc::new(move |uri: http::Uri| {
+            let connector = connector.clone();
+            Box::pin(async move {
+                let io = connector.oneshot(uri).await?;
+                Ok(Box::new(io) as Box<dyn Io>)
+            })
         }))
     }
 }
 
-/// A lazily connected channel to `url`, with the settings every hop uses; its
-/// connections opened by `connector` when there is one (a TLS handshake then counts in the
-/// connect timeout).
-pub(super) fn channel(
+/// The connection to `url`, opened on first use: by `connector` when there is one, else
+/// over plain TCP.
+pub(super) fn connection(
     url: &str,
     connector: Option<&Connector>,
-) -> Result<Channel, tonic::transport::Error> {
-    let endpoint = Endpoint::from_shared(url.to_owned())?
-        .tcp_nodelay(true)
-        .connect_timeout(Duration::from_secs(2));
-    Ok(match connector {
-        Some(connector) => (connector.0)(&endpoint),
-        None => endpoint.connect_lazy(),
-    })
+) -> Result<Connection, connection::BadUrl> {
+    let dial = match connector {
+        Some(connector) => connector.0.clone(),
+        None => connection::tcp(),
+    };
+    Connection::new(url, dial)
 }
 
 /// The replicas' URLs for `host:port` (`scheme://address`), or `None` when the name does
