@@ -273,12 +273,12 @@ async fn over_a_channel_a_silent_server_ends_the_call_deadline_exceeded_not_canc
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_per_attempt_timeout_is_unavailable_whichever_timer_fires_first() {
     // The retry layer cuts each attempt at 40 ms and sends that as the attempt's
-    // grpc-timeout, for which tonic's channel keeps a timer of its own, set a moment after
-    // the balancer's: both usually fall on the same millisecond tick. Whichever is polled
-    // first, the attempt's expiry is told as a per-attempt timeout (UNAVAILABLE, which a
-    // caller may retry elsewhere), never as the call's deadline passing (DEADLINE_EXCEEDED)
-    // nor as CANCELLED — the call itself had seconds left. (The server, plain tonic,
-    // enforces the 40 ms too, answering CANCELLED "Timeout expired": a third timer.)
+    // grpc-timeout; the balancer's connection keeps the attempt's timer, and the server,
+    // plain tonic, enforces the 40 ms too, answering CANCELLED "Timeout expired" (a tonic
+    // channel under the balancer kept a third timer, on the same millisecond tick).
+    // Whichever fires first, the attempt's expiry is told as a per-attempt timeout
+    // (UNAVAILABLE, which a caller may retry elsewhere), never as the call's deadline
+    // passing (DEADLINE_EXCEEDED) nor as CANCELLED — the call itself had seconds left.
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
     tokio::spawn(
