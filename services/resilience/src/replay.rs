@@ -234,8 +234,9 @@ where
     /// Committed once headers without a status arrive (or OK): a Trailers-Only answer (the
     /// status in the headers, how servers refuse a call at once) or no answer at all is a
     /// failure. An error without an answer is judged as tonic would judge it — a broken
-    /// connection UNAVAILABLE — with the channel's own timer a DEADLINE_EXCEEDED and a
-    /// request that never reached the server [`Verdict::Unprocessed`].
+    /// connection UNAVAILABLE — with the connection's own timer (the balancer's, or a
+    /// tonic channel's) a DEADLINE_EXCEEDED and a request that never reached the server
+    /// [`Verdict::Unprocessed`].
     fn judge(&self, answer: Self::Answer, deadline: Option<Instant>) -> Verdict<Self::Answer> {
         let failed = |status: Status| Verdict::Failed {
             answer: Ok(status.clone().into_http()),
