@@ -45,7 +45,8 @@ pub fn transport_failure_as_unavailable(status: Status) -> Status {
 ///
 /// - the connection could not be made (`tonic::ConnectError`);
 /// - the request was still queued in the client when its connection closed (hyper's
-///   `Canceled`, which tonic would report as CANCELLED, the caller's code);
+///   `Canceled`, which tonic would report as CANCELLED, the caller's code), or the
+///   connection would not open its stream ([`NeverSent`], the balancer's own connections);
 /// - the server's GOAWAY named a last stream below this one, or it refused the stream
 ///   (RST_STREAM REFUSED_STREAM): both promise the stream was not processed (RFC 9113
 ///   §8.7).
@@ -55,7 +56,7 @@ pub fn transport_failure_as_unavailable(status: Status) -> Status {
 pub fn never_processed(error: &(dyn std::error::Error + 'static)) -> bool {
     let mut next = Some(error);
     while let Some(error) = next {
-        if error.is::<tonic::ConnectError>() {
+        if error.is::<tonic::ConnectError>() || error.is::<NeverSent>() {
             return true;
         }
         if let Some(error) = error.downcast_ref::<hyper::Error>()
@@ -73,6 +74,12 @@ pub fn never_processed(error: &(dyn std::error::Error + 'static)) -> bool {
     }
     false
 }
+
+/// A request its connection would not open a stream for: the connection had ended, or
+/// was ending (a GOAWAY received). Nothing of the request was written.
+#[derive(Debug, thiserror::Error)]
+#[error("the connection would not take the request: {0}")]
+pub struct NeverSent(#[source] pub Box<dyn std::error::Error + Send + Sync>);
 
 /// Whether a call's error is the client channel's own timer enforcing the timeout
 /// it sent (tonic reports it as CANCELLED): the attempt's deadline passed.

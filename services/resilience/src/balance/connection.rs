@@ -1,40 +1,63 @@
-//! One replica's HTTP/2 connection, held by the balancer itself rather than by a tonic
-//! `Channel`.
+//! One replica's HTTP/2 connection, held by the balancer itself, on the `h2` crate.
 //!
-//! A `Channel` puts a `tower::Buffer` in front of its connection: each call is handed
-//! through a queue to a worker task that sends it on, and its answer handed back — a
-//! task hop and two wake-ups a call, for a queue the balancer has no use for (it picks a
-//! replica per call, and HTTP/2 multiplexes the calls on one connection). Here a call
-//! goes straight to hyper's `SendRequest`. What the channel did besides is done here:
+//! Neither a tonic `Channel` nor hyper's client: each puts tasks between a call and its
+//! stream. A `Channel` puts a `tower::Buffer` in front of its connection — each call handed
+//! through a queue to a worker task that sends it on, its answer handed back. Under it,
+//! hyper's HTTP/2 client hands each request through a second queue to the connection's
+//! task, which opens the stream and then spawns a task per request to wait for its answer
+//! and hand that back. A relayed call paid two queues, a spawned task and four wake-ups
+//! at each hop, for nothing the balancer needs: it picks a replica per attempt, and HTTP/2
+//! multiplexes the calls on one connection.
 //!
-//! - the connection is opened on first use and again once it has closed; one opening at
-//!   a time, shared by every call that waits for it, within [`CONNECT_TIMEOUT`];
-//! - a connection that could not be opened fails the call as `tonic::ConnectError`, which
-//!   [`never_processed`](crate::classify::never_processed) knows: the request never left,
-//!   so sending it again is safe;
-//! - the call's `grpc-timeout` is kept by a timer (the balancer's, one per attempt), its
-//!   expiry `tonic::TimeoutExpired` (what
-//!   [`is_local_timeout`](crate::classify::is_local_timeout) knows), so a replica that
-//!   never answers costs the call its deadline and no more;
+//! Here the calling task opens the stream itself (`h2::client::SendRequest`), writes the
+//! request's body into it and waits for the answer on it; the connection's one task only
+//! reads and writes the socket. What the channel and hyper did besides is done here:
+//!
+//! - the connection is opened on first use and again once it has ended (or refused a new
+//!   stream); one opening at a time, in a task of its own shared by every call that waits
+//!   for it, within [`CONNECT_TIMEOUT`];
+//! - a connection that could not be opened fails the call as `tonic::ConnectError`, and a
+//!   stream the connection would not open as [`NeverSent`]: both are known to
+//!   [`never_processed`](crate::classify::never_processed) — the request never left, so
+//!   sending it again is safe. A connection found ended or ending (a GOAWAY) before the
+//!   stream is opened is first replaced, once, for the same call;
+//! - the attempt's timer (its `grpc-timeout`, or the per-attempt timeout), its expiry
+//!   `tonic::TimeoutExpired` (what [`is_local_timeout`](crate::classify::is_local_timeout)
+//!   knows): a replica that never answers costs the attempt its time and no more; an
+//!   attempt given up resets its stream (CANCEL), as dropping any `h2` stream does;
 //! - the request's URI gets the replica's scheme and authority (`:scheme`, `:authority`),
-//!   and a `user-agent`.
+//!   and a `user-agent`; the answer's body gives back its flow-control window as it is
+//!   read;
+//! - hyper's HTTP/2 client settings (its windows, frame and header-list sizes, send
+//!   buffer, no server push).
+//!
+//! A request's body in memory (the retry engine's replay buffer, a relay's forwarded
+//! frame: every unary call) is written whole by the calling task before it awaits the
+//! answer. A body still coming (one too large to buffer for replay) is written by a task
+//! of its own at the pace the stream's window allows, as hyper's client does.
 
 use std::{
     future::Future,
     pin::Pin,
     sync::{
-        Arc, Mutex, MutexGuard, PoisonError,
+        Arc, Mutex, MutexGuard, PoisonError, Weak,
         atomic::{AtomicU64, Ordering},
     },
+    task::{Context, Poll},
     time::Duration,
 };
 
+use bytes::Bytes;
 use futures::{FutureExt, future::Shared};
+use h2::{RecvStream, SendStream, client::SendRequest};
 use http::{HeaderValue, Uri, header::USER_AGENT, uri::PathAndQuery};
-use hyper::client::conn::http2::{Builder, SendRequest};
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use http_body::{Body as _, Frame};
+use http_body_util::BodyExt;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tonic::body::Body;
 use tower::BoxError;
+
+use crate::classify::NeverSent;
 
 /// How long opening a connection may take, TLS handshake included.
 pub(super) const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -44,8 +67,8 @@ const AGENT: HeaderValue =
     HeaderValue::from_static(concat!("retrychain/", env!("CARGO_PKG_VERSION")));
 
 /// An open byte stream to a replica, plain TCP or TLS.
-pub(super) trait Io: hyper::rt::Read + hyper::rt::Write + Send + Unpin + 'static {}
-impl<T: hyper::rt::Read + hyper::rt::Write + Send + Unpin + 'static> Io for T {}
+pub(super) trait Io: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
+impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Io for T {}
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
@@ -66,17 +89,28 @@ pub(super) struct Unreachable {
 pub(super) struct BadUrl(String);
 
 /// An opening's result, shared by every call that waits for it.
-type Opening = Shared<BoxFuture<Result<SendRequest<Body>, Unreachable>>>;
+type Opening = Shared<BoxFuture<Result<SendRequest<Bytes>, Unreachable>>>;
 
-/// What the connection is doing.
+/// What the connection is doing. Each opening is numbered; whoever ends one (the task that
+/// opened it, the task that drives it, a call it refused) changes the state only while it
+/// is still that opening's.
 enum State {
     /// None open: the next call opens one.
     Closed,
-    /// Being opened by a task of its own (the attempt numbered `.1`), which runs to its
-    /// end whether or not a call still waits for it, and then leaves `Open` or `Closed`.
+    /// Being opened by a task of its own, which runs to its end whether or not a call
+    /// still waits for it, and then leaves `Open` or `Closed`.
     Opening(Opening, u64),
-    /// Open (until hyper says it closed).
-    Open(SendRequest<Body>),
+    /// Open, until its task ends or it refuses a new stream.
+    Open(SendRequest<Bytes>, u64),
+}
+
+impl State {
+    fn attempt(&self) -> Option<u64> {
+        match self {
+            Self::Closed => None,
+            Self::Opening(_, attempt) | Self::Open(_, attempt) => Some(*attempt),
+        }
+    }
 }
 
 /// One replica's connection (see the module's documentation).
@@ -84,7 +118,7 @@ pub(super) struct Connection {
     /// `scheme://authority`, also what a dial is given.
     origin: Uri,
     dial: Dial,
-    /// Shared with the task opening the connection, which updates it.
+    /// Shared with the tasks that open and drive the connection, which update it.
     state: Arc<Mutex<State>>,
     /// Numbers the openings.
     attempts: AtomicU64,
@@ -111,7 +145,7 @@ impl Connection {
             origin: Uri::from_parts(parts).map_err(|_| bad())?,
             dial,
             state: Arc::new(Mutex::new(State::Closed)),
-            attempts: Default::default(),
+            attempts: AtomicU64::new(0),
         })
     }
 
@@ -120,15 +154,10 @@ impl Connection {
     /// `grpc-timeout`, or a shorter one), the opening included.
     pub(super) async fn send(
         &self,
-        mut request: http::Request<Body>,
+        request: http::Request<Body>,
         timeout: Option<Duration>,
     ) -> Result<http::Response<Body>, BoxError> {
-        let sent = async {
-            let mut sender = self.sender().await?;
-            self.address(&mut request);
-            let response = sender.send_request(request).await?;
-            Ok::<_, BoxError>(response.map(Body::new))
-        };
+        let sent = self.exchange(request);
         match timeout {
             Some(timeout) => match tokio::time::timeout(timeout, sent).await {
                 Ok(answer) => answer,
@@ -138,92 +167,176 @@ impl Connection {
         }
     }
 
-    /// The request's URI made absolute with the replica's origin, and the user-agent.
-    fn address(&self, request: &mut http::Request<Body>) {
-        let mut parts = self.origin.clone().into_parts();
-        parts.path_and_query = request.uri().path_and_query().cloned();
-        if let Ok(uri) = Uri::from_parts(parts) {
-            *request.uri_mut() = uri;
+    /// One request and its answer's head, on a stream of this connection.
+    async fn exchange(
+        &self,
+        request: http::Request<Body>,
+    ) -> Result<http::Response<Body>, BoxError> {
+        let mut sender = self.ready().await?;
+        let (mut head, body) = request.into_parts();
+        self.address(&mut head);
+        let in_memory = body.size_hint().exact().is_some();
+        let ends = body.is_end_stream();
+        let (answer, stream) = sender
+            .0
+            .send_request(http::Request::from_parts(head, ()), ends)
+            .map_err(|error| {
+                if error.is_io() || error.is_go_away() || error.is_remote() {
+                    // The connection ended between `ready` and now: nothing was written.
+                    self.refused(sender.1, error)
+                } else {
+                    // A request h2 will not write (a connection-specific header, say): a
+                    // fault of the caller's, not the connection's.
+                    Box::new(tonic::Status::internal(format!(
+                        "the request could not be sent: {error}"
+                    )))
+                }
+            })?;
+        let written = match (ends, in_memory) {
+            (true, _) => Ok(()),
+            (false, true) => write_body(body, stream).await,
+            // A body still coming (one too large to buffer for replay) is written by a
+            // task of its own, at the pace the stream's window allows, as hyper's client
+            // does: the answer may come first.
+            (false, false) => {
+                tokio::spawn(async move {
+                    if let Err(error) = write_paced(body, stream).await {
+                        tracing::debug!(%error, "a request's body could not be written whole");
+                    }
+                });
+                Ok(())
+            }
+        };
+        // An answer that came is the answer, even if the body could not all be written
+        // (a server may answer, and reset the stream, before it has read it all). Without
+        // one, the stream's error says why (a reset's reason), unless the body itself
+        // failed here.
+        match answer.await {
+            Ok(response) => Ok(response.map(|stream| Body::new(Incoming::new(stream)))),
+            Err(error) => match written {
+                Err(failed) if failed.is::<tonic::Status>() => Err(failed),
+                _ => Err(Box::new(error)),
+            },
         }
-        // A user-agent the request already carries is kept.
-        request.headers_mut().entry(USER_AGENT).or_insert(AGENT);
     }
 
-    /// The open connection's sender, opening one when there is none.
-    async fn sender(&self) -> Result<SendRequest<Body>, BoxError> {
-        let opening = {
+    /// A sender that may open a stream now, and its opening's number. A connection found
+    /// ended, or ending (a GOAWAY received), is replaced once: nothing of the request has
+    /// been written yet, so the call loses nothing and the replica is not blamed for it.
+    async fn ready(&self) -> Result<(SendRequest<Bytes>, u64), BoxError> {
+        let mut replaced = false;
+        loop {
+            let (sender, attempt) = self.sender().await?;
+            match sender.ready().await {
+                Ok(sender) => return Ok((sender, attempt)),
+                Err(error) if replaced => return Err(self.refused(attempt, error)),
+                Err(error) => {
+                    let _ = self.refused(attempt, error);
+                    replaced = true;
+                }
+            }
+        }
+    }
+
+    /// The request's URI made absolute with the replica's origin, and the user-agent.
+    fn address(&self, head: &mut http::request::Parts) {
+        let mut parts = self.origin.clone().into_parts();
+        parts.path_and_query = head.uri.path_and_query().cloned();
+        if let Ok(uri) = Uri::from_parts(parts) {
+            head.uri = uri;
+        }
+        // A user-agent the request already carries is kept.
+        head.headers.entry(USER_AGENT).or_insert(AGENT);
+    }
+
+    /// The connection would not open a stream: it has ended, or is ending (a GOAWAY). The
+    /// next call opens another; this one fails as never sent.
+    /// (`ready` waits for nothing: each call's sender is a clone, and a clone does not
+    /// know of another's stream waiting for the server's limit on streams at once. Streams
+    /// past that limit wait in `h2`, unwritten; should the connection end under them, they
+    /// fail as a broken connection, possibly processed — the retry policy's case, not a
+    /// transparent retry's.)
+    fn refused(&self, attempt: u64, error: h2::Error) -> BoxError {
+        settle(&Arc::downgrade(&self.state), attempt, State::Closed);
+        Box::new(NeverSent(Box::new(error)))
+    }
+
+    /// The open connection's sender and its opening's number, opening one when there is
+    /// none.
+    async fn sender(&self) -> Result<(SendRequest<Bytes>, u64), BoxError> {
+        let (opening, attempt) = {
             let mut state = lock(&self.state);
             match &*state {
-                State::Open(sender) if !sender.is_closed() => return Ok(sender.clone()),
-                State::Opening(opening, _) => opening.clone(),
-                State::Open(_) | State::Closed => {
+                State::Open(sender, attempt) => return Ok((sender.clone(), *attempt)),
+                State::Opening(opening, attempt) => (opening.clone(), *attempt),
+                State::Closed => {
                     let attempt = self.attempts.fetch_add(1, Ordering::Relaxed);
                     let opening = self.open(attempt);
                     *state = State::Opening(opening.clone(), attempt);
-                    opening
+                    (opening, attempt)
                 }
             }
         };
-        opening
-            .await
-            .map_err(|unreachable| Box::new(tonic::ConnectError(Box::new(unreachable))) as _)
+        match opening.await {
+            Ok(sender) => Ok((sender, attempt)),
+            Err(unreachable) => Err(Box::new(tonic::ConnectError(Box::new(unreachable)))),
+        }
     }
 
-    /// One attempt to open the connection, in a task of its own so that it ends within
-    /// [`CONNECT_TIMEOUT`] even when every call that waited for it has given up (a call
-    /// that comes later finds it open, or tries again): dial, then HTTP/2's handshake;
-    /// the connection then driven by another task until it closes (when the replica
-    /// leaves, the last sender is dropped and it closes).
+    /// Opening `attempt`, in a task of its own so that it ends within [`CONNECT_TIMEOUT`]
+    /// even when every call that waited for it has given up (a call that comes later
+    /// finds it open, or tries again): dial, then HTTP/2's handshake. The connection is
+    /// then driven by another task until it ends — when the replica leaves and the last
+    /// sender is dropped, or the socket fails — which then closes the state.
     fn open(&self, attempt: u64) -> Opening {
         let url = self.origin.to_string().trim_end_matches('/').to_owned();
         let dial = (self.dial)(self.origin.clone());
         let state = Arc::downgrade(&self.state);
-        let settle = move |opened: &Result<SendRequest<Body>, Unreachable>| {
-            let Some(state) = state.upgrade() else { return };
-            let mut state = lock(&state);
-            if matches!(&*state, State::Opening(_, current) if *current == attempt) {
-                *state = match opened {
-                    Ok(sender) => State::Open(sender.clone()),
+        let task = tokio::spawn({
+            let (url, state) = (url.clone(), state.clone());
+            async move {
+                let opened = match handshake(dial, CONNECT_TIMEOUT).await {
+                    Ok((sender, connection)) => {
+                        let (url, state) = (url.clone(), state.clone());
+                        tokio::spawn(async move {
+                            if let Err(error) = connection.await {
+                                tracing::debug!(%url, %error, "connection to a replica ended");
+                            }
+                            settle(&state, attempt, State::Closed);
+                        });
+                        Ok(sender)
+                    }
+                    Err(reason) => Err(Unreachable { url, reason }),
+                };
+                let next = match &opened {
+                    Ok(sender) => State::Open(sender.clone(), attempt),
                     // The next call tries again.
                     Err(_) => State::Closed,
                 };
-            }
-        };
-        let task = tokio::spawn({
-            let url = url.clone();
-            let settle = settle.clone();
-            async move {
-                let opened = handshake(dial, CONNECT_TIMEOUT)
-                    .await
-                    .map(|(sender, connection)| {
-                        let url = url.clone();
-                        tokio::spawn(async move {
-                            if let Err(error) = connection.await {
-                                tracing::debug!(%url, %error, "connection to a replica closed");
-                            }
-                        });
-                        sender
-                    })
-                    .map_err(|reason| Unreachable {
-                        url: url.clone(),
-                        reason,
-                    });
-                settle(&opened);
+                settle(&state, attempt, next);
                 opened
             }
         });
         async move {
             task.await.unwrap_or_else(|error| {
-                let failed = Err(Unreachable {
+                settle(&state, attempt, State::Closed);
+                Err(Unreachable {
                     url,
                     reason: format!("the task opening the connection failed: {error}"),
-                });
-                settle(&failed);
-                failed
+                })
             })
         }
         .boxed()
         .shared()
+    }
+}
+
+/// Sets the state to `next` if it is still opening `attempt`'s.
+fn settle(state: &Weak<Mutex<State>>, attempt: u64, next: State) {
+    let Some(state) = state.upgrade() else { return };
+    let mut state = lock(&state);
+    if state.attempt() == Some(attempt) {
+        *state = next;
     }
 }
 
@@ -234,26 +347,163 @@ fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
 }
 
 type Handshaken = (
-    SendRequest<Body>,
-    hyper::client::conn::http2::Connection<Box<dyn Io>, Body, TokioExecutor>,
+    SendRequest<Bytes>,
+    h2::client::Connection<Box<dyn Io>, Bytes>,
 );
 
-/// Dials, then makes HTTP/2's handshake, within `limit`.
+/// Dials, then makes HTTP/2's handshake, within `limit`, with hyper's client settings.
 async fn handshake(
     dial: BoxFuture<Result<Box<dyn Io>, BoxError>>,
     limit: Duration,
 ) -> Result<Handshaken, String> {
     let handshake = async {
         let io = dial.await.map_err(|error| error.to_string())?;
-        Builder::new(TokioExecutor::new())
-            .timer(TokioTimer::new())
-            .handshake::<_, Body>(io)
+        h2::client::Builder::new()
+            .initial_max_send_streams(100)
+            .initial_window_size(2 * 1024 * 1024)
+            .initial_connection_window_size(5 * 1024 * 1024)
+            .max_frame_size(16 * 1024)
+            .max_header_list_size(16 * 1024)
+            .max_send_buffer_size(1024 * 1024)
+            .max_local_error_reset_streams(Some(1024))
+            .enable_push(false)
+            .handshake::<_, Bytes>(io)
             .await
             .map_err(|error| format!("HTTP/2 handshake: {error}"))
     };
     tokio::time::timeout(limit, handshake)
         .await
         .map_err(|_| format!("no connection within {limit:?}"))?
+}
+
+/// Writes `body` into the request's stream, ending it. A body that fails resets the
+/// stream (CANCEL) and fails the call.
+async fn write_body(mut body: Body, mut stream: SendStream<Bytes>) -> Result<(), BoxError> {
+    while let Some(frame) = body.frame().await {
+        let frame = match frame {
+            Ok(frame) => frame,
+            Err(error) => {
+                stream.send_reset(h2::Reason::CANCEL);
+                return Err(Box::new(error));
+            }
+        };
+        match frame.into_data() {
+            Ok(data) => {
+                // The last data frame ends the stream itself: no empty frame after it.
+                let ends = body.is_end_stream();
+                stream.send_data(data, ends)?;
+                if ends {
+                    return Ok(());
+                }
+            }
+            Err(frame) => {
+                if let Ok(trailers) = frame.into_trailers() {
+                    stream.send_trailers(trailers)?;
+                    return Ok(());
+                }
+            }
+        }
+    }
+    stream.send_data(Bytes::new(), true)?;
+    Ok(())
+}
+
+/// Writes a body that is still coming into the request's stream, each chunk once the
+/// stream's window has room for it, ending the stream. A body that fails resets the
+/// stream (CANCEL).
+async fn write_paced(mut body: Body, mut stream: SendStream<Bytes>) -> Result<(), BoxError> {
+    while let Some(frame) = body.frame().await {
+        let frame = match frame {
+            Ok(frame) => frame,
+            Err(error) => {
+                stream.send_reset(h2::Reason::CANCEL);
+                return Err(Box::new(error));
+            }
+        };
+        let mut data = match frame.into_data() {
+            Ok(data) => data,
+            Err(frame) => {
+                if let Ok(trailers) = frame.into_trailers() {
+                    stream.send_trailers(trailers)?;
+                    return Ok(());
+                }
+                continue;
+            }
+        };
+        while !data.is_empty() {
+            stream.reserve_capacity(data.len());
+            let room = match std::future::poll_fn(|cx| stream.poll_capacity(cx)).await {
+                Some(room) => room?,
+                None => return Err("the stream closed before its body was written".into()),
+            };
+            if room == 0 {
+                continue;
+            }
+            let chunk = data.split_to(room.min(data.len()));
+            stream.send_data(chunk, data.is_empty() && body.is_end_stream())?;
+        }
+        if body.is_end_stream() {
+            return Ok(());
+        }
+    }
+    stream.send_data(Bytes::new(), true)?;
+    Ok(())
+}
+
+/// An answer's body, its data's flow-control window given back as each frame is read.
+/// A reset with NO_ERROR ends it, not fails it: RFC 9113 §8.1, a server that has answered
+/// before reading the whole request.
+struct Incoming {
+    stream: RecvStream,
+    /// Whether the data has ended: the trailers are next.
+    data_done: bool,
+}
+
+impl Incoming {
+    fn new(stream: RecvStream) -> Self {
+        Self {
+            stream,
+            data_done: false,
+        }
+    }
+}
+
+impl http_body::Body for Incoming {
+    type Data = Bytes;
+    type Error = h2::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, h2::Error>>> {
+        let early = |error: h2::Error| {
+            if error.reason() == Some(h2::Reason::NO_ERROR) {
+                None
+            } else {
+                Some(Err(error))
+            }
+        };
+        if !self.data_done {
+            match self.stream.poll_data(cx) {
+                Poll::Ready(Some(Ok(data))) => {
+                    let _ = self.stream.flow_control().release_capacity(data.len());
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                Poll::Ready(Some(Err(error))) => return Poll::Ready(early(error)),
+                Poll::Ready(None) => self.data_done = true,
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+        match self.stream.poll_trailers(cx) {
+            Poll::Ready(Ok(trailers)) => Poll::Ready(trailers.map(|t| Ok(Frame::trailers(t)))),
+            Poll::Ready(Err(error)) => Poll::Ready(early(error)),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.stream.is_end_stream()
+    }
 }
 
 /// Dials plain TCP, without Nagle's delay (a call's frames go out as they are written).
@@ -278,7 +528,7 @@ pub(super) fn tcp() -> Dial {
                 match tokio::time::timeout(share, tokio::net::TcpStream::connect(address)).await {
                     Ok(Ok(tcp)) => {
                         tcp.set_nodelay(true)?;
-                        return Ok(Box::new(TokioIo::new(tcp)) as Box<dyn Io>);
+                        return Ok(Box::new(tcp) as Box<dyn Io>);
                     }
                     Ok(Err(error)) => failures.push(format!("{address}: {error}")),
                     Err(_) => failures.push(format!("{address}: no answer within {share:?}")),

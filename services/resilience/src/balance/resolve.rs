@@ -127,7 +127,7 @@ impl Connector {
             let connector = connector.clone();
             Box::pin(async move {
                 let io = connector.oneshot(uri).await?;
-                Ok(Box::new(io) as Box<dyn Io>)
+                Ok(Box::new(hyper_util::rt::TokioIo::new(io)) as Box<dyn Io>)
             })
         }))
     }

@@ -25,11 +25,16 @@ impl Payments for Answers {
         Ok(Response::new(ChargeReply::default()))
     }
 
+    /// An account whose id is 3 MiB long: an answer larger than a stream's flow-control
+    /// window (2 MiB), which comes whole only if the reader gives its window back.
     async fn get_account(
         &self,
         _: Request<GetAccountRequest>,
     ) -> Result<Response<Account>, Status> {
-        Err(Status::not_found("no accounts here"))
+        Ok(Response::new(Account {
+            account_id: "a".repeat(3 << 20),
+            ..Account::default()
+        }))
     }
 }
 
@@ -169,4 +174,107 @@ async fn an_opening_its_calls_gave_up_on_still_ends_and_serves_the_next_call() {
         .await
         .expect("the connection was opened meanwhile");
     assert_eq!(dials.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn answers_larger_than_the_flow_control_windows_keep_coming() {
+    // Three answers of 3 MiB each: each past its stream's window (2 MiB), all three past
+    // the connection's (5 MiB). They come whole only if the window is given back as each
+    // frame is read.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let _server = serve(listener);
+    let balancer = balancer(address, None).await;
+    for _ in 0..3 {
+        let mut request = Request::new(GetAccountRequest::default());
+        request.set_timeout(Duration::from_secs(5));
+        let mut client = PaymentsClient::new(balancer.clone());
+        // The call's timer ends with the answer's head: a body that stalls is caught here.
+        let account = tokio::time::timeout(Duration::from_secs(10), client.get_account(request))
+            .await
+            .expect("the answer's body stalled")
+            .expect("the answer came")
+            .into_inner();
+        assert_eq!(account.account_id.len(), 3 << 20);
+    }
+}
+
+/// Answers every Charge after a while.
+struct Slowly(Duration);
+
+#[tonic::async_trait]
+impl Payments for Slowly {
+    async fn charge(&self, _: Request<ChargeRequest>) -> Result<Response<ChargeReply>, Status> {
+        tokio::time::sleep(self.0).await;
+        Ok(Response::new(ChargeReply::default()))
+    }
+
+    async fn get_account(
+        &self,
+        _: Request<GetAccountRequest>,
+    ) -> Result<Response<Account>, Status> {
+        Err(Status::unimplemented("not here"))
+    }
+}
+
+/// Serves `service` on the connections `incoming` yields, until `stop`.
+async fn serve_connections<S: Payments>(
+    service: S,
+    incoming: tokio::sync::mpsc::Receiver<std::io::Result<tokio::net::TcpStream>>,
+    stop: oneshot::Receiver<()>,
+) {
+    let _ = tonic::transport::Server::builder()
+        .add_service(PaymentsServer::new(service))
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::ReceiverStream::new(incoming),
+            async {
+                let _ = stop.await;
+            },
+        )
+        .await;
+}
+
+#[tokio::test]
+async fn a_replica_that_drains_is_called_on_a_new_connection_and_no_call_fails() {
+    // One port, two servers: the first connection goes to one, every later one to the
+    // other. The first drains while a call is still in flight on its connection: it has
+    // sent GOAWAY, and the connection stays open until that call is answered. A call made
+    // then finds the connection refusing new streams: it goes on a new connection, to the
+    // second server, and neither call fails.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let (first_tx, first_rx) = tokio::sync::mpsc::channel(1);
+    let (later_tx, later_rx) = tokio::sync::mpsc::channel(8);
+    tokio::spawn(async move {
+        let (tcp, _) = listener.accept().await.unwrap();
+        first_tx.send(Ok(tcp)).await.unwrap();
+        while let Ok((tcp, _)) = listener.accept().await {
+            let _ = later_tx.send(Ok(tcp)).await;
+        }
+    });
+    let (stop_first, first_stops) = oneshot::channel();
+    let first = tokio::spawn(serve_connections(
+        Slowly(Duration::from_millis(600)),
+        first_rx,
+        first_stops,
+    ));
+    let (_stop_later, later_stops) = oneshot::channel();
+    tokio::spawn(serve_connections(Answers, later_rx, later_stops));
+
+    let balancer = balancer(address, None).await;
+    let in_flight = tokio::spawn({
+        let balancer = balancer.clone();
+        async move { charge(&balancer, Duration::from_secs(5)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    stop_first.send(()).unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    charge(&balancer, Duration::from_secs(2))
+        .await
+        .expect("served by the second, on a new connection");
+    in_flight
+        .await
+        .unwrap()
+        .expect("the call in flight when the first drained is answered");
+    first.await.unwrap();
 }
