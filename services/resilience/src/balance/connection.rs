@@ -194,13 +194,13 @@ impl Connection {
             })?;
         let written = match (ends, in_memory) {
             (true, _) => Ok(()),
-            (false, true) => write_body(body, stream).await,
+            (false, true) => write_body(body, stream, false).await,
             // A body still coming (one too large to buffer for replay) is written by a
             // task of its own, at the pace the stream's window allows, as hyper's client
             // does: the answer may come first.
             (false, false) => {
                 tokio::spawn(async move {
-                    if let Err(error) = write_paced(body, stream).await {
+                    if let Err(error) = write_body(body, stream, true).await {
                         tracing::debug!(%error, "a request's body could not be written whole");
                     }
                 });
@@ -376,42 +376,15 @@ async fn handshake(
         .map_err(|_| format!("no connection within {limit:?}"))?
 }
 
-/// Writes `body` into the request's stream, ending it. A body that fails resets the
+/// Writes `body` into the request's stream, ending it. `paced` (a body still coming):
+/// each chunk waits until the stream's window has room for it; else (a body in memory)
+/// each goes at once, the last one ending the stream itself. A body that fails resets the
 /// stream (CANCEL) and fails the call.
-async fn write_body(mut body: Body, mut stream: SendStream<Bytes>) -> Result<(), BoxError> {
-    while let Some(frame) = body.frame().await {
-        let frame = match frame {
-            Ok(frame) => frame,
-            Err(error) => {
-                stream.send_reset(h2::Reason::CANCEL);
-                return Err(Box::new(error));
-            }
-        };
-        match frame.into_data() {
-            Ok(data) => {
-                // The last data frame ends the stream itself: no empty frame after it.
-                let ends = body.is_end_stream();
-                stream.send_data(data, ends)?;
-                if ends {
-                    return Ok(());
-                }
-            }
-            Err(frame) => {
-                if let Ok(trailers) = frame.into_trailers() {
-                    stream.send_trailers(trailers)?;
-                    return Ok(());
-                }
-            }
-        }
-    }
-    stream.send_data(Bytes::new(), true)?;
-    Ok(())
-}
-
-/// Writes a body that is still coming into the request's stream, each chunk once the
-/// stream's window has room for it, ending the stream. A body that fails resets the
-/// stream (CANCEL).
-async fn write_paced(mut body: Body, mut stream: SendStream<Bytes>) -> Result<(), BoxError> {
+async fn write_body(
+    mut body: Body,
+    mut stream: SendStream<Bytes>,
+    paced: bool,
+) -> Result<(), BoxError> {
     while let Some(frame) = body.frame().await {
         let frame = match frame {
             Ok(frame) => frame,
@@ -430,20 +403,27 @@ async fn write_paced(mut body: Body, mut stream: SendStream<Bytes>) -> Result<()
                 continue;
             }
         };
+        let ends = body.is_end_stream();
+        if !paced {
+            stream.send_data(data, ends)?;
+            if ends {
+                return Ok(());
+            }
+            continue;
+        }
         while !data.is_empty() {
             stream.reserve_capacity(data.len());
             let room = match std::future::poll_fn(|cx| stream.poll_capacity(cx)).await {
                 Some(room) => room?,
                 None => return Err("the stream closed before its body was written".into()),
             };
-            if room == 0 {
-                continue;
+            if room > 0 {
+                let chunk = data.split_to(room.min(data.len()));
+                stream.send_data(chunk, false)?;
             }
-            let chunk = data.split_to(room.min(data.len()));
-            stream.send_data(chunk, data.is_empty() && body.is_end_stream())?;
         }
-        if body.is_end_stream() {
-            return Ok(());
+        if ends {
+            break;
         }
     }
     stream.send_data(Bytes::new(), true)?;
