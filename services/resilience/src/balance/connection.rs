@@ -21,6 +21,11 @@
 //!   [`never_processed`](crate::classify::never_processed) — the request never left, so
 //!   sending it again is safe. A connection found ended or ending (a GOAWAY) before the
 //!   stream is opened is first replaced, once, for the same call;
+//! - no more streams at once than the server allows (its `SETTINGS_MAX_CONCURRENT_STREAMS`):
+//!   a call past the limit waits here, outside `h2`, for one of them to end. `h2` would
+//!   queue it unwritten, and should the connection then break, fail it like a stream the
+//!   server had been sent, possibly processed; waiting here, it is never sent, and goes on
+//!   a new connection or fails as [`NeverSent`];
 //! - the attempt's timer (its `grpc-timeout`, or the per-attempt timeout), its expiry
 //!   `tonic::TimeoutExpired` (what [`is_local_timeout`](crate::classify::is_local_timeout)
 //!   knows): a replica that never answers costs the attempt its time and no more; an
@@ -41,7 +46,7 @@ use std::{
     pin::Pin,
     sync::{
         Arc, Mutex, MutexGuard, PoisonError, Weak,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicU64, AtomicUsize, Ordering},
     },
     task::{Context, Poll},
     time::Duration,
@@ -53,7 +58,10 @@ use h2::{RecvStream, SendStream, client::SendRequest};
 use http::{HeaderValue, Uri, header::USER_AGENT, uri::PathAndQuery};
 use http_body::{Body as _, Frame};
 use http_body_util::BodyExt;
-use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::{
+    io::{AsyncRead, AsyncWrite},
+    sync::Semaphore,
+};
 use tonic::body::Body;
 use tower::BoxError;
 
@@ -61,6 +69,10 @@ use crate::classify::NeverSent;
 
 /// How long opening a connection may take, TLS handshake included.
 pub(super) const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How many streams a new connection opens at once before the server's own limit is
+/// known (hyper's client's figure).
+const INITIAL_MAX_SEND_STREAMS: usize = 100;
 
 /// Sent on every call (gRPC's `user-agent`: the client's name and version).
 const AGENT: HeaderValue =
@@ -89,7 +101,106 @@ pub(super) struct Unreachable {
 pub(super) struct BadUrl(String);
 
 /// An opening's result, shared by every call that waits for it.
-type Opening = Shared<BoxFuture<Result<SendRequest<Bytes>, Unreachable>>>;
+type Opening = Shared<BoxFuture<Result<Opened, Unreachable>>>;
+
+/// An open connection: its sender, and the count of its streams against the server's
+/// limit.
+#[derive(Clone)]
+struct Opened {
+    sender: SendRequest<Bytes>,
+    streams: Arc<Streams>,
+}
+
+/// The streams a connection may still open: one permit for each the server allows at
+/// once (its `SETTINGS_MAX_CONCURRENT_STREAMS`, as `h2` last read it) and this side has
+/// not opened. A call takes one before its stream is opened and gives it back once `h2`
+/// has let the stream go (its answer read to the end, or it was reset), so `h2` itself
+/// holds no stream back for the limit — but for the moment between a reset and its
+/// RST_STREAM written, when `h2` still counts the stream. Closed when the connection
+/// ends: the calls waiting then were never sent.
+struct Streams {
+    free: Semaphore,
+    /// What the permits add up to, and how many of those out are not to come back (the
+    /// server lowered its limit while they were out).
+    limit: Mutex<Limit>,
+    /// `limit.total`, read on every call without the lock.
+    total: AtomicUsize,
+}
+
+struct Limit {
+    total: usize,
+    owed: usize,
+}
+
+/// A stream's place within the server's limit, given back when dropped.
+struct Slot(Arc<Streams>);
+
+/// The connection ended while a call waited for a stream; it was never sent.
+#[derive(Debug, thiserror::Error)]
+#[error("the connection ended while the call waited for the server's limit on streams at once")]
+struct Ended;
+
+impl Streams {
+    /// As many permits as `h2` lets a new connection open before the server's own limit is
+    /// known (`initial_max_send_streams`).
+    fn new(initial: usize) -> Arc<Self> {
+        Arc::new(Self {
+            free: Semaphore::new(initial),
+            limit: Mutex::new(Limit {
+                total: initial,
+                owed: 0,
+            }),
+            total: AtomicUsize::new(initial),
+        })
+    }
+
+    /// A place for one more stream on the connection `sender` opens streams on, waited
+    /// for while the server's limit is reached.
+    async fn slot(self: &Arc<Self>, sender: &SendRequest<Bytes>) -> Result<Slot, Ended> {
+        // No limit (none announced) is counted as the most HTTP/2 can announce.
+        let limit = sender.current_max_send_streams().min(u32::MAX as usize);
+        if limit != self.total.load(Ordering::Relaxed) {
+            self.resize(limit);
+        }
+        let permit = self.free.acquire().await.map_err(|_| Ended)?;
+        permit.forget();
+        Ok(Slot(self.clone()))
+    }
+
+    /// The permits made to add up to the server's new `limit`: more given, or fewer —
+    /// those free forgotten at once, those out kept when they come back.
+    fn resize(&self, limit: usize) {
+        let mut now = self.limit.lock().unwrap_or_else(PoisonError::into_inner);
+        if limit > now.total {
+            let more = limit - now.total;
+            let repaid = more.min(now.owed);
+            now.owed -= repaid;
+            self.free.add_permits(more - repaid);
+        } else {
+            let fewer = now.total - limit;
+            now.owed += fewer - self.free.forget_permits(fewer);
+        }
+        now.total = limit;
+        self.total.store(limit, Ordering::Relaxed);
+    }
+
+    /// A stream let go: its permit back, unless a lowered limit is owed it.
+    fn release(&self) {
+        let mut now = self.limit.lock().unwrap_or_else(PoisonError::into_inner);
+        if now.owed > 0 {
+            now.owed -= 1;
+        } else {
+            drop(now);
+            self.free.add_permits(1);
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.release();
+    }
+}
 
 /// What the connection is doing. Each opening is numbered; whoever ends one (the task that
 /// opened it, the task that drives it, a call it refused) changes the state only while it
@@ -101,7 +212,7 @@ enum State {
     /// still waits for it, and then leaves `Open` or `Closed`.
     Opening(Opening, u64),
     /// Open, until its task ends or it refuses a new stream.
-    Open(SendRequest<Bytes>, u64),
+    Open(Opened, u64),
 }
 
 impl State {
@@ -172,7 +283,7 @@ impl Connection {
         &self,
         request: http::Request<Body>,
     ) -> Result<http::Response<Body>, BoxError> {
-        let mut sender = self.ready().await?;
+        let (mut sender, slot) = self.ready().await?;
         let (mut head, body) = request.into_parts();
         self.address(&mut head);
         let in_memory = body.size_hint().exact().is_some();
@@ -183,7 +294,7 @@ impl Connection {
             .map_err(|error| {
                 if error.is_io() || error.is_go_away() || error.is_remote() {
                     // The connection ended between `ready` and now: nothing was written.
-                    self.refused(sender.1, error)
+                    self.refused(sender.1, Box::new(error))
                 } else {
                     // A request h2 will not write (a connection-specific header, say): a
                     // fault of the caller's, not the connection's.
@@ -192,19 +303,23 @@ impl Connection {
                     )))
                 }
             })?;
-        let written = match (ends, in_memory) {
-            (true, _) => Ok(()),
-            (false, true) => write_body(body, stream, false).await,
+        let (written, slot) = match (ends, in_memory) {
+            (true, _) => (Ok(()), Held::Alone(slot)),
+            (false, true) => (write_body(body, stream, false).await, Held::Alone(slot)),
             // A body still coming (one too large to buffer for replay) is written by a
             // task of its own, at the pace the stream's window allows, as hyper's client
-            // does: the answer may come first.
+            // does: the answer may come first. The stream's place is let go when both
+            // its halves are.
             (false, false) => {
+                let slot = Arc::new(slot);
+                let writer = slot.clone();
                 tokio::spawn(async move {
                     if let Err(error) = write_body(body, stream, true).await {
                         tracing::debug!(%error, "a request's body could not be written whole");
                     }
+                    drop(writer);
                 });
-                Ok(())
+                (Ok(()), Held::Shared(slot))
             }
         };
         // An answer that came is the answer, even if the body could not all be written
@@ -212,7 +327,7 @@ impl Connection {
         // one, the stream's error says why (a reset's reason), unless the body itself
         // failed here.
         match answer.await {
-            Ok(response) => Ok(response.map(|stream| Body::new(Incoming::new(stream)))),
+            Ok(response) => Ok(response.map(|stream| Body::new(Incoming::new(stream, slot)))),
             Err(error) => match written {
                 Err(failed) if failed.is::<tonic::Status>() => Err(failed),
                 _ => Err(Box::new(error)),
@@ -220,15 +335,24 @@ impl Connection {
         }
     }
 
-    /// A sender that may open a stream now, and its opening's number. A connection found
-    /// ended, or ending (a GOAWAY received), is replaced once: nothing of the request has
-    /// been written yet, so the call loses nothing and the replica is not blamed for it.
-    async fn ready(&self) -> Result<(SendRequest<Bytes>, u64), BoxError> {
+    /// A sender that may open a stream now, with its opening's number, and the stream's
+    /// place within the server's limit (waited for while the limit is reached). A
+    /// connection found ended, or ending (a GOAWAY received), or that ended while the call
+    /// waited, is replaced once: nothing of the request has been written yet, so the call
+    /// loses nothing and the replica is not blamed for it.
+    async fn ready(&self) -> Result<((SendRequest<Bytes>, u64), Slot), BoxError> {
         let mut replaced = false;
         loop {
-            let (sender, attempt) = self.sender().await?;
-            match sender.ready().await {
-                Ok(sender) => return Ok((sender, attempt)),
+            let (opened, attempt) = self.sender().await?;
+            let ready = match opened.streams.slot(&opened.sender).await {
+                Ok(slot) => match opened.sender.ready().await {
+                    Ok(sender) => Ok((sender, slot)),
+                    Err(error) => Err(BoxError::from(error)),
+                },
+                Err(ended) => Err(BoxError::from(ended)),
+            };
+            match ready {
+                Ok((sender, slot)) => return Ok(((sender, attempt), slot)),
                 Err(error) if replaced => return Err(self.refused(attempt, error)),
                 Err(error) => {
                     let _ = self.refused(attempt, error);
@@ -251,23 +375,17 @@ impl Connection {
 
     /// The connection would not open a stream: it has ended, or is ending (a GOAWAY). The
     /// next call opens another; this one fails as never sent.
-    /// (`ready` waits for nothing: each call's sender is a clone, and a clone does not
-    /// know of another's stream waiting for the server's limit on streams at once. Streams
-    /// past that limit wait in `h2`, unwritten; should the connection end under them, they
-    /// fail as a broken connection, possibly processed — the retry policy's case, not a
-    /// transparent retry's.)
-    fn refused(&self, attempt: u64, error: h2::Error) -> BoxError {
+    fn refused(&self, attempt: u64, error: BoxError) -> BoxError {
         settle(&Arc::downgrade(&self.state), attempt, State::Closed);
-        Box::new(NeverSent(Box::new(error)))
+        Box::new(NeverSent(error))
     }
 
-    /// The open connection's sender and its opening's number, opening one when there is
-    /// none.
-    async fn sender(&self) -> Result<(SendRequest<Bytes>, u64), BoxError> {
+    /// The open connection and its opening's number, opening one when there is none.
+    async fn sender(&self) -> Result<(Opened, u64), BoxError> {
         let (opening, attempt) = {
             let mut state = lock(&self.state);
             match &*state {
-                State::Open(sender, attempt) => return Ok((sender.clone(), *attempt)),
+                State::Open(opened, attempt) => return Ok((opened.clone(), *attempt)),
                 State::Opening(opening, attempt) => (opening.clone(), *attempt),
                 State::Closed => {
                     let attempt = self.attempts.fetch_add(1, Ordering::Relaxed);
@@ -278,7 +396,7 @@ impl Connection {
             }
         };
         match opening.await {
-            Ok(sender) => Ok((sender, attempt)),
+            Ok(opened) => Ok((opened, attempt)),
             Err(unreachable) => Err(Box::new(tonic::ConnectError(Box::new(unreachable)))),
         }
     }
@@ -297,19 +415,22 @@ impl Connection {
             async move {
                 let opened = match handshake(dial, CONNECT_TIMEOUT).await {
                     Ok((sender, connection)) => {
-                        let (url, state) = (url.clone(), state.clone());
+                        let streams = Streams::new(INITIAL_MAX_SEND_STREAMS);
+                        let (url, state, ended) = (url.clone(), state.clone(), streams.clone());
                         tokio::spawn(async move {
                             if let Err(error) = connection.await {
                                 tracing::debug!(%url, %error, "connection to a replica ended");
                             }
                             settle(&state, attempt, State::Closed);
+                            // The calls still waiting for a stream were never sent.
+                            ended.free.close();
                         });
-                        Ok(sender)
+                        Ok(Opened { sender, streams })
                     }
                     Err(reason) => Err(Unreachable { url, reason }),
                 };
                 let next = match &opened {
-                    Ok(sender) => State::Open(sender.clone(), attempt),
+                    Ok(opened) => State::Open(opened.clone(), attempt),
                     // The next call tries again.
                     Err(_) => State::Closed,
                 };
@@ -359,7 +480,7 @@ async fn handshake(
     let handshake = async {
         let io = dial.await.map_err(|error| error.to_string())?;
         h2::client::Builder::new()
-            .initial_max_send_streams(100)
+            .initial_max_send_streams(INITIAL_MAX_SEND_STREAMS)
             .initial_window_size(2 * 1024 * 1024)
             .initial_connection_window_size(5 * 1024 * 1024)
             .max_frame_size(16 * 1024)
@@ -437,13 +558,24 @@ struct Incoming {
     stream: RecvStream,
     /// Whether the data has ended: the trailers are next.
     data_done: bool,
+    /// The stream's place within the server's limit; dropped after `stream` (fields drop
+    /// in order), so that `h2` has let the stream go first.
+    _slot: Held,
+}
+
+/// A stream's place, held by its answer alone, or also by the task still writing its body.
+#[expect(dead_code, reason = "held only to be dropped with the stream")]
+enum Held {
+    Alone(Slot),
+    Shared(Arc<Slot>),
 }
 
 impl Incoming {
-    fn new(stream: RecvStream) -> Self {
+    fn new(stream: RecvStream, slot: Held) -> Self {
         Self {
             stream,
             data_done: false,
+            _slot: slot,
         }
     }
 }

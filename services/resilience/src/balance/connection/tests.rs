@@ -278,3 +278,98 @@ async fn a_replica_that_drains_is_called_on_a_new_connection_and_no_call_fails()
         .expect("the call in flight when the first drained is answered");
     first.await.unwrap();
 }
+
+#[tokio::test]
+async fn a_call_waiting_for_the_servers_limit_on_streams_is_never_sent_when_the_connection_breaks()
+{
+    // The first connection goes to a server that allows one stream at once. With one call
+    // in flight there and a second waiting for its turn, the connection breaks (the socket
+    // closed, no GOAWAY). The call in flight may have been acted on, and fails as such. The
+    // one waiting was never sent: it goes on a new connection, to a server that answers.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let (later_tx, later_rx) = tokio::sync::mpsc::channel(8);
+    let (took_first, first_taken) = oneshot::channel();
+    let (cut, cut_now) = oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let (tcp, _) = listener.accept().await.unwrap();
+        tokio::spawn(async move {
+            let mut connection = h2::server::Builder::new()
+                .max_concurrent_streams(1)
+                .handshake::<_, bytes::Bytes>(tcp)
+                .await
+                .unwrap();
+            // Held, never answered.
+            let first = connection.accept().await;
+            took_first.send(()).unwrap();
+            tokio::select! {
+                _ = cut_now => {}
+                _ = async { while connection.accept().await.is_some() {} } => {}
+            }
+            drop(connection);
+            drop(first);
+        });
+        while let Ok((tcp, _)) = listener.accept().await {
+            let _ = later_tx.send(Ok(tcp)).await;
+        }
+    });
+    let (_stop_later, later_stops) = oneshot::channel();
+    tokio::spawn(serve_connections(Answers, later_rx, later_stops));
+
+    let balancer = balancer(address, None).await;
+    let in_flight = tokio::spawn(tower::ServiceExt::oneshot(
+        balancer.clone(),
+        http::Request::builder()
+            .uri("/retrychain.v1.Payments/Charge")
+            .body(tonic::body::Body::empty())
+            .unwrap(),
+    ));
+    first_taken.await.unwrap();
+    // The server's limit has come with its settings, before the first call's stream.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let waiting = tokio::spawn({
+        let balancer = balancer.clone();
+        async move { charge(&balancer, Duration::from_secs(5)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!waiting.is_finished(), "the second call waits for its turn");
+    cut.send(()).unwrap();
+    waiting
+        .await
+        .unwrap()
+        .expect("never sent on the broken connection: served on a new one");
+    let error = in_flight
+        .await
+        .unwrap()
+        .expect_err("its connection broke under it");
+    assert!(
+        !crate::classify::never_processed(&*error),
+        "the server had the call in flight: {error}"
+    );
+}
+
+#[test]
+fn a_limit_lowered_while_streams_are_open_is_kept_as_they_end() {
+    // Four streams open, then the server allows one: the three that end first give no
+    // place back, the fourth's is the one place there is. Raised to three again, two more.
+    let streams = super::Streams::new(4);
+    let open: Vec<_> = (0..4)
+        .map(|_| {
+            streams.free.try_acquire().unwrap().forget();
+            super::Slot(streams.clone())
+        })
+        .collect();
+    streams.resize(1);
+    let mut open = open.into_iter();
+    for slot in open.by_ref().take(3) {
+        drop(slot);
+        assert_eq!(streams.free.available_permits(), 0);
+    }
+    drop(open);
+    assert_eq!(streams.free.available_permits(), 1);
+    streams.resize(3);
+    assert_eq!(streams.free.available_permits(), 3);
+    // Lowered with places free: those go at once.
+    streams.resize(2);
+    assert_eq!(streams.free.available_permits(), 2);
+}
