@@ -30,7 +30,7 @@ fn chaos(args: &[&str], out: &Path) -> Command {
 
 fn iptables_rules() -> Option<String> {
     let output = std::process::Command::new("iptables")
-        .args(["-w", "-S", "OUTPUT"])
+        .args(["-w", "-S", retrychain_chaos::net::CHAIN])
         .output()
         .ok()?;
     output

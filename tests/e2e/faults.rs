@@ -2102,3 +2102,65 @@ async fn requests_over_the_in_flight_limit_are_refused_at_once() {
         .await
         .expect("served again once the burst is over");
 }
+
+/// hop2's path to hop3 black-holed for 14 s under load (every packet sent to hop3's port
+/// dropped: silence, not a refusal), then healed. hop2's kernel gives the connection that
+/// met the black hole up after 10 s without an acknowledgement (`TCP_USER_TIMEOUT`, set on
+/// every connection the balancer dials), so once the path heals the next charges go over a
+/// new connection and are served within seconds. Without that bound the connection stays
+/// open, retransmitting at TCP's doubling intervals — after a 14 s cut its next try comes
+/// about 25 s in — and every charge until then waits out its deadline. Every key is
+/// charged once when all are sent again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_black_holed_hop_is_called_on_a_new_connection_once_the_path_heals() {
+    if !retrychain_chaos::net::available() {
+        missing_tool("a partition needs iptables and root: the black-holed hop is not checked");
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (_cluster, url, chain) = own_postgres_chain().await;
+    let hop3 = &chain.addrs[2];
+    let port: u16 = hop3
+        .rsplit(':')
+        .next()
+        .and_then(|port| port.parse().ok())
+        .unwrap_or_else(|| panic!("no port in {hop3}"));
+    let load = Load::start(&chain.addrs[EDGE], 4);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    let mut hole = retrychain_chaos::net::Rules::default();
+    hole.disturb(&[port], retrychain_chaos::net::Disturbance::Partition)
+        .expect("iptables: partition hop3");
+    let cut = Instant::now();
+    tokio::time::sleep(Duration::from_secs(14)).await;
+    hole.heal().expect("iptables: heal");
+    let healed = Instant::now();
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let sent = load.finish().await;
+
+    let during = sent
+        .iter()
+        .filter(|s| s.started >= cut + Duration::from_secs(1) && s.started + s.took < healed)
+        .count();
+    let resumed = sent
+        .iter()
+        .filter(|s| s.started >= healed && s.code == Code::Ok)
+        .map(|s| s.started + s.took - healed)
+        .min()
+        .expect("charges are served once the path heals");
+    println!(
+        "hop3 black-holed 14 s: {during} charges answered during the cut, \
+         the first served after the heal {resumed:?} after it"
+    );
+    assert!(
+        resumed < Duration::from_secs(4),
+        "the first charge served {resumed:?} after the path healed"
+    );
+    // (No INTERNAL or UNKNOWN either: checked with the invariant.)
+    let cancelled: Vec<&Sent> = sent.iter().filter(|s| s.code == Code::Cancelled).collect();
+    assert!(
+        cancelled.is_empty(),
+        "a client saw CANCELLED: {cancelled:?}"
+    );
+    resend_and_check(&chain.addrs[EDGE], &url, &sent).await;
+}

@@ -172,7 +172,7 @@ fn kinds(args: &ChaosArgs) -> anyhow::Result<Vec<FaultKind>> {
             return Err("needs --postgres ha");
         }
         if kind.needs_iptables() && !iptables {
-            return Err("needs iptables and root (iptables -S OUTPUT failed)");
+            return Err("needs iptables and root (iptables -S INPUT failed)");
         }
         Ok(())
     };

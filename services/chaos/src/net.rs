@@ -1,5 +1,5 @@
 //! Kernel network faults on the loopback, as Jepsen makes them: iptables rules in the
-//! OUTPUT chain, each scoped to the destination ports of one link and tagged with a comment
+//! INPUT chain, each scoped to the destination ports of one link and tagged with a comment
 //! ([`TAG`]) so that every rule this tool made — and only those — can be found and removed:
 //! when a fault heals, when the run ends, on Ctrl-C, when this value is dropped (a panic),
 //! and at the start of the next run (a run killed outright leaves its rules until then, or
@@ -10,6 +10,15 @@
 //! retransmissions and latency. Added latency would need `tc netem`, which this kernel does
 //! not have; the nemesis adds it with the caller's own fault knob instead (see
 //! `nemesis/lab.rs`).
+//!
+//! Why INPUT, where the packet arrives, and not OUTPUT, where it leaves: a packet dropped
+//! on its way out is an error its sender's kernel sees. It keeps the data as unsent and
+//! tries again about every half second, so a connection resumes within a fraction of a
+//! second of the healing. A packet lost in a network was sent: its sender waits for an
+//! acknowledgement that does not come and retransmits at doubling intervals (after a 14 s
+//! partition, its next try comes some 25 s in). Dropped on arrival, the loopback's packets
+//! are lost the way a network loses them. (Rules in OUTPUT, made by this tool before
+//! 2026-12-05, are still found and removed.)
 
 use std::process::Command;
 
@@ -17,6 +26,9 @@ use anyhow::Context;
 
 /// The comment on every rule this tool makes.
 pub const TAG: &str = "retrychain-chaos";
+
+/// The chain this tool's rules go in (see the module's documentation).
+pub const CHAIN: &str = "INPUT";
 
 /// One way to disturb a link.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -30,7 +42,7 @@ pub enum Disturbance {
 /// The rules in force, removed on [`Rules::heal`] and on drop.
 #[derive(Debug, Default)]
 pub struct Rules {
-    /// Each rule's arguments after `-I`/`-D OUTPUT`.
+    /// Each rule's arguments after `-I`/`-D INPUT`.
     active: Vec<Vec<String>>,
 }
 
@@ -38,48 +50,51 @@ pub struct Rules {
 /// are offered only when it can.
 pub fn available() -> bool {
     Command::new("iptables")
-        .args(["-w", "-S", "OUTPUT"])
+        .args(["-w", "-S", CHAIN])
         .output()
         .is_ok_and(|out| out.status.success())
 }
 
 /// Removes every rule tagged [`TAG`], whoever left it (a run that was killed); how many.
 pub fn clean() -> anyhow::Result<usize> {
-    let listing = Command::new("iptables")
-        .args(["-w", "-S", "OUTPUT"])
-        .output()
-        .context("running iptables -S (network faults need iptables and root)")?;
-    anyhow::ensure!(
-        listing.status.success(),
-        "iptables -S OUTPUT: {}",
-        String::from_utf8_lossy(&listing.stderr).trim()
-    );
     let mut removed = 0;
-    for line in String::from_utf8_lossy(&listing.stdout).lines() {
-        let Some(rule) = line.strip_prefix("-A OUTPUT ") else {
-            continue;
-        };
-        if !rule.contains(TAG) {
-            continue;
+    for chain in [CHAIN, "OUTPUT"] {
+        let listing = Command::new("iptables")
+            .args(["-w", "-S", chain])
+            .output()
+            .context("running iptables -S (network faults need iptables and root)")?;
+        anyhow::ensure!(
+            listing.status.success(),
+            "iptables -S {chain}: {}",
+            String::from_utf8_lossy(&listing.stderr).trim()
+        );
+        let added = format!("-A {chain} ");
+        for line in String::from_utf8_lossy(&listing.stdout).lines() {
+            let Some(rule) = line.strip_prefix(&added) else {
+                continue;
+            };
+            if !rule.contains(TAG) {
+                continue;
+            }
+            // `-S` prints a rule as it was added; the same words delete it. The comment is
+            // one word with no quoting needed (TAG has no spaces).
+            let args: Vec<&str> = rule.split_whitespace().collect();
+            iptables(chain, "-D", &args)?;
+            removed += 1;
         }
-        // `-S` prints a rule as it was added; the same words delete it. The comment is one
-        // word with no quoting needed (TAG has no spaces).
-        let args: Vec<&str> = rule.split_whitespace().collect();
-        iptables("-D", &args)?;
-        removed += 1;
     }
     Ok(removed)
 }
 
-fn iptables(action: &str, rule: &[impl AsRef<str>]) -> anyhow::Result<()> {
+fn iptables(chain: &str, action: &str, rule: &[impl AsRef<str>]) -> anyhow::Result<()> {
     let output = Command::new("iptables")
-        .args(["-w", action, "OUTPUT"])
+        .args(["-w", action, chain])
         .args(rule.iter().map(AsRef::as_ref))
         .output()
         .context("running iptables")?;
     anyhow::ensure!(
         output.status.success(),
-        "iptables {action} OUTPUT {}: {}",
+        "iptables {action} {chain} {}: {}",
         rule.iter().map(AsRef::as_ref).collect::<Vec<_>>().join(" "),
         String::from_utf8_lossy(&output.stderr).trim()
     );
@@ -87,14 +102,14 @@ fn iptables(action: &str, rule: &[impl AsRef<str>]) -> anyhow::Result<()> {
 }
 
 impl Rules {
-    /// Disturbs every TCP packet sent over the loopback to any of `ports`.
+    /// Disturbs every TCP packet that arrives over the loopback for any of `ports`.
     pub fn disturb(&mut self, ports: &[u16], how: Disturbance) -> anyhow::Result<()> {
         anyhow::ensure!(
             !ports.is_empty(),
             "no ports to disturb (network faults need a chain this tool started)"
         );
         for port in ports {
-            let mut rule: Vec<String> = ["-o", "lo", "-p", "tcp", "--dport"]
+            let mut rule: Vec<String> = ["-i", "lo", "-p", "tcp", "--dport"]
                 .iter()
                 .map(|s| (*s).to_owned())
                 .collect();
@@ -112,7 +127,7 @@ impl Rules {
                     .iter()
                     .map(|s| (*s).to_owned()),
             );
-            iptables("-I", &rule)?;
+            iptables(CHAIN, "-I", &rule)?;
             self.active.push(rule);
         }
         Ok(())
@@ -122,7 +137,7 @@ impl Rules {
     pub fn heal(&mut self) -> anyhow::Result<()> {
         let mut first_error = None;
         for rule in std::mem::take(&mut self.active) {
-            if let Err(error) = iptables("-D", &rule) {
+            if let Err(error) = iptables(CHAIN, "-D", &rule) {
                 first_error.get_or_insert(error);
             }
         }

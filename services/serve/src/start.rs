@@ -146,7 +146,9 @@ async fn hop(
             Balancer::start_with_connector(
                 downstream.clone(),
                 args.balance(),
-                resilience::balance::Connector::new(connector),
+                resilience::balance::Connector::over_tcp(move |uri, tcp| {
+                    connector.handshake(&uri, tcp)
+                }),
             )
             .await
         }

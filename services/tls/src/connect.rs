@@ -57,33 +57,55 @@ impl tower::Service<http::Uri> for Connector {
     }
 
     fn call(&mut self, uri: http::Uri) -> Self::Future {
-        let config = self
-            .tls
-            .client_config_presenting(&self.expected, self.present);
+        let connector = self.clone();
         Box::pin(async move {
-            let bad = || {
-                io::Error::new(
-                    io::ErrorKind::InvalidInput,
-                    format!("{uri} names no host and port"),
-                )
-            };
-            let host = uri.host().ok_or_else(bad)?;
-            let host = host
-                .trim_start_matches('[')
-                .trim_end_matches(']')
-                .to_owned();
+            let host = host_of(&uri)?;
             let port = uri.port_u16().unwrap_or(443);
             let tcp = TcpStream::connect((host.as_str(), port)).await?;
             tcp.set_nodelay(true)?;
-            // The name is sent as SNI when it is one; the check is of the identity.
-            let name = ServerName::try_from(host)
-                .map_err(|error| io::Error::new(io::ErrorKind::InvalidInput, error))?;
-            let stream = tokio_rustls::TlsConnector::from(config)
-                .connect(name, tcp)
-                .await?;
-            Ok(TokioIo::new(stream))
+            Ok(TokioIo::new(connector.handshake(&uri, tcp).await?))
         })
     }
+}
+
+impl Connector {
+    /// The TLS handshake on `tcp`, a connection already open to `uri`'s host: what a call
+    /// of this service does once it has dialled, for a caller that dials with settings of
+    /// its own (the balancer's connections to replicas).
+    pub fn handshake(
+        &self,
+        uri: &http::Uri,
+        tcp: TcpStream,
+    ) -> impl Future<Output = io::Result<tokio_rustls::client::TlsStream<TcpStream>>> + Send + use<>
+    {
+        let config = self
+            .tls
+            .client_config_presenting(&self.expected, self.present);
+        let name = host_of(uri).and_then(|host| {
+            // The name is sent as SNI when it is one; the check is of the identity.
+            ServerName::try_from(host)
+                .map_err(|error| io::Error::new(io::ErrorKind::InvalidInput, error))
+        });
+        async move {
+            tokio_rustls::TlsConnector::from(config)
+                .connect(name?, tcp)
+                .await
+        }
+    }
+}
+
+/// The host `uri` names, without an IPv6 address's brackets.
+fn host_of(uri: &http::Uri) -> io::Result<String> {
+    let host = uri.host().ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{uri} names no host and port"),
+        )
+    })?;
+    Ok(host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_owned())
 }
 
 /// The server's side of a handshake on `io`: the TLS stream, and the caller's identity

@@ -618,40 +618,69 @@ impl http_body::Body for Incoming {
     }
 }
 
-/// Dials plain TCP, without Nagle's delay (a call's frames go out as they are written).
-/// A name that resolves to several addresses has them tried in turn, each given its share
-/// of [`CONNECT_TIMEOUT`], so that one that does not answer leaves time for the next.
+/// How long data sent to a replica may go unacknowledged (or a dead idle connection go
+/// unprobed) before the kernel gives the connection up (`TCP_USER_TIMEOUT`). A replica whose
+/// host vanished, or whose path black-holes packets, acknowledges nothing; without a bound,
+/// TCP retransmits with a doubling delay for some fifteen minutes, and every call on the
+/// connection waits out its deadline meanwhile — even after the path is back, until the
+/// next retransmission (a partition of 20 s leaves the next one some 5 s after it healed,
+/// one of 60 s up to 40 s). A frozen process's kernel still acknowledges, so this never
+/// gives up on a replica that is only paused. Longer than any call's silence on a live
+/// path, shorter than the chain's partitions.
+pub(super) const TCP_USER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Dials plain TCP (see [`dial`]).
 pub(super) fn tcp() -> Dial {
-    Arc::new(|uri: Uri| {
-        Box::pin(async move {
-            let host = uri
-                .host()
-                .ok_or("the URL names no host")?
-                .trim_start_matches('[')
-                .trim_end_matches(']')
-                .to_owned();
-            let port = uri.port_u16().unwrap_or(80);
-            let addresses: Vec<_> = tokio::net::lookup_host((host.as_str(), port))
-                .await?
-                .collect();
-            let share = CONNECT_TIMEOUT / u32::try_from(addresses.len().max(1)).unwrap_or(1);
-            let mut failures = Vec::new();
-            for address in addresses {
-                match tokio::time::timeout(share, tokio::net::TcpStream::connect(address)).await {
-                    Ok(Ok(tcp)) => {
-                        tcp.set_nodelay(true)?;
-                        return Ok(Box::new(tcp) as Box<dyn Io>);
-                    }
-                    Ok(Err(error)) => failures.push(format!("{address}: {error}")),
-                    Err(_) => failures.push(format!("{address}: no answer within {share:?}")),
-                }
+    Arc::new(|uri: Uri| Box::pin(async move { Ok(Box::new(dial(&uri).await?) as Box<dyn Io>) }))
+}
+
+/// Opens the TCP connection under every connection to a replica, TLS or not: without
+/// Nagle's delay (a call's frames go out as they are written), given up by the kernel
+/// after [`TCP_USER_TIMEOUT`] without an acknowledgement, and probed while idle (TCP
+/// keepalive, answered by the peer's kernel) so that a dead idle connection is found
+/// before a call meets it. A name that resolves to several addresses has them tried in
+/// turn, each given its share of [`CONNECT_TIMEOUT`], so that one that does not answer
+/// leaves time for the next.
+pub(super) async fn dial(uri: &Uri) -> Result<tokio::net::TcpStream, BoxError> {
+    let host = uri
+        .host()
+        .ok_or("the URL names no host")?
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_owned();
+    let default_port = if uri.scheme_str() == Some("https") {
+        443
+    } else {
+        80
+    };
+    let port = uri.port_u16().unwrap_or(default_port);
+    let addresses: Vec<_> = tokio::net::lookup_host((host.as_str(), port))
+        .await?
+        .collect();
+    let share = CONNECT_TIMEOUT / u32::try_from(addresses.len().max(1)).unwrap_or(1);
+    let mut failures = Vec::new();
+    for address in addresses {
+        match tokio::time::timeout(share, tokio::net::TcpStream::connect(address)).await {
+            Ok(Ok(tcp)) => {
+                tcp.set_nodelay(true)?;
+                let socket = socket2::SockRef::from(&tcp);
+                socket.set_tcp_user_timeout(Some(TCP_USER_TIMEOUT))?;
+                socket.set_tcp_keepalive(
+                    &socket2::TcpKeepalive::new()
+                        .with_time(TCP_USER_TIMEOUT / 2)
+                        .with_interval(TCP_USER_TIMEOUT / 4)
+                        .with_retries(2),
+                )?;
+                return Ok(tcp);
             }
-            if failures.is_empty() {
-                return Err(format!("{host} resolved to no address").into());
-            }
-            Err(failures.join("; ").into())
-        })
-    })
+            Ok(Err(error)) => failures.push(format!("{address}: {error}")),
+            Err(_) => failures.push(format!("{address}: no answer within {share:?}")),
+        }
+    }
+    if failures.is_empty() {
+        return Err(format!("{host} resolved to no address").into());
+    }
+    Err(failures.join("; ").into())
 }
 
 #[cfg(test)]

@@ -133,6 +133,29 @@ impl Connector {
     }
 }
 
+impl Connector {
+    /// Connections whose TCP is dialled as plain ones are ([`connection::dial`]: its
+    /// timeouts and keepalive), then handed to `handshake` (TLS's) for the stream the calls
+    /// go over. Its time counts in the connect timeout.
+    pub fn over_tcp<H, F, IO, E>(handshake: H) -> Self
+    where
+        H: Fn(http::Uri, tokio::net::TcpStream) -> F + Send + Sync + 'static,
+        F: std::future::Future<Output = Result<IO, E>> + Send + 'static,
+        IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+        BoxError: From<E>,
+    {
+        let handshake = std::sync::Arc::new(handshake);
+        Self(std::sync::Arc::new(move |uri: http::Uri| {
+            let handshake = handshake.clone();
+            Box::pin(async move {
+                let tcp = connection::dial(&uri).await?;
+                let io = handshake(uri, tcp).await?;
+                Ok(Box::new(io) as Box<dyn Io>)
+            })
+        }))
+    }
+}
+
 /// The connection to `url`, opened on first use: by `connector` when there is one, else
 /// over plain TCP.
 pub(super) fn connection(
