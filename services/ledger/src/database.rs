@@ -72,10 +72,14 @@ impl Database {
                     // after a retention purge) can pick a sequential scan and keep it.
                     ("plan_cache_mode", "force_custom_plan"),
                     // The server notices a client host that vanished (no FIN, no RST) within
-                    // about 25 s and ends its session, releasing its locks.
+                    // about 25 s and ends its session, releasing its locks: by keepalives
+                    // while the session is idle, and by `tcp_user_timeout` while it has
+                    // sent what the host never acknowledged (keepalives wait for that to be
+                    // acknowledged, and TCP retransmits it for some fifteen minutes).
                     ("tcp_keepalives_idle", "10"),
                     ("tcp_keepalives_interval", "5"),
                     ("tcp_keepalives_count", "3"),
+                    ("tcp_user_timeout", "25000"),
                     ("statement_timeout", statement_ms.as_str()),
                     ("lock_timeout", lock_ms.as_str()),
                     // Every charge statement commits on its own; only the purges and the
