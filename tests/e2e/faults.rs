@@ -102,12 +102,7 @@ async fn postgres_stopped_for_3_s_is_a_fast_unavailable_within_the_budget() {
         "{reaching_ledger} ledger calls for {requests} requests"
     );
     // Service resumes within the 2 s the load runs on after Postgres is back.
-    let resumed = sent
-        .iter()
-        .filter(|s| s.started >= up && s.code == Code::Ok)
-        .map(|s| s.started + s.took - up)
-        .min()
-        .expect("charges succeed once Postgres is back");
+    let resumed = first_success_after(&sent, up).expect("charges succeed once Postgres is back");
     println!(
         "postgres down 3 s: {} failed calls, p99 {p99_failed:?}; {requests} requests, \
          {reaching_ledger} ledger calls ({amplification:.2}x); first success {resumed:?} after start",
@@ -2142,12 +2137,8 @@ async fn a_black_holed_hop_is_called_on_a_new_connection_once_the_path_heals() {
         .iter()
         .filter(|s| s.started >= cut + Duration::from_secs(1) && s.started + s.took < healed)
         .count();
-    let resumed = sent
-        .iter()
-        .filter(|s| s.started >= healed && s.code == Code::Ok)
-        .map(|s| s.started + s.took - healed)
-        .min()
-        .expect("charges are served once the path heals");
+    let resumed =
+        first_success_after(&sent, healed).expect("charges are served once the path heals");
     println!(
         "hop3 black-holed 14 s: {during} charges answered during the cut, \
          the first served after the heal {resumed:?} after it"

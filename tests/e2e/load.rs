@@ -121,6 +121,14 @@ pub async fn send_keys(edge: &str, count: usize, concurrency: usize) -> Vec<Sent
         .await
 }
 
+/// How long after `at` the first charge sent from then on was answered OK, if one was.
+pub fn first_success_after(sent: &[Sent], at: Instant) -> Option<Duration> {
+    sent.iter()
+        .filter(|s| s.started >= at && s.code == Code::Ok)
+        .map(|s| s.started + s.took - at)
+        .min()
+}
+
 /// Re-sends every key once the fault is over, then checks the invariant in the database.
 pub async fn resend_and_check(edge: &str, database_url: &str, sent: &[Sent]) {
     assert!(!sent.is_empty(), "the load sent nothing");
