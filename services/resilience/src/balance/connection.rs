@@ -115,9 +115,12 @@ struct Opened {
 /// once (its `SETTINGS_MAX_CONCURRENT_STREAMS`, as `h2` last read it) and this side has
 /// not opened. A call takes one before its stream is opened and gives it back once `h2`
 /// has let the stream go (its answer read to the end, or it was reset), so `h2` itself
-/// holds no stream back for the limit — but for the moment between a reset and its
-/// RST_STREAM written, when `h2` still counts the stream. Closed when the connection
-/// ends: the calls waiting then were never sent.
+/// holds no stream back for the limit. Not quite: `h2` counts a stream it reset until
+/// its RST_STREAM is written, a moment on a connection that writes, but on one that
+/// cannot (its path black-holed, its peer's window full) until the connection ends; a
+/// call given that place meanwhile waits in `h2` and, should the connection break, fails
+/// as possibly processed (the retry policy's case, and the idempotency key's). Closed
+/// when the connection ends or refuses a stream: the calls waiting then were never sent.
 struct Streams {
     free: Semaphore,
     /// What the permits add up to, and how many of those out are not to come back (the
@@ -135,7 +138,8 @@ struct Limit {
 /// A stream's place within the server's limit, given back when dropped.
 struct Slot(Arc<Streams>);
 
-/// The connection ended while a call waited for a stream; it was never sent.
+/// The connection ended, or began refusing new streams, while a call waited for a
+/// stream; it was never sent.
 #[derive(Debug, thiserror::Error)]
 #[error("the connection ended while the call waited for the server's limit on streams at once")]
 struct Ended;
@@ -157,20 +161,20 @@ impl Streams {
     /// A place for one more stream on the connection `sender` opens streams on, waited
     /// for while the server's limit is reached.
     async fn slot(self: &Arc<Self>, sender: &SendRequest<Bytes>) -> Result<Slot, Ended> {
-        // No limit (none announced) is counted as the most HTTP/2 can announce.
-        let limit = sender.current_max_send_streams().min(u32::MAX as usize);
-        if limit != self.total.load(Ordering::Relaxed) {
-            self.resize(limit);
+        if limit_of(sender) != self.total.load(Ordering::Relaxed) {
+            self.resize(|| limit_of(sender));
         }
         let permit = self.free.acquire().await.map_err(|_| Ended)?;
         permit.forget();
         Ok(Slot(self.clone()))
     }
 
-    /// The permits made to add up to the server's new `limit`: more given, or fewer —
-    /// those free forgotten at once, those out kept when they come back.
-    fn resize(&self, limit: usize) {
+    /// The permits made to add up to the server's `limit` as `h2` has it now (read under
+    /// the lock, so that a reader of an older limit cannot undo a newer one): more given,
+    /// or fewer — those free forgotten at once, those out kept when they come back.
+    fn resize(&self, limit: impl FnOnce() -> usize) {
         let mut now = self.limit.lock().unwrap_or_else(PoisonError::into_inner);
+        let limit = limit();
         if limit > now.total {
             let more = limit - now.total;
             let repaid = more.min(now.owed);
@@ -184,15 +188,33 @@ impl Streams {
         self.total.store(limit, Ordering::Relaxed);
     }
 
-    /// A stream let go: its permit back, unless a lowered limit is owed it.
+    /// A stream let go: its permit back, unless a lowered limit is owed it (under the
+    /// lock, so that a lowering cannot count as owed a permit already given back).
     fn release(&self) {
         let mut now = self.limit.lock().unwrap_or_else(PoisonError::into_inner);
         if now.owed > 0 {
             now.owed -= 1;
         } else {
-            drop(now);
             self.free.add_permits(1);
         }
+    }
+}
+
+/// The server's limit on streams at once, as `h2` has it; none announced counts as the
+/// most the count can hold.
+fn limit_of(sender: &SendRequest<Bytes>) -> usize {
+    sender
+        .current_max_send_streams()
+        .min(Semaphore::MAX_PERMITS / 2)
+}
+
+/// Closes a connection's count when the task driving the connection ends, however it
+/// ends: the calls still waiting for a stream were never sent.
+struct CloseOnDrop(Arc<Streams>);
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        self.0.free.close();
     }
 }
 
@@ -322,6 +344,9 @@ impl Connection {
                 (Ok(()), Held::Shared(slot))
             }
         };
+        // Declared after the slot, so dropped before it when the call is given up: `h2`
+        // lets the stream go (a reset) before its place is given back.
+        let answer = answer;
         // An answer that came is the answer, even if the body could not all be written
         // (a server may answer, and reset the stream, before it has read it all). Without
         // one, the stream's error says why (a reset's reason), unless the body itself
@@ -347,7 +372,12 @@ impl Connection {
             let ready = match opened.streams.slot(&opened.sender).await {
                 Ok(slot) => match opened.sender.ready().await {
                     Ok(sender) => Ok((sender, slot)),
-                    Err(error) => Err(BoxError::from(error)),
+                    Err(error) => {
+                        // Ending (a GOAWAY) or ended: the calls waiting for one of its
+                        // streams go to the next connection too, now.
+                        opened.streams.free.close();
+                        Err(BoxError::from(error))
+                    }
                 },
                 Err(ended) => Err(BoxError::from(ended)),
             };
@@ -416,14 +446,14 @@ impl Connection {
                 let opened = match handshake(dial, CONNECT_TIMEOUT).await {
                     Ok((sender, connection)) => {
                         let streams = Streams::new(INITIAL_MAX_SEND_STREAMS);
-                        let (url, state, ended) = (url.clone(), state.clone(), streams.clone());
+                        let (url, state) = (url.clone(), state.clone());
+                        let ended = CloseOnDrop(streams.clone());
                         tokio::spawn(async move {
+                            let _ended = ended;
                             if let Err(error) = connection.await {
                                 tracing::debug!(%url, %error, "connection to a replica ended");
                             }
                             settle(&state, attempt, State::Closed);
-                            // The calls still waiting for a stream were never sent.
-                            ended.free.close();
                         });
                         Ok(Opened { sender, streams })
                     }
@@ -624,9 +654,14 @@ impl http_body::Body for Incoming {
 /// TCP retransmits with a doubling delay for some fifteen minutes, and every call on the
 /// connection waits out its deadline meanwhile — even after the path is back, until the
 /// next retransmission (a partition of 20 s leaves the next one some 5 s after it healed,
-/// one of 60 s up to 40 s). A frozen process's kernel still acknowledges, so this never
-/// gives up on a replica that is only paused. Longer than any call's silence on a live
-/// path, shorter than the chain's partitions.
+/// one of 60 s up to 40 s). Shorter than the chain's partitions, longer than any call's
+/// silence on a live path. A paused process's kernel acknowledges what arrives until its
+/// receive buffer is full; since Linux 5.11 the bound also ends a connection whose peer
+/// has shown a zero window for that long, so a replica paused past it under load loses
+/// its connection too, as with gRPC's own clients, which set the same option: the calls
+/// on it fail as possibly processed (their keys make a retry safe), and the next ones go
+/// on a new connection, which the paused kernel accepts, and wait there as before: for
+/// the replica to resume, or for their timeouts (and, over replicas, ejection).
 pub(super) const TCP_USER_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Dials plain TCP (see [`dial`]).
@@ -664,6 +699,9 @@ pub(super) async fn dial(uri: &Uri) -> Result<tokio::net::TcpStream, BoxError> {
             Ok(Ok(tcp)) => {
                 tcp.set_nodelay(true)?;
                 let socket = socket2::SockRef::from(&tcp);
+                // Where the system has the option (Linux, as the chain is deployed);
+                // elsewhere keepalive alone.
+                #[cfg(any(target_os = "linux", target_os = "android", target_os = "fuchsia"))]
                 socket.set_tcp_user_timeout(Some(TCP_USER_TIMEOUT))?;
                 socket.set_tcp_keepalive(
                     &socket2::TcpKeepalive::new()

@@ -359,7 +359,7 @@ fn a_limit_lowered_while_streams_are_open_is_kept_as_they_end() {
             super::Slot(streams.clone())
         })
         .collect();
-    streams.resize(1);
+    streams.resize(|| 1);
     let mut open = open.into_iter();
     for slot in open.by_ref().take(3) {
         drop(slot);
@@ -367,9 +367,9 @@ fn a_limit_lowered_while_streams_are_open_is_kept_as_they_end() {
     }
     drop(open);
     assert_eq!(streams.free.available_permits(), 1);
-    streams.resize(3);
+    streams.resize(|| 3);
     assert_eq!(streams.free.available_permits(), 3);
     // Lowered with places free: those go at once.
-    streams.resize(2);
+    streams.resize(|| 2);
     assert_eq!(streams.free.available_permits(), 2);
 }
