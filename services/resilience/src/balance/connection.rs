@@ -159,12 +159,25 @@ impl Streams {
     }
 
     /// A place for one more stream on the connection `sender` opens streams on, waited
-    /// for while the server's limit is reached.
+    /// for while the server's limit is reached. The limit is read again after a call
+    /// waited, so that a limit the server raised meanwhile lets the others waiting go
+    /// (the first settings are also looked for by the task driving the connection).
     async fn slot(self: &Arc<Self>, sender: &SendRequest<Bytes>) -> Result<Slot, Ended> {
-        if limit_of(sender) != self.total.load(Ordering::Relaxed) {
-            self.resize(|| limit_of(sender));
-        }
-        let permit = self.free.acquire().await.map_err(|_| Ended)?;
+        let check = || {
+            if limit_of(sender) != self.total.load(Ordering::Relaxed) {
+                self.resize(|| limit_of(sender));
+            }
+        };
+        check();
+        let permit = match self.free.try_acquire() {
+            Ok(permit) => permit,
+            Err(tokio::sync::TryAcquireError::Closed) => return Err(Ended),
+            Err(tokio::sync::TryAcquireError::NoPermits) => {
+                let permit = self.free.acquire().await.map_err(|_| Ended)?;
+                check();
+                permit
+            }
+        };
         permit.forget();
         Ok(Slot(self.clone()))
     }
@@ -449,8 +462,7 @@ impl Connection {
                         let (url, state) = (url.clone(), state.clone());
                         let ended = CloseOnDrop(streams.clone());
                         tokio::spawn(async move {
-                            let _ended = ended;
-                            if let Err(error) = connection.await {
+                            if let Err(error) = drive(connection, &ended.0).await {
                                 tracing::debug!(%url, %error, "connection to a replica ended");
                             }
                             settle(&state, attempt, State::Closed);
@@ -480,6 +492,33 @@ impl Connection {
         .boxed()
         .shared()
     }
+}
+
+/// Drives `connection` (its frames read and written) until it ends. Until the server's
+/// settings have changed the limit on streams from what a new connection assumes, each
+/// poll looks whether they have, so that calls waiting for a place on a new connection
+/// go as soon as the settings come, not when a stream ends.
+async fn drive(
+    mut connection: h2::client::Connection<Box<dyn Io>, Bytes>,
+    streams: &Streams,
+) -> Result<(), h2::Error> {
+    let mut settled = false;
+    std::future::poll_fn(|cx| {
+        let polled = Pin::new(&mut connection).poll(cx);
+        if !settled {
+            let limit = || {
+                connection
+                    .max_concurrent_send_streams()
+                    .min(Semaphore::MAX_PERMITS / 2)
+            };
+            if limit() != INITIAL_MAX_SEND_STREAMS {
+                streams.resize(limit);
+                settled = true;
+            }
+        }
+        polled
+    })
+    .await
 }
 
 /// Sets the state to `next` if it is still opening `attempt`'s.

@@ -373,3 +373,44 @@ fn a_limit_lowered_while_streams_are_open_is_kept_as_they_end() {
     streams.resize(|| 2);
     assert_eq!(streams.free.available_permits(), 2);
 }
+
+/// Holds every Charge until `0` of them are in at once, then answers them all.
+struct AllAtOnce(std::sync::Arc<tokio::sync::Barrier>);
+
+#[tonic::async_trait]
+impl Payments for AllAtOnce {
+    async fn charge(&self, _: Request<ChargeRequest>) -> Result<Response<ChargeReply>, Status> {
+        self.0.wait().await;
+        Ok(Response::new(ChargeReply::default()))
+    }
+
+    async fn get_account(
+        &self,
+        _: Request<GetAccountRequest>,
+    ) -> Result<Response<Account>, Status> {
+        Err(Status::unimplemented("not here"))
+    }
+}
+
+#[tokio::test]
+async fn a_burst_on_a_new_connection_goes_past_the_first_limit_once_the_servers_settings_come() {
+    // 150 calls at once on a new connection, to a server that allows 512 streams and
+    // answers none until all 150 are in. Before its settings come, a connection assumes
+    // 100: 50 calls wait for a place. Only the settings can let them go (no stream ends
+    // before they do); else every call runs out of time.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(150));
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .max_concurrent_streams(512)
+            .add_service(PaymentsServer::new(AllAtOnce(barrier)))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let balancer = balancer(address, None).await;
+    let answers =
+        futures::future::join_all((0..150).map(|_| charge(&balancer, Duration::from_secs(3))))
+            .await;
+    let failed = answers.iter().filter(|answer| answer.is_err()).count();
+    assert_eq!(failed, 0, "{:?}", answers.iter().find(|a| a.is_err()));
+}
