@@ -46,7 +46,7 @@ use std::{
     pin::Pin,
     sync::{
         Arc, Mutex, MutexGuard, PoisonError, Weak,
-        atomic::{AtomicU64, AtomicUsize, Ordering},
+        atomic::{AtomicU64, Ordering},
     },
     task::{Context, Poll},
     time::Duration,
@@ -126,8 +126,6 @@ struct Streams {
     /// What the permits add up to, and how many of those out are not to come back (the
     /// server lowered its limit while they were out).
     limit: Mutex<Limit>,
-    /// `limit.total`, read on every call without the lock.
-    total: AtomicUsize,
 }
 
 struct Limit {
@@ -154,40 +152,20 @@ impl Streams {
                 total: initial,
                 owed: 0,
             }),
-            total: AtomicUsize::new(initial),
         })
     }
 
-    /// A place for one more stream on the connection `sender` opens streams on, waited
-    /// for while the server's limit is reached. The limit is read again after a call
-    /// waited, so that a limit the server raised meanwhile lets the others waiting go
-    /// (the first settings are also looked for by the task driving the connection).
-    async fn slot(self: &Arc<Self>, sender: &SendRequest<Bytes>) -> Result<Slot, Ended> {
-        let check = || {
-            if limit_of(sender) != self.total.load(Ordering::Relaxed) {
-                self.resize(|| limit_of(sender));
-            }
-        };
-        check();
-        let permit = match self.free.try_acquire() {
-            Ok(permit) => permit,
-            Err(tokio::sync::TryAcquireError::Closed) => return Err(Ended),
-            Err(tokio::sync::TryAcquireError::NoPermits) => {
-                let permit = self.free.acquire().await.map_err(|_| Ended)?;
-                check();
-                permit
-            }
-        };
-        permit.forget();
+    /// A place for one more stream, waited for while the server's limit is reached.
+    async fn slot(self: &Arc<Self>) -> Result<Slot, Ended> {
+        self.free.acquire().await.map_err(|_| Ended)?.forget();
         Ok(Slot(self.clone()))
     }
 
-    /// The permits made to add up to the server's `limit` as `h2` has it now (read under
-    /// the lock, so that a reader of an older limit cannot undo a newer one): more given,
-    /// or fewer — those free forgotten at once, those out kept when they come back.
-    fn resize(&self, limit: impl FnOnce() -> usize) {
+    /// The permits made to add up to the server's new `limit` (only the task driving the
+    /// connection, which sees its settings, calls this): more given, or fewer — those free
+    /// forgotten at once, those out kept when they come back.
+    fn resize(&self, limit: usize) {
         let mut now = self.limit.lock().unwrap_or_else(PoisonError::into_inner);
-        let limit = limit();
         if limit > now.total {
             let more = limit - now.total;
             let repaid = more.min(now.owed);
@@ -198,7 +176,6 @@ impl Streams {
             now.owed += fewer - self.free.forget_permits(fewer);
         }
         now.total = limit;
-        self.total.store(limit, Ordering::Relaxed);
     }
 
     /// A stream let go: its permit back, unless a lowered limit is owed it (under the
@@ -211,14 +188,6 @@ impl Streams {
             self.free.add_permits(1);
         }
     }
-}
-
-/// The server's limit on streams at once, as `h2` has it; none announced counts as the
-/// most the count can hold.
-fn limit_of(sender: &SendRequest<Bytes>) -> usize {
-    sender
-        .current_max_send_streams()
-        .min(Semaphore::MAX_PERMITS / 2)
 }
 
 /// Closes a connection's count when the task driving the connection ends, however it
@@ -382,7 +351,7 @@ impl Connection {
         let mut replaced = false;
         loop {
             let (opened, attempt) = self.sender().await?;
-            let ready = match opened.streams.slot(&opened.sender).await {
+            let ready = match opened.streams.slot().await {
                 Ok(slot) => match opened.sender.ready().await {
                     Ok(sender) => Ok((sender, slot)),
                     Err(error) => {
@@ -494,27 +463,24 @@ impl Connection {
     }
 }
 
-/// Drives `connection` (its frames read and written) until it ends. Until the server's
-/// settings have changed the limit on streams from what a new connection assumes, each
-/// poll looks whether they have, so that calls waiting for a place on a new connection
-/// go as soon as the settings come, not when a stream ends.
+/// Drives `connection` (its frames read and written) until it ends, and keeps its count
+/// of streams at the server's limit: each poll is where `h2` applies the server's
+/// settings, so calls waiting for a place go as soon as a raised limit comes (a new
+/// connection assumes 100 until the first settings), not when a stream ends. No limit
+/// announced counts as the most the count can hold.
 async fn drive(
     mut connection: h2::client::Connection<Box<dyn Io>, Bytes>,
     streams: &Streams,
 ) -> Result<(), h2::Error> {
-    let mut settled = false;
+    let mut known = INITIAL_MAX_SEND_STREAMS;
     std::future::poll_fn(|cx| {
         let polled = Pin::new(&mut connection).poll(cx);
-        if !settled {
-            let limit = || {
-                connection
-                    .max_concurrent_send_streams()
-                    .min(Semaphore::MAX_PERMITS / 2)
-            };
-            if limit() != INITIAL_MAX_SEND_STREAMS {
-                streams.resize(limit);
-                settled = true;
-            }
+        let limit = connection
+            .max_concurrent_send_streams()
+            .min(Semaphore::MAX_PERMITS / 2);
+        if limit != known {
+            streams.resize(limit);
+            known = limit;
         }
         polled
     })

@@ -12,6 +12,7 @@ use retrychain_proto::v1::{
     payments_server::{Payments, PaymentsServer},
 };
 use tokio::{net::TcpListener, sync::oneshot, time::Instant};
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
 use crate::{BalanceSettings, Balancer, Downstream, balance::Connector};
@@ -42,17 +43,11 @@ impl Payments for Answers {
 /// then the connections close); the task ends when the server has.
 fn serve(listener: TcpListener) -> (oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
     let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        let _ = tonic::transport::Server::builder()
-            .add_service(PaymentsServer::new(Answers))
-            .serve_with_incoming_shutdown(
-                tokio_stream::wrappers::TcpListenerStream::new(listener),
-                async {
-                    let _ = stopped.await;
-                },
-            )
-            .await;
-    });
+    let task = tokio::spawn(serve_connections(
+        Answers,
+        tokio_stream::wrappers::TcpListenerStream::new(listener),
+        stopped,
+    ));
     (stop, task)
 }
 
@@ -220,17 +215,14 @@ impl Payments for Slowly {
 /// Serves `service` on the connections `incoming` yields, until `stop`.
 async fn serve_connections<S: Payments>(
     service: S,
-    incoming: tokio::sync::mpsc::Receiver<std::io::Result<tokio::net::TcpStream>>,
+    incoming: impl futures::Stream<Item = std::io::Result<tokio::net::TcpStream>> + Send + 'static,
     stop: oneshot::Receiver<()>,
 ) {
     let _ = tonic::transport::Server::builder()
         .add_service(PaymentsServer::new(service))
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::ReceiverStream::new(incoming),
-            async {
-                let _ = stop.await;
-            },
-        )
+        .serve_with_incoming_shutdown(incoming, async {
+            let _ = stop.await;
+        })
         .await;
 }
 
@@ -255,11 +247,15 @@ async fn a_replica_that_drains_is_called_on_a_new_connection_and_no_call_fails()
     let (stop_first, first_stops) = oneshot::channel();
     let first = tokio::spawn(serve_connections(
         Slowly(Duration::from_millis(600)),
-        first_rx,
+        ReceiverStream::new(first_rx),
         first_stops,
     ));
     let (_stop_later, later_stops) = oneshot::channel();
-    tokio::spawn(serve_connections(Answers, later_rx, later_stops));
+    tokio::spawn(serve_connections(
+        Answers,
+        ReceiverStream::new(later_rx),
+        later_stops,
+    ));
 
     let balancer = balancer(address, None).await;
     let in_flight = tokio::spawn({
@@ -314,7 +310,11 @@ async fn a_call_waiting_for_the_servers_limit_on_streams_is_never_sent_when_the_
         }
     });
     let (_stop_later, later_stops) = oneshot::channel();
-    tokio::spawn(serve_connections(Answers, later_rx, later_stops));
+    tokio::spawn(serve_connections(
+        Answers,
+        ReceiverStream::new(later_rx),
+        later_stops,
+    ));
 
     let balancer = balancer(address, None).await;
     let in_flight = tokio::spawn(tower::ServiceExt::oneshot(
@@ -359,7 +359,7 @@ fn a_limit_lowered_while_streams_are_open_is_kept_as_they_end() {
             super::Slot(streams.clone())
         })
         .collect();
-    streams.resize(|| 1);
+    streams.resize(1);
     let mut open = open.into_iter();
     for slot in open.by_ref().take(3) {
         drop(slot);
@@ -367,10 +367,10 @@ fn a_limit_lowered_while_streams_are_open_is_kept_as_they_end() {
     }
     drop(open);
     assert_eq!(streams.free.available_permits(), 1);
-    streams.resize(|| 3);
+    streams.resize(3);
     assert_eq!(streams.free.available_permits(), 3);
     // Lowered with places free: those go at once.
-    streams.resize(|| 2);
+    streams.resize(2);
     assert_eq!(streams.free.available_permits(), 2);
 }
 
