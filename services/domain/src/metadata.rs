@@ -6,6 +6,8 @@ use std::{fmt, str::FromStr};
 use rand::RngExt;
 use tonic::{Status, metadata::MetadataMap};
 
+use resilience::wire::names;
+
 use crate::values::{Caller, IdempotencyKey};
 
 pub use resilience::wire::{
@@ -62,7 +64,7 @@ impl FromStr for RetryMode {
 /// and charge a retried payment twice.
 pub fn idempotency_key(metadata: &MetadataMap) -> Result<Option<IdempotencyKey>, Status> {
     refuse_other_spellings(metadata, IDEMPOTENCY_KEY)?;
-    let mut values = metadata.get_all(IDEMPOTENCY_KEY).iter();
+    let mut values = metadata.as_ref().get_all(&names::IDEMPOTENCY_KEY).iter();
     let Some(raw) = values.next() else {
         return Ok(None);
     };
@@ -81,7 +83,7 @@ pub fn idempotency_key(metadata: &MetadataMap) -> Result<Option<IdempotencyKey>,
 /// anonymous caller; a value sent twice or not an identity is INVALID_ARGUMENT. Only the
 /// edge writes it (dropping a client's), so below the edge it is the edge's word.
 pub fn caller(metadata: &MetadataMap) -> Result<Caller, Status> {
-    let mut values = metadata.get_all(CALLER).iter();
+    let mut values = metadata.as_ref().get_all(&names::CALLER).iter();
     let Some(raw) = values.next() else {
         return Ok(Caller::anonymous());
     };
@@ -122,19 +124,24 @@ pub fn retry_mode(metadata: &MetadataMap) -> Result<Option<RetryMode>, Status> {
 /// suffix set aside (`Idempotency_Key`, `x-idempotency-key`, `idempotency-key-bin`,
 /// `idempotencykey`, `retry-mode`, `x-retry-mode-bin`).
 pub fn meant_as(name: &str) -> Option<&'static str> {
-    if name == IDEMPOTENCY_KEY || name == RETRY_MODE || name.len() > 40 {
+    /// Longer names are no spelling of ours.
+    const LONGEST: usize = 40;
+    if name == IDEMPOTENCY_KEY || name == RETRY_MODE || name.len() > LONGEST {
         return None;
     }
-    let folded: String = name
-        .chars()
-        .filter(char::is_ascii_alphanumeric)
-        .map(|c| c.to_ascii_lowercase())
-        .collect();
-    let bare = folded.strip_suffix("bin").unwrap_or(&folded);
-    let bare = bare.strip_prefix('x').unwrap_or(bare);
+    // Every header name of every request passes here: folded on the stack, not the heap.
+    let mut folded = [0u8; LONGEST];
+    let mut len = 0;
+    for byte in name.bytes().filter(u8::is_ascii_alphanumeric) {
+        folded[len] = byte.to_ascii_lowercase();
+        len += 1;
+    }
+    let folded = &folded[..len];
+    let bare = folded.strip_suffix(b"bin").unwrap_or(folded);
+    let bare = bare.strip_prefix(b"x").unwrap_or(bare);
     match bare {
-        "idempotencykey" | "idempotentkey" | "idempotencyid" => Some(IDEMPOTENCY_KEY),
-        "retrymode" => Some(RETRY_MODE),
+        b"idempotencykey" | b"idempotentkey" | b"idempotencyid" => Some(IDEMPOTENCY_KEY),
+        b"retrymode" => Some(RETRY_MODE),
         _ => None,
     }
 }

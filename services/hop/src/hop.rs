@@ -12,17 +12,19 @@ use std::{
 };
 
 use resilience::{
-    Balancer, PropagateDeadlineLayer, RetryLayer, ServiceConfig, client::RetryService,
-    propagate::PropagateDeadline, wire,
+    Balancer, PropagateDeadlineLayer, RetryLayer, ServiceConfig,
+    client::RetryService,
+    propagate::PropagateDeadline,
+    wire::{self, names},
 };
 use retrychain_domain::{
     AccountId, AmountCents, Caller, IdempotencyKey, RetryMode,
-    metadata::{self, CALLER, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, RETRY_MODE, TRACE_ID},
+    metadata::{self, IDEMPOTENCY_KEY, RETRY_MODE},
 };
 use retrychain_node::{
     Node, RpcScope,
     faults::{FaultLayer, Faulty},
-    statement::{CALLER_SIGNER, CALLER_STATEMENT, Call},
+    statement::{Call, STATEMENT_HEADERS},
     telemetry::{InjectTrace, InjectTraceLayer},
 };
 use retrychain_proto::v1::{
@@ -271,32 +273,32 @@ impl Hop {
                 scope.echo_key(key);
             }
             // The caller's value as it came (a shared buffer, no copy), else the one made here.
-            let value = match incoming.get(IDEMPOTENCY_KEY) {
+            let value = match incoming.as_ref().get(&names::IDEMPOTENCY_KEY) {
                 Some(value) => Some(value.clone()),
-                None => MetadataValue::try_from(key.as_str()).ok(),
+                None => http::HeaderValue::try_from(key.as_str()).ok(),
             };
             if let Some(mut value) = value {
                 value.set_sensitive(true); // new on every call: not for the HPACK table
                 outgoing
                     .metadata_mut()
-                    .insert(MetadataKey::from_static(IDEMPOTENCY_KEY), value);
+                    .as_mut()
+                    .insert(names::IDEMPOTENCY_KEY, value);
             }
         }
         // Who called, as the edge authenticated it (the edge's `callers` layer wrote it and
         // dropped any a client sent): the ledger scopes accounts by it.
-        if let Some(caller) = incoming.get(CALLER) {
+        if let Some(caller) = incoming.as_ref().get(&names::CALLER) {
             outgoing
                 .metadata_mut()
-                .insert(MetadataKey::from_static(CALLER), caller.clone());
+                .as_mut()
+                .insert(names::CALLER, caller.clone());
         }
         // And the edge's signed statement of it, for the ledger to check (a relay can
         // neither make one nor change one; the edge signs its own in `state_caller`).
         if self.role == Role::Relay {
-            for key in [CALLER_STATEMENT, CALLER_SIGNER] {
-                if let Some(value) = incoming.get_bin(key) {
-                    outgoing
-                        .metadata_mut()
-                        .insert_bin(MetadataKey::from_static(key), value.clone());
+            for name in STATEMENT_HEADERS {
+                if let Some(value) = incoming.as_ref().get(&name) {
+                    outgoing.metadata_mut().as_mut().insert(name, value.clone());
                 }
             }
         }
@@ -370,17 +372,20 @@ fn relay<T>(answer: Result<Response<T>, Status>) -> Result<Response<T>, Status> 
 /// everything else (transport headers, the downstream's own bookkeeping) stays behind.
 /// The map is emptied and refilled, keeping its allocation.
 fn relayed(downstream: MetadataMap) -> MetadataMap {
-    const RELAYED: [&str; 3] = [IDEMPOTENT_REPLAYED, IDEMPOTENCY_KEY, TRACE_ID];
-    let kept = RELAYED.map(|key| downstream.get(key).cloned());
+    const RELAYED: [http::HeaderName; 3] = [
+        names::IDEMPOTENT_REPLAYED,
+        names::IDEMPOTENCY_KEY,
+        names::TRACE_ID,
+    ];
     let mut headers = downstream.into_headers();
+    let kept = RELAYED.map(|name| headers.remove(&name));
     headers.clear();
-    let mut metadata = MetadataMap::from_headers(headers);
-    for (key, value) in RELAYED.into_iter().zip(kept) {
+    for (name, value) in RELAYED.into_iter().zip(kept) {
         if let Some(value) = value {
-            metadata.insert(MetadataKey::from_static(key), value);
+            headers.insert(name, value);
         }
     }
-    metadata
+    MetadataMap::from_headers(headers)
 }
 
 /// The edge's handlers (a relay is served by [`Forwarding`](forward::Forwarding)): the message is decoded, so bad
@@ -447,6 +452,7 @@ impl Payments for Hop {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use retrychain_domain::metadata::{IDEMPOTENT_REPLAYED, TRACE_ID};
 
     #[test]
     fn only_what_travels_up_is_relayed() {

@@ -444,8 +444,9 @@ where
 /// Rewrites a decoder's refusal in `headers` (a trailers-only answer) with the contract's
 /// code, keeping what it said.
 fn with_contract_codes(headers: &mut http::HeaderMap) {
+    use resilience::wire::names;
     // Most answers are successes: no grpc-status in the headers, nothing parsed.
-    if !headers.contains_key("grpc-status") || resilience::wire::is_relayed(headers) {
+    if !headers.contains_key(&names::GRPC_STATUS) || resilience::wire::is_relayed(headers) {
         return;
     }
     let Some(status) = Status::from_header_map(headers) else {
@@ -467,9 +468,9 @@ fn with_contract_codes(headers: &mut http::HeaderMap) {
         }
         _ => return,
     };
-    headers.remove("grpc-status");
-    headers.remove("grpc-message");
-    headers.remove("grpc-status-details-bin");
+    headers.remove(&names::GRPC_STATUS);
+    headers.remove(&names::GRPC_MESSAGE);
+    headers.remove(&names::GRPC_STATUS_DETAILS);
     let _ = status.add_header(headers);
 }
 

@@ -18,7 +18,7 @@ use tracing::{Instrument, Span, field};
 
 use retrychain_domain::{
     IdempotencyKey, TraceContext,
-    metadata::{IDEMPOTENCY_KEY, TRACE_ID, TRACEPARENT},
+    metadata::{IDEMPOTENCY_KEY, TRACE_ID},
 };
 
 use crate::{Node, stats::Counters};
@@ -95,9 +95,10 @@ impl RpcScope {
             .last_incoming_timeout_ms
             .store(incoming.timeout.as_millis() as u64, Ordering::Relaxed);
         let metadata = request.metadata();
-        let text = |key: &str| metadata.get(key).and_then(|v| v.to_str().ok());
-        let mut trace = TraceContext::continue_or_start(text(TRACEPARENT));
-        let caller_previous_attempts = wire::parse_previous_attempts(text(wire::PREVIOUS_ATTEMPTS));
+        let headers = metadata.as_ref();
+        let traceparent = headers.get(&wire::names::TRACEPARENT);
+        let mut trace = TraceContext::continue_or_start(traceparent.and_then(|v| v.to_str().ok()));
+        let caller_previous_attempts = wire::previous_attempts(headers);
         let attempt = caller_previous_attempts.saturating_add(1);
         // Decided once, here: an unsampled request builds no OpenTelemetry data.
         let exported = crate::telemetry::sampled(
@@ -188,10 +189,12 @@ impl RpcScope {
                 .as_ref()
                 .map_or_else(|s| s.code(), |_| tonic::Code::Ok);
             self.node.counters.call_finished(self.method, code, elapsed);
-            let code_name = wire::code_name(code);
-            self.span.record("code", code_name);
-            if code != tonic::Code::Ok {
-                self.span.record("otel.status_code", "ERROR");
+            // The span's outcome is for the exported trace; the line has it as the event's.
+            if self.exported {
+                self.span.record("code", wire::code_name(code));
+                if code != tonic::Code::Ok {
+                    self.span.record("otel.status_code", "ERROR");
+                }
             }
             match result {
                 Ok(mut response) => {
@@ -222,7 +225,9 @@ impl RpcScope {
         self.node
             .counters
             .call_finished(self.method, tonic::Code::Cancelled, elapsed);
-        self.span.record("code", "CANCELLED");
+        if self.exported {
+            self.span.record("code", "CANCELLED");
+        }
         let _entered = self.span.enter();
         tracing::info!(
             code = "CANCELLED",

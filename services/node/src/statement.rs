@@ -39,6 +39,12 @@ use retrychain_domain::{Caller, metadata::CALLER};
 pub const CALLER_STATEMENT: &str = "x-caller-statement-bin";
 /// The certificate chain that verifies [`CALLER_STATEMENT`] (binary metadata).
 pub const CALLER_SIGNER: &str = "x-caller-signer-bin";
+/// [`CALLER_STATEMENT`] and [`CALLER_SIGNER`] as header names made at compile time, for a
+/// relay that passes both on with every call (see `resilience::wire::names`).
+pub const STATEMENT_HEADERS: [http::HeaderName; 2] = [
+    http::HeaderName::from_static(CALLER_STATEMENT),
+    http::HeaderName::from_static(CALLER_SIGNER),
+];
 
 /// How far past its expiry a statement is still taken: the edge's and the ledger's clocks
 /// may disagree by this much.

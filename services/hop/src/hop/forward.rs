@@ -213,7 +213,11 @@ async fn read_whole(mut body: Body, limit: usize) -> Result<Whole, Unread> {
 /// service of the chain accepts compression, and a relay that sent such a message on would
 /// leave the ledger unable to read it.
 fn refuse_compressed(headers: &HeaderMap) -> Option<http::Response<Body>> {
-    match headers.get("grpc-encoding").map(HeaderValue::as_bytes) {
+    use resilience::wire::names;
+    match headers
+        .get(&names::GRPC_ENCODING)
+        .map(HeaderValue::as_bytes)
+    {
         None | Some(b"identity") => None,
         Some(encoding) => {
             let mut refused = Status::unimplemented(format!(
@@ -221,9 +225,10 @@ fn refuse_compressed(headers: &HeaderMap) -> Option<http::Response<Body>> {
                 String::from_utf8_lossy(encoding)
             ))
             .into_http::<Body>();
-            refused
-                .headers_mut()
-                .insert("grpc-accept-encoding", HeaderValue::from_static("identity"));
+            refused.headers_mut().insert(
+                names::GRPC_ACCEPT_ENCODING,
+                HeaderValue::from_static("identity"),
+            );
             Some(refused)
         }
     }

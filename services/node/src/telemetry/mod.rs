@@ -210,7 +210,6 @@ impl Drop for Telemetry {
 /// `OTEL_SERVICE_NAME` names it). Must run inside the Tokio runtime. Safe to call more than
 /// once: later calls change nothing.
 pub fn init(format: LogFormat, service: &str) -> Telemetry {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     // Lines go to stdout in batches from a thread of their own (see [`crate::log_writer`]):
     // a request's task formats its line and appends it to a buffer, never waiting for a
     // write(2) to a pipe nor waking a thread per line. Not lossy. The guard in
@@ -218,6 +217,7 @@ pub fn init(format: LogFormat, service: &str) -> Telemetry {
     let (writer, guard) = crate::log_writer::BatchedStdout::stdout();
     let fmt = tracing_subscriber::fmt::layer()
         .with_target(false)
+        .with_timer(Rfc3339Micros)
         .with_writer(writer);
     let fmt = match format {
         LogFormat::Text => fmt
@@ -248,19 +248,20 @@ pub fn init(format: LogFormat, service: &str) -> Telemetry {
             .with_tracer(provider.tracer("retrychain"))
             .with_filter(sampled_requests)
     });
-    // Spans that exist for traces only (resilience::TRACE_ONLY) never reach the log
-    // layer: without export nothing asks for them, and they are not created at all. A
-    // directive, so that the filter's answers stay cached per callsite (a filter function
-    // would make every disabled `trace!` of h2 and hyper ask again on every call).
-    let logged = match format!("{}=off", resilience::TRACE_ONLY).parse() {
-        Ok(directive) => filter.add_directive(directive),
-        Err(_) => filter,
-    };
-    let installed = tracing_subscriber::registry()
-        .with(fmt.with_filter(logged))
-        .with(otel)
-        .try_init()
-        .is_ok();
+    let logged = log_filter(std::env::var(EnvFilter::DEFAULT_ENV).ok().as_deref());
+    // Without export, no OpenTelemetry layer at all, not an absent one: an absent layer
+    // (`None`) counts as one that wants every span, so the spans for traces only would be
+    // made, entered, left and closed on every call for nothing to see.
+    let installed = match otel {
+        Some(otel) => tracing_subscriber::registry()
+            .with(fmt.with_filter(logged))
+            .with(otel)
+            .try_init(),
+        None => tracing_subscriber::registry()
+            .with(fmt.with_filter(logged))
+            .try_init(),
+    }
+    .is_ok();
     if installed && provider.is_some() {
         let _ = SAMPLER.set(Sampler::from_env());
         EXPORTING.store(true, Ordering::Relaxed);
@@ -268,6 +269,57 @@ pub fn init(format: LogFormat, service: &str) -> Telemetry {
     Telemetry {
         provider: if installed { provider } else { None },
         _logs: installed.then_some(guard),
+    }
+}
+
+/// What the log layer lets through: `RUST_LOG`'s directives (`info` when unset or not
+/// understood), and never the spans that exist for traces only ([`resilience::TRACE_ONLY`]:
+/// without export nothing asks for them, and they are not created at all).
+///
+/// Directives by target and level (`info`, `warn,retrychain_ledger=debug`) make a
+/// [`Targets`](tracing_subscriber::filter::Targets) filter; only directives on spans or
+/// field values (`[rpc{key=order-7}]=debug`) need an [`EnvFilter`]. The difference is paid
+/// on every request: an `EnvFilter` takes a lock to look up the request's span each time
+/// its future is polled, entered and left, and when the span is created and closed, to see
+/// whether a directive applies inside it.
+fn log_filter(
+    directives: Option<&str>,
+) -> Box<dyn tracing_subscriber::layer::Filter<tracing_subscriber::Registry> + Send + Sync> {
+    use tracing_subscriber::filter::{LevelFilter, Targets};
+    let directives = directives.map(str::trim).filter(|d| !d.is_empty());
+    let only_traced =
+        |targets: Targets| targets.with_target(resilience::TRACE_ONLY, LevelFilter::OFF);
+    match directives.map(str::parse::<Targets>) {
+        None => Box::new(only_traced(Targets::new().with_default(LevelFilter::INFO))),
+        Some(Ok(targets)) => Box::new(only_traced(targets)),
+        Some(Err(_)) => {
+            let filter = directives
+                .and_then(|d| EnvFilter::try_new(d).ok())
+                .unwrap_or_else(|| EnvFilter::new("info"));
+            // A directive, so that the filter's answers stay cached per callsite (a filter
+            // function would make every disabled `trace!` of h2 and hyper ask again).
+            Box::new(match format!("{}=off", resilience::TRACE_ONLY).parse() {
+                Ok(directive) => filter.add_directive(directive),
+                Err(_) => filter,
+            })
+        }
+    }
+}
+
+/// Every line's time: RFC 3339 in UTC to the microsecond (`2026-12-05T14:03:07.123456Z`),
+/// what tracing-subscriber's `SystemTime` writes, formatted by humantime in one piece:
+/// tracing-subscriber's takes a `write!` per part, a sixtieth of a relay's instructions
+/// per request. A clock set before 1970 is left to tracing-subscriber.
+#[derive(Debug, Clone, Copy)]
+struct Rfc3339Micros;
+
+impl tracing_subscriber::fmt::time::FormatTime for Rfc3339Micros {
+    fn format_time(&self, w: &mut tracing_subscriber::fmt::format::Writer<'_>) -> std::fmt::Result {
+        let now = std::time::SystemTime::now();
+        if now < std::time::UNIX_EPOCH {
+            return tracing_subscriber::fmt::time::SystemTime.format_time(w);
+        }
+        write!(w, "{}", humantime::format_rfc3339_micros(now))
     }
 }
 
@@ -298,9 +350,9 @@ where
         use tracing_subscriber::fmt::time::FormatTime;
         let mut line = serde_json::Map::new();
         let mut timestamp = String::new();
-        tracing_subscriber::fmt::time::SystemTime.format_time(
-            &mut tracing_subscriber::fmt::format::Writer::new(&mut timestamp),
-        )?;
+        Rfc3339Micros.format_time(&mut tracing_subscriber::fmt::format::Writer::new(
+            &mut timestamp,
+        ))?;
         line.insert("timestamp".into(), Value::String(timestamp));
         line.insert(
             "level".into(),
@@ -461,26 +513,55 @@ struct FieldWriter<'w> {
     result: std::fmt::Result,
 }
 
-impl tracing::field::Visit for FieldWriter<'_> {
-    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
-        if field.name() == "message" {
-            self.record_debug(field, &format_args!("{value}"));
-        } else {
-            self.record_debug(field, &value);
-        }
-    }
-
-    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+impl FieldWriter<'_> {
+    /// Writes one field: `name=value`, or the message bare. In pieces rather than through
+    /// one `write!` with three arguments: every request formats a dozen fields.
+    fn field(
+        &mut self,
+        field: &tracing::field::Field,
+        value: impl FnOnce(&mut dyn std::fmt::Write) -> std::fmt::Result,
+    ) {
         if self.result.is_err() || field.name().starts_with("otel.") {
             return;
         }
         let separator = if self.first { "" } else { " " };
         self.first = false;
-        self.result = if field.name() == "message" {
-            write!(self.writer, "{separator}{value:?}")
+        let writer = &mut *self.writer;
+        self.result = (|| {
+            writer.write_str(separator)?;
+            if field.name() != "message" {
+                writer.write_str(field.name())?;
+                writer.write_char('=')?;
+            }
+            value(writer)
+        })();
+    }
+}
+
+impl tracing::field::Visit for FieldWriter<'_> {
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        if field.name() == "message" {
+            self.field(field, |w| w.write_str(value));
         } else {
-            write!(self.writer, "{separator}{field}={value:?}")
-        };
+            // Quoted and escaped: a value a client chose cannot forge a field or a line.
+            self.field(field, |w| write!(w, "{value:?}"));
+        }
+    }
+
+    fn record_u64(&mut self, field: &tracing::field::Field, value: u64) {
+        self.field(field, |w| write!(w, "{value}"));
+    }
+
+    fn record_i64(&mut self, field: &tracing::field::Field, value: i64) {
+        self.field(field, |w| write!(w, "{value}"));
+    }
+
+    fn record_bool(&mut self, field: &tracing::field::Field, value: bool) {
+        self.field(field, |w| w.write_str(if value { "true" } else { "false" }));
+    }
+
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        self.field(field, |w| write!(w, "{value:?}"));
     }
 }
 
