@@ -16,6 +16,13 @@
 //! log line per request (to its stdout, discarded as the relay's logs are), as many
 //! threads as the machine has cores. Plaintext only.
 //!
+//! `--callgrind VALGRIND`: instead of CPU time, the user-space instructions the relay and the
+//! bare forwarder each execute per request, counted by valgrind's callgrind over
+//! `--requests` after the warm-up (instrumentation switched on with `callgrind_control` for
+//! the measured requests only). A count moves by a tenth of a percent from run to run where
+//! CPU time on a shared machine moves by five, so a change to a relay's own work shows; what
+//! it cannot see is the kernel's part (a third of a relay's CPU). Plaintext only.
+//!
 //! `--tls`: every connection — load to forwarder, forwarder to sink — is mutual TLS 1.3
 //! with the chain's own material, as between tiers: the load presents hop2's certificate,
 //! both forwarders hop3's, the sink hop4's. The bare forwarder is then tonic's server and
@@ -67,6 +74,10 @@ struct Cli {
     /// Print JSON.
     #[arg(long)]
     json: bool,
+    /// Count instructions under this valgrind instead of measuring CPU time (see the
+    /// module's documentation).
+    #[arg(long, conflicts_with_all = ["tls", "haproxy", "perf", "otlp_sample"])]
+    callgrind: Option<std::path::PathBuf>,
     /// After the measured rounds, one more round with each forwarder profiled by `perf
     /// record` (DWARF call graphs), written to this directory as `relay.perf.data`,
     /// `bare.perf.data` and `haproxy.perf.data` (`bench/flamegraphs` draws them). The
@@ -288,25 +299,45 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
         Some(ratio) => Some(otlp_collector(&me, ratio, collector_port, &mut relay_env).await?),
         None => None,
     };
+    // Under callgrind, each forwarder starts with its instrumentation off (as fast as valgrind
+    // runs anything) and writes its counts to `profiles` when asked.
+    let profiles = tempfile::tempdir()?;
+    let under_callgrind = |name: &str, program: &std::path::Path| -> Vec<String> {
+        match &cli.callgrind {
+            Some(_) => vec![
+                "--tool=callgrind".to_owned(),
+                "--instr-atstart=no".to_owned(),
+                format!(
+                    "--callgrind-out-file={}",
+                    profiles.path().join(format!("{name}.out")).display()
+                ),
+                program.display().to_string(),
+            ],
+            None => Vec::new(),
+        }
+    };
     let relay = ChildService::start(
         "relay",
         Launch {
-            program: Some(retrychain.clone()),
-            args: [
-                "relay",
-                "--name",
-                "hop3",
-                "--listen",
-                "127.0.0.1:0",
-                "--admin-listen",
-                "127.0.0.1:0",
-                "--downstream",
-                &sink_url,
-            ]
-            .map(String::from)
-            .into_iter()
-            .chain(tls_dir("hop3"))
-            .collect(),
+            program: Some(cli.callgrind.clone().unwrap_or_else(|| retrychain.clone())),
+            args: under_callgrind("relay", &retrychain)
+                .into_iter()
+                .chain(
+                    [
+                        "relay",
+                        "--name",
+                        "hop3",
+                        "--listen",
+                        "127.0.0.1:0",
+                        "--admin-listen",
+                        "127.0.0.1:0",
+                        "--downstream",
+                        &sink_url,
+                    ]
+                    .map(String::from),
+                )
+                .chain(tls_dir("hop3"))
+                .collect(),
             env: relay_env,
             logs: Logs::Discard,
         },
@@ -315,7 +346,8 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
     .with_context(|| format!("starting {}", retrychain.display()))?;
     let relay_pid = relay.pid().context("the relay runs")?;
     let bare = spawn(
-        Command::new(&me)
+        Command::new(cli.callgrind.as_deref().unwrap_or(&me))
+            .args(under_callgrind("bare", &me))
             .args([
                 "forward",
                 "--listen",
@@ -354,6 +386,20 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
         )),
         None => None,
     };
+    if cli.callgrind.is_some() {
+        let report = count_instructions(cli, &targets, profiles.path()).await?;
+        if cli.json {
+            println!("{}", serde_json::to_string(&report)?);
+        } else {
+            println!(
+                "relay: {:.0} instructions per request\nbare:  {:.0} instructions per request\nratio relay/bare: {:.3}",
+                report.relay_instructions_per_request,
+                report.bare_instructions_per_request,
+                report.ratio
+            );
+        }
+        return Ok(());
+    }
     let report = measure(cli, &targets, client.as_ref()).await?;
     if cli.json {
         println!("{}", serde_json::to_string(&report)?);
@@ -461,6 +507,80 @@ async fn otlp_collector(
         ("OTEL_TRACES_SAMPLER_ARG".to_owned(), ratio.to_string()),
     ]);
     Ok(collector)
+}
+
+/// What `--callgrind` reports.
+#[derive(Debug, Serialize)]
+struct InstructionReport {
+    requests: u64,
+    concurrency: usize,
+    /// User-space instructions the relay executed per request.
+    relay_instructions_per_request: f64,
+    /// The same for the bare forwarder.
+    bare_instructions_per_request: f64,
+    /// relay / bare.
+    ratio: f64,
+}
+
+/// Warms the relay and the bare forwarder (`targets`, both under callgrind, in that order)
+/// up, then counts each one's instructions over `--requests`: instrumentation on, the load,
+/// a dump of the counts, instrumentation off again.
+async fn count_instructions(
+    cli: &Cli,
+    targets: &[(String, u32)],
+    profiles: &std::path::Path,
+) -> anyhow::Result<InstructionReport> {
+    for (url, _) in targets {
+        load(url, None, cli.requests / 10 + 100, cli.concurrency).await?;
+    }
+    let mut per_request = Vec::new();
+    for ((url, pid), name) in targets.iter().zip(["relay", "bare"]) {
+        callgrind_control(*pid, &["--instr=on"])?;
+        load(url, None, cli.requests, cli.concurrency).await?;
+        callgrind_control(*pid, &["--dump"])?;
+        callgrind_control(*pid, &["--instr=off"])?;
+        let instructions = dumped_instructions(profiles, name)?;
+        per_request.push(instructions as f64 / cli.requests as f64);
+    }
+    Ok(InstructionReport {
+        requests: cli.requests,
+        concurrency: cli.concurrency,
+        relay_instructions_per_request: per_request[0],
+        bare_instructions_per_request: per_request[1],
+        ratio: per_request[0] / per_request[1].max(f64::EPSILON),
+    })
+}
+
+/// Runs valgrind's `callgrind_control` on `pid`, which does what it is asked before it
+/// answers.
+fn callgrind_control(pid: u32, args: &[&str]) -> anyhow::Result<()> {
+    let output = Command::new("callgrind_control")
+        .args(args)
+        .arg(pid.to_string())
+        .output()
+        .context("running callgrind_control (valgrind)")?;
+    anyhow::ensure!(
+        output.status.success(),
+        "callgrind_control {args:?} {pid}: {}: {}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(())
+}
+
+/// The instructions in `name`'s first dump in `profiles` (its `totals:` or `summary:`
+/// line): callgrind numbers the dumps it is asked for from 1.
+fn dumped_instructions(profiles: &std::path::Path, name: &str) -> anyhow::Result<u64> {
+    let dump = profiles.join(format!("{name}.out.1"));
+    std::fs::read_to_string(&dump)
+        .with_context(|| format!("reading {}", dump.display()))?
+        .lines()
+        .find_map(|line| {
+            line.strip_prefix("totals:")
+                .or_else(|| line.strip_prefix("summary:"))
+        })
+        .and_then(|count| count.split_whitespace().next()?.parse().ok())
+        .with_context(|| format!("no instruction count in {}", dump.display()))
 }
 
 /// Loads the relay, the bare forwarder and HAProxy when there is one (`targets`: URL and
