@@ -544,16 +544,29 @@ impl tracing::field::Visit for FieldWriter<'_> {
             self.field(field, |w| w.write_str(value));
         } else {
             // Quoted and escaped: a value a client chose cannot forge a field or a line.
-            self.field(field, |w| write!(w, "{value:?}"));
+            // Printable ASCII other than `"` and `\` is what `Debug` leaves as it is (ids,
+            // keys, names): written as it is, without `Debug`'s look at every character.
+            let plain = value
+                .bytes()
+                .all(|b| (b' '..=b'~').contains(&b) && b != b'"' && b != b'\\');
+            if plain {
+                self.field(field, |w| {
+                    w.write_char('"')?;
+                    w.write_str(value)?;
+                    w.write_char('"')
+                });
+            } else {
+                self.field(field, |w| write!(w, "{value:?}"));
+            }
         }
     }
 
     fn record_u64(&mut self, field: &tracing::field::Field, value: u64) {
-        self.field(field, |w| write!(w, "{value}"));
+        self.field(field, |w| w.write_str(itoa::Buffer::new().format(value)));
     }
 
     fn record_i64(&mut self, field: &tracing::field::Field, value: i64) {
-        self.field(field, |w| write!(w, "{value}"));
+        self.field(field, |w| w.write_str(itoa::Buffer::new().format(value)));
     }
 
     fn record_bool(&mut self, field: &tracing::field::Field, value: bool) {

@@ -36,6 +36,58 @@ fn span_fields_are_written_once_and_added_after_a_space() {
     assert_eq!(written.fields, "service=\"hop2\" key=\"k-1\"");
 }
 
+#[test]
+fn a_text_field_is_written_as_debug_writes_it_whatever_it_holds() {
+    // The plain path must match `Debug` byte for byte, and anything else must take it: a
+    // quote, a backslash, a line break or an escape in a key cannot end the value or the line.
+    let fields = tracing::field::FieldSet::new(&["key"], tracing::callsite::Identifier(&CALLSITE));
+    let key = fields.iter().next().expect("field");
+    for value in [
+        "order-7",
+        "",
+        "a b~c:d/e.f_g",
+        "say \"hi\"",
+        "back\\slash",
+        "line\nbreak",
+        "tab\there",
+        "\u{1b}[31mred",
+        "caf\u{e9}",
+        "\u{202e}reversed",
+        "nul\0",
+        "del\u{7f}",
+    ] {
+        let values: [(&tracing::field::Field, Option<&dyn tracing::Value>); 1] =
+            [(&key, Some(&value))];
+        let values = fields.value_set(&values);
+        let mut written = String::new();
+        write_fields(&mut written, tracing::span::Record::new(&values)).expect("written");
+        assert_eq!(written, format!("key={value:?}"), "{value:?}");
+    }
+}
+
+#[test]
+fn numbers_are_written_as_display_writes_them() {
+    let fields = tracing::field::FieldSet::new(
+        &["attempt", "offset"],
+        tracing::callsite::Identifier(&CALLSITE),
+    );
+    let mut iter = fields.iter();
+    let (attempt, offset) = (iter.next().expect("field"), iter.next().expect("field"));
+    for (a, o) in [
+        (0u64, 0i64),
+        (7, -7),
+        (u64::MAX, i64::MIN),
+        (1_000_000, i64::MAX),
+    ] {
+        let values: [(&tracing::field::Field, Option<&dyn tracing::Value>); 2] =
+            [(&attempt, Some(&a)), (&offset, Some(&o))];
+        let values = fields.value_set(&values);
+        let mut written = String::new();
+        write_fields(&mut written, tracing::span::Record::new(&values)).expect("written");
+        assert_eq!(written, format!("attempt={a} offset={o}"));
+    }
+}
+
 struct TestCallsite;
 static CALLSITE: TestCallsite = TestCallsite;
 impl tracing::callsite::Callsite for TestCallsite {
