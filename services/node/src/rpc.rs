@@ -189,14 +189,7 @@ impl RpcScope {
                 .as_ref()
                 .map_or_else(|s| s.code(), |_| tonic::Code::Ok);
             self.node.counters.call_finished(self.method, code, elapsed);
-            // The span's outcome is for the exported trace; the line has it as the event's.
-            if self.exported {
-                self.span.record("code", wire::code_name(code));
-                if code != tonic::Code::Ok {
-                    self.span.record("otel.status_code", "ERROR");
-                }
-            }
-            match result {
+            let answer = match result {
                 Ok(mut response) => {
                     tracing::info!(code = "OK", elapsed_ms, "rpc done");
                     self.stamp(response.metadata_mut());
@@ -213,10 +206,23 @@ impl RpcScope {
                     self.stamp(status.metadata_mut());
                     Err(status)
                 }
-            }
+            };
+            self.record_outcome(code);
+            answer
         }
         .instrument(span)
         .await
+    }
+
+    /// The outcome on the span, for the exported trace only, and after the line: the line
+    /// has it as its own field, and a sampled request's line then reads as any other's.
+    fn record_outcome(&self, code: tonic::Code) {
+        if self.exported {
+            self.span.record("code", wire::code_name(code));
+            if code != tonic::Code::Ok {
+                self.span.record("otel.status_code", "ERROR");
+            }
+        }
     }
 
     /// The call's one final line when the caller went away before an answer.
@@ -225,15 +231,14 @@ impl RpcScope {
         self.node
             .counters
             .call_finished(self.method, tonic::Code::Cancelled, elapsed);
-        if self.exported {
-            self.span.record("code", "CANCELLED");
-        }
-        let _entered = self.span.enter();
-        tracing::info!(
-            code = "CANCELLED",
-            elapsed_ms = elapsed * 1e3,
-            "rpc cancelled: the caller went away before an answer"
-        );
+        self.span.in_scope(|| {
+            tracing::info!(
+                code = "CANCELLED",
+                elapsed_ms = elapsed * 1e3,
+                "rpc cancelled: the caller went away before an answer"
+            );
+        });
+        self.record_outcome(tonic::Code::Cancelled);
     }
 
     fn stamp(&self, metadata: &mut MetadataMap) {

@@ -533,12 +533,16 @@ async fn count_instructions(
     for (url, _) in targets {
         load(url, None, cli.requests / 10 + 100, cli.concurrency).await?;
     }
+    let valgrind = cli
+        .callgrind
+        .as_deref()
+        .context("--callgrind names valgrind")?;
     let mut per_request = Vec::new();
     for ((url, pid), name) in targets.iter().zip(["relay", "bare"]) {
-        callgrind_control(*pid, &["--instr=on"])?;
+        callgrind_control(valgrind, *pid, &["--instr=on"]).await?;
         load(url, None, cli.requests, cli.concurrency).await?;
-        callgrind_control(*pid, &["--dump"])?;
-        callgrind_control(*pid, &["--instr=off"])?;
+        callgrind_control(valgrind, *pid, &["--dump"]).await?;
+        callgrind_control(valgrind, *pid, &["--instr=off"]).await?;
         let instructions = dumped_instructions(profiles, name)?;
         per_request.push(instructions as f64 / cli.requests as f64);
     }
@@ -551,19 +555,45 @@ async fn count_instructions(
     })
 }
 
-/// Runs valgrind's `callgrind_control` on `pid`, which does what it is asked before it
-/// answers.
-fn callgrind_control(pid: u32, args: &[&str]) -> anyhow::Result<()> {
-    let output = Command::new("callgrind_control")
+/// Runs valgrind's `callgrind_control` (beside `valgrind`, else on the PATH) on `pid`,
+/// which does what it is asked before it answers. It exits 0 even when it found no such
+/// run, so its words are read too; and it waits for as long as it takes to reach the
+/// process (through ptrace), so it is given a minute.
+async fn callgrind_control(
+    valgrind: &std::path::Path,
+    pid: u32,
+    args: &[&str],
+) -> anyhow::Result<()> {
+    let beside = valgrind.with_file_name("callgrind_control");
+    let program = if beside.is_file() {
+        beside
+    } else {
+        "callgrind_control".into()
+    };
+    let run = tokio::process::Command::new(&program)
         .args(args)
         .arg(pid.to_string())
-        .output()
-        .context("running callgrind_control (valgrind)")?;
-    anyhow::ensure!(
-        output.status.success(),
-        "callgrind_control {args:?} {pid}: {}: {}",
-        output.status,
+        .kill_on_drop(true)
+        .output();
+    let output = tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .with_context(|| {
+            format!(
+                "{} {args:?} {pid} did not answer within a minute",
+                program.display()
+            )
+        })?
+        .with_context(|| format!("running {} (valgrind)", program.display()))?;
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
         String::from_utf8_lossy(&output.stderr)
+    );
+    anyhow::ensure!(
+        output.status.success() && !said.contains("Error") && !said.contains("No active"),
+        "{} {args:?} {pid}: {}: {said}",
+        program.display(),
+        output.status
     );
     Ok(())
 }

@@ -272,30 +272,29 @@ pub fn init(format: LogFormat, service: &str) -> Telemetry {
     }
 }
 
-/// What the log layer lets through: `RUST_LOG`'s directives (`info` when unset or not
-/// understood), and never the spans that exist for traces only ([`resilience::TRACE_ONLY`]:
-/// without export nothing asks for them, and they are not created at all).
+/// What the log layer lets through: `RUST_LOG`'s directives (`info` when unset, empty or
+/// not understood), and never the spans that exist for traces only
+/// ([`resilience::TRACE_ONLY`]: without export nothing asks for them, and they are not
+/// created at all).
 ///
-/// Directives by target and level (`info`, `warn,retrychain_ledger=debug`) make a
-/// [`Targets`](tracing_subscriber::filter::Targets) filter; only directives on spans or
-/// field values (`[rpc{key=order-7}]=debug`) need an [`EnvFilter`]. The difference is paid
-/// on every request: an `EnvFilter` takes a lock to look up the request's span each time
-/// its future is polled, entered and left, and when the span is created and closed, to see
+/// Directives that only name targets and levels ([`by_target`]) make a
+/// [`Targets`](tracing_subscriber::filter::Targets) filter; any other (on spans or
+/// fields: `[rpc]=debug`, `[{key}]=debug`) needs an [`EnvFilter`]. The difference is paid on
+/// every request: an `EnvFilter` takes a lock to look up the request's span each time its
+/// future is polled, entered and left, and when the span is created and closed, to see
 /// whether a directive applies inside it.
 fn log_filter(
     directives: Option<&str>,
 ) -> Box<dyn tracing_subscriber::layer::Filter<tracing_subscriber::Registry> + Send + Sync> {
     use tracing_subscriber::filter::{LevelFilter, Targets};
-    let directives = directives.map(str::trim).filter(|d| !d.is_empty());
-    let only_traced =
+    let only_logged =
         |targets: Targets| targets.with_target(resilience::TRACE_ONLY, LevelFilter::OFF);
-    match directives.map(str::parse::<Targets>) {
-        None => Box::new(only_traced(Targets::new().with_default(LevelFilter::INFO))),
-        Some(Ok(targets)) => Box::new(only_traced(targets)),
-        Some(Err(_)) => {
-            let filter = directives
-                .and_then(|d| EnvFilter::try_new(d).ok())
-                .unwrap_or_else(|| EnvFilter::new("info"));
+    let directives = directives.map(str::trim).filter(|d| !d.is_empty());
+    match directives.map(|d| (d, by_target(d))) {
+        None => Box::new(only_logged(Targets::new().with_default(LevelFilter::INFO))),
+        Some((_, Some(targets))) => Box::new(only_logged(targets)),
+        Some((directives, None)) => {
+            let filter = EnvFilter::try_new(directives).unwrap_or_else(|_| EnvFilter::new("info"));
             // A directive, so that the filter's answers stay cached per callsite (a filter
             // function would make every disabled `trace!` of h2 and hyper ask again).
             Box::new(match format!("{}=off", resilience::TRACE_ONLY).parse() {
@@ -304,6 +303,37 @@ fn log_filter(
             })
         }
     }
+}
+
+/// `directives` as a [`Targets`](tracing_subscriber::filter::Targets) filter when each one
+/// is a level (`info`), a target (`h2`) or both (`retrychain_ledger=debug`), as an
+/// [`EnvFilter`] reads them; `None` for anything else, which an `EnvFilter` must read
+/// (`Targets`' own parser would take `[rpc]=debug` for a target of that name, and an empty
+/// directive for `error`).
+fn by_target(directives: &str) -> Option<tracing_subscriber::filter::Targets> {
+    use tracing_subscriber::filter::LevelFilter;
+    let named = |target: &str| {
+        !target.is_empty()
+            && target
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | ':' | '-'))
+    };
+    let plain = |directive: &str| match directive.split_once('=') {
+        Some((target, level)) => {
+            named(target) && !level.is_empty() && level.parse::<LevelFilter>().is_ok()
+        }
+        None => named(directive),
+    };
+    // An `EnvFilter` skips empty directives (`info,`).
+    let directives: Vec<&str> = directives
+        .split(',')
+        .map(str::trim)
+        .filter(|d| !d.is_empty())
+        .collect();
+    if directives.is_empty() || !directives.iter().all(|d| plain(d)) {
+        return None;
+    }
+    directives.join(",").parse().ok()
 }
 
 /// Every line's time: RFC 3339 in UTC to the microsecond (`2026-12-05T14:03:07.123456Z`),

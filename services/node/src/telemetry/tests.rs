@@ -88,6 +88,43 @@ fn numbers_are_written_as_display_writes_them() {
     }
 }
 
+#[test]
+fn only_directives_on_targets_and_levels_skip_the_env_filter() {
+    use tracing_subscriber::filter::{LevelFilter, Targets};
+    let targets = |text: &str| text.parse::<Targets>().expect("targets");
+    assert_eq!(by_target("info"), Some(targets("info")));
+    assert_eq!(by_target("info,"), Some(targets("info")));
+    assert_eq!(
+        by_target(" warn , retrychain_ledger=debug "),
+        Some(
+            Targets::new()
+                .with_default(LevelFilter::WARN)
+                .with_target("retrychain_ledger", LevelFilter::DEBUG)
+        )
+    );
+    assert_eq!(by_target("off"), Some(targets("off")));
+    assert_eq!(
+        by_target("my-crate::module=TRACE,h2=3"),
+        Some(targets("my-crate::module=trace,h2=info"))
+    );
+    // What says more than a target and a level is an EnvFilter's to read.
+    for directives in [
+        "[rpc]=debug",
+        "info,[rpc]=debug",
+        "retrychain_node[rpc]=debug",
+        "[{key}]=debug",
+        "[rpc{key=order-7}]=debug",
+        "*=debug",
+        "=debug",
+        "h2=loud",
+        "h2=",
+        "a=b=c",
+        ",",
+    ] {
+        assert_eq!(by_target(directives), None, "{directives}");
+    }
+}
+
 struct TestCallsite;
 static CALLSITE: TestCallsite = TestCallsite;
 impl tracing::callsite::Callsite for TestCallsite {
