@@ -267,12 +267,13 @@ impl Payments for Ledger {
                 // The transaction runs in its own task: if this handler is dropped (its
                 // deadline passed, the client went away), the transaction still ends
                 // properly — committed and counted, or rolled back — instead of being cut
-                // off between two statements.
+                // off between two statements. The charge's future (3.5 KB) is boxed where
+                // it starts, so that spawning moves a pointer, not the whole future (each
+                // move a copy: callgrind counted 3.3k instructions of copying a charge).
                 let ledger = self.clone();
                 let answer_by = scope.answer_by;
                 let transaction = async move {
-                    ledger
-                        .charge_once(caller, account, key, amount, mode, answer_by)
+                    Box::pin(ledger.charge_once(caller, account, key, amount, mode, answer_by))
                         .await
                 };
                 let (saved, replayed) = tokio::spawn(transaction.instrument(scope.span.clone()))

@@ -92,10 +92,13 @@ impl ProcessorRecord {
         let bound = self.options.round_trip_timeout;
         let answer = tokio::time::timeout(
             bound,
-            sqlx::query_scalar::<_, i64>(RECORD)
-                .bind(&call.key)
-                .bind(call.amount_cents)
-                .fetch_one(conn.get()),
+            crate::database::statement(
+                "recording the processor's call",
+                sqlx::query_scalar::<_, i64>(RECORD)
+                    .bind(&call.key)
+                    .bind(call.amount_cents)
+                    .fetch_one(conn.get()),
+            ),
         )
         .await;
         let result = match answer {
