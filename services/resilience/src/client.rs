@@ -343,7 +343,7 @@ where
     ResBody: Default,
 {
     match inner.call(request).await {
-        Ok(response) => match Status::from_header_map(response.headers()) {
+        Ok(response) => match crate::wire::failure_in(response.headers()) {
             Some(status) if status.code() == tonic::Code::Cancelled => {
                 Ok(uncancelled(status, None).into_http())
             }

@@ -243,15 +243,15 @@ where
             status,
         };
         match answer {
-            Ok(response) => match Status::from_header_map(response.headers()) {
+            Ok(response) => match wire::failure_in(response.headers()) {
                 Some(status) if status.code() == Code::Cancelled => {
                     failed(uncancelled(status, deadline))
                 }
-                Some(status) if status.code() != Code::Ok => Verdict::Failed {
+                Some(status) => Verdict::Failed {
                     status,
                     answer: Ok(response),
                 },
-                _ => Verdict::Committed(Ok(response)),
+                None => Verdict::Committed(Ok(response)),
             },
             Err(error) => {
                 let error: BoxError = error.into();
@@ -284,11 +284,9 @@ where
         answer: Self::Answer,
         restate: impl FnOnce(Status) -> Status,
     ) -> Self::Answer {
-        answer.map(
-            |response| match Status::from_header_map(response.headers()) {
-                Some(status) if status.code() != Code::Ok => restate(status).into_http(),
-                _ => response,
-            },
-        )
+        answer.map(|response| match wire::failure_in(response.headers()) {
+            Some(status) => restate(status).into_http(),
+            None => response,
+        })
     }
 }

@@ -78,6 +78,10 @@ struct Cli {
     /// module's documentation).
     #[arg(long, conflicts_with_all = ["tls", "haproxy", "perf", "otlp_sample"])]
     callgrind: Option<std::path::PathBuf>,
+    /// With --callgrind: keep the two profiles in this directory (`relay.out.1`,
+    /// `bare.out.1`) for `callgrind_annotate`, instead of a temporary one.
+    #[arg(long, requires = "callgrind")]
+    callgrind_profiles: Option<std::path::PathBuf>,
     /// After the measured rounds, one more round with each forwarder profiled by `perf
     /// record` (DWARF call graphs), written to this directory as `relay.perf.data`,
     /// `bare.perf.data` and `haproxy.perf.data` (`bench/flamegraphs` draws them). The
@@ -301,7 +305,14 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
     };
     // Under callgrind, each forwarder starts with its instrumentation off (as fast as valgrind
     // runs anything) and writes its counts to `profiles` when asked.
-    let profiles = tempfile::tempdir()?;
+    let temporary = tempfile::tempdir()?;
+    let profiles = match &cli.callgrind_profiles {
+        Some(dir) => {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+            dir.clone()
+        }
+        None => temporary.path().to_owned(),
+    };
     let under_callgrind = |name: &str, program: &std::path::Path| -> Vec<String> {
         match &cli.callgrind {
             Some(_) => vec![
@@ -309,7 +320,7 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
                 "--instr-atstart=no".to_owned(),
                 format!(
                     "--callgrind-out-file={}",
-                    profiles.path().join(format!("{name}.out")).display()
+                    profiles.join(format!("{name}.out")).display()
                 ),
                 program.display().to_string(),
             ],
@@ -387,7 +398,7 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
         None => None,
     };
     if cli.callgrind.is_some() {
-        let report = count_instructions(cli, &targets, profiles.path()).await?;
+        let report = count_instructions(cli, &targets, &profiles).await?;
         if cli.json {
             println!("{}", serde_json::to_string(&report)?);
         } else {

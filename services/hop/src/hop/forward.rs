@@ -296,9 +296,7 @@ async fn read_request(body: Body) -> Result<Bytes, Status> {
 /// reply's framed message and its metadata (headers and trailers).
 async fn read_reply(response: http::Response<Body>) -> Result<Response<Bytes>, Status> {
     let (head, body) = response.into_parts();
-    if let Some(status) = Status::from_header_map(&head.headers)
-        && status.code() != Code::Ok
-    {
+    if let Some(status) = resilience::wire::failure_in(&head.headers) {
         return Err(status);
     }
     let whole = match read_whole(body, FRAME_HEADER + MAX_REPLY_BYTES).await {
@@ -310,14 +308,19 @@ async fn read_reply(response: http::Response<Body>) -> Result<Response<Bytes>, S
             )));
         }
     };
-    let status = whole
+    // The code alone first: every answer's trailers carry one, and a success needs no more.
+    let code = whole
         .trailers
         .as_ref()
-        .and_then(Status::from_header_map)
-        .or_else(|| Status::from_header_map(&head.headers))
-        .unwrap_or_else(|| without_status(head.status));
-    if status.code() != Code::Ok {
-        return Err(status);
+        .and_then(resilience::wire::status_code)
+        .or_else(|| resilience::wire::status_code(&head.headers));
+    if code != Some(Code::Ok) {
+        return Err(whole
+            .trailers
+            .as_ref()
+            .and_then(Status::from_header_map)
+            .or_else(|| Status::from_header_map(&head.headers))
+            .unwrap_or_else(|| without_status(head.status)));
     }
     // A reply that tonic's client would not read is a fault below, not the caller's.
     let message = one_message(whole.data, MAX_REPLY_BYTES).map_err(|status| {

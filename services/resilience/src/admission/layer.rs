@@ -257,7 +257,7 @@ where
                 let answer = std::task::ready!(future.poll(cx));
                 if let (Ok(response), Some(admitted)) = (&answer, admitted.take()) {
                     let headers = response.headers();
-                    match Status::from_header_map(headers).map(|status| status.code()) {
+                    match wire::status_code(headers) {
                         // A caller that left, or a call refused before any work (its
                         // credentials, its deadline header, its method), says nothing
                         // about how fast this server drains its calls.

@@ -489,8 +489,10 @@ impl Service<http::Request<Body>> for Balancer {
 /// whatever its policy thinks of DEADLINE_EXCEEDED. (Held against the replica unless
 /// relayed.)
 fn per_try_expired(response: &mut http::Response<Body>, url: &str, per_try: Duration) {
-    let expired = Status::from_header_map(response.headers())
-        .is_some_and(|status| matches!(status.code(), Code::DeadlineExceeded | Code::Cancelled));
+    let expired = matches!(
+        wire::status_code(response.headers()),
+        Some(Code::DeadlineExceeded | Code::Cancelled)
+    );
     if expired {
         let status = Status::unavailable(format!(
             "{url} did not answer within the per-attempt timeout ({} ms)",
@@ -508,7 +510,7 @@ fn outcome(answer: &Result<http::Response<Body>, BoxError>) -> Outcome {
         return Outcome::Failed; // no connection, a broken one, no answer in time
     };
     let headers = response.headers();
-    let Some(status) = Status::from_header_map(headers) else {
+    let Some(code) = wire::status_code(headers) else {
         return Outcome::Answered;
     };
     if wire::is_relayed(headers) {
@@ -518,7 +520,7 @@ fn outcome(answer: &Result<http::Response<Body>, BoxError>) -> Outcome {
         return Outcome::Shed;
     }
     if matches!(
-        status.code(),
+        code,
         Code::Unavailable | Code::Internal | Code::Unknown | Code::DataLoss
     ) {
         Outcome::Failed
