@@ -173,12 +173,17 @@ pub async fn purge_in_batches(
     }
 }
 
-/// A statement that takes this long or longer is logged as slow (sqlx's own threshold).
+/// A statement that takes this long or longer is logged as slow (sqlx's own threshold),
+/// or half its round-trip bound if that is shorter (see [`statement`]).
 pub const SLOW_STATEMENT: Duration = Duration::from_secs(1);
 
-/// Runs one statement (`what` names it in the log) without sqlx's own logging, unless the
-/// log filter asks for sqlx's statement log (`RUST_LOG=sqlx=debug`), and warns when it
-/// took [`SLOW_STATEMENT`] or longer.
+/// Runs one statement (`what` names it in the log) bounded by the caller at `bound`,
+/// without sqlx's own logging unless the log filter lets anything at DEBUG or finer
+/// through (sqlx's statement log is at DEBUG: `RUST_LOG=sqlx=debug`, among others), and
+/// warns when it took [`SLOW_STATEMENT`] or half of `bound`,
+/// whichever is shorter: a statement that is cut off at the bound is an error, logged as
+/// such, and one that took half of it is the warning before (the default bound, 1 s, is
+/// sqlx's threshold itself, and the server's own statement timeout is three quarters of it).
 ///
 /// Why: sqlx runs every statement inside the span that is current when it starts (its
 /// streams are `in_current_span`), so the request's span is entered and left again around
@@ -187,16 +192,31 @@ pub const SLOW_STATEMENT: Duration = Duration::from_secs(1);
 /// the ledger's. Here the statement is polled with no subscriber, so there is no current
 /// span to enter. What sqlx would have logged at the default filter is its warning for a
 /// slow statement, given here instead, inside the request's span, and a server's NOTICE,
-/// which none of the ledger's statements raises.
-pub async fn statement<F: Future>(what: &'static str, work: F) -> F::Output {
+/// which none of the ledger's statements raises (`RUST_LOG=sqlx=debug` brings both back;
+/// enabling only `sqlx::postgres::notice` does not).
+///
+/// Why the most verbose level any filter allows decides, not `tracing::enabled!` for sqlx's
+/// target: where that target's interest is not fixed (an `EnvFilter` with span
+/// directives), `enabled!` asks the per-layer filters, and a filter that says no leaves its
+/// answer on the thread for the next event or span, which is then dropped
+/// (tokio-rs/tracing#2519). Reading the level asks nothing.
+///
+/// The cost that callgrind does not see: while a statement is polled, tracing-core counts
+/// a scoped dispatcher in a process-wide atomic, and every thread's lookup of its dispatcher
+/// takes the thread-local path meanwhile. It holds only for sqlx's methods that build their
+/// stream when first polled (`execute`, `fetch_one`, `fetch_optional`, `fetch_all`); a
+/// stream from `fetch` or `fetch_many` is built when called, inside the request's span.
+pub async fn statement<F: Future>(what: &'static str, bound: Duration, work: F) -> F::Output {
     let started = tokio::time::Instant::now();
-    let done = if tracing::enabled!(target: "sqlx::query", tracing::Level::DEBUG) {
+    let done = if tracing::level_filters::LevelFilter::current()
+        >= tracing::level_filters::LevelFilter::DEBUG
+    {
         work.await
     } else {
         work.with_subscriber(tracing::Dispatch::none()).await
     };
     let took = started.elapsed();
-    if took >= SLOW_STATEMENT {
+    if took >= SLOW_STATEMENT.min(bound / 2) {
         tracing::warn!(
             statement = what,
             elapsed_ms = took.as_millis() as u64,
@@ -245,10 +265,18 @@ mod tests {
         }
     }
 
-    /// Runs `statement` inside a request's span under a subscriber whose log filter is
-    /// `filter` (per layer, as the services' is), with the clock paused; returns the name
-    /// of the span current inside the statement, and the lines logged.
-    fn run(filter: &str, takes: Duration) -> (Option<&'static str>, Vec<Line>) {
+    /// A round-trip bound long enough that [`SLOW_STATEMENT`] is the threshold.
+    const BOUND: Duration = Duration::from_secs(10);
+
+    /// Runs `statement` (bounded at `bound`) inside a request's span under a subscriber
+    /// whose log filter is `filter` (per layer, as the services' is), with the clock
+    /// paused; returns the name of the span current inside the statement, and the lines
+    /// logged.
+    fn run(filter: &str, bound: Duration, takes: Duration) -> (Option<&'static str>, Vec<Line>) {
+        // One at a time: the most verbose level any live subscriber allows is the
+        // process's, and the tests' subscribers differ.
+        static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+        let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
         let lines = Lines::default();
         let subscriber = tracing_subscriber::registry().with(
             lines
@@ -263,7 +291,7 @@ mod tests {
             .unwrap();
         let request = tracing::info_span!("rpc");
         let inside = runtime.block_on(tracing::Instrument::instrument(
-            statement("claiming the key", async {
+            statement("claiming the key", bound, async {
                 tokio::time::sleep(takes).await;
                 span::Span::current().metadata().map(|m| m.name())
             }),
@@ -275,11 +303,11 @@ mod tests {
 
     #[test]
     fn a_statement_runs_outside_the_requests_span_unless_sqlx_is_logged() {
-        let (inside, logged) = run("info", Duration::from_millis(5));
+        let (inside, logged) = run("info", BOUND, Duration::from_millis(5));
         assert_eq!(inside, None, "no span for sqlx to enter around each poll");
         assert!(logged.is_empty(), "{logged:?}");
 
-        let (inside, _) = run("info,sqlx=debug", Duration::from_millis(5));
+        let (inside, _) = run("info,sqlx=debug", BOUND, Duration::from_millis(5));
         assert_eq!(
             inside,
             Some("rpc"),
@@ -289,10 +317,17 @@ mod tests {
 
     #[test]
     fn a_slow_statement_is_logged_in_the_requests_span() {
-        let (_, logged) = run("info", SLOW_STATEMENT);
+        let (_, logged) = run("info", BOUND, SLOW_STATEMENT);
         assert_eq!(logged, [("slow statement".to_owned(), Some("rpc"))]);
 
-        let (_, logged) = run("info", SLOW_STATEMENT - Duration::from_millis(1));
+        let (_, logged) = run("info", BOUND, SLOW_STATEMENT - Duration::from_millis(1));
+        assert!(logged.is_empty(), "{logged:?}");
+
+        // Under a short bound, half of it is slow.
+        let short = Duration::from_millis(400);
+        let (_, logged) = run("info", short, short / 2);
+        assert_eq!(logged, [("slow statement".to_owned(), Some("rpc"))]);
+        let (_, logged) = run("info", short, short / 2 - Duration::from_millis(1));
         assert!(logged.is_empty(), "{logged:?}");
     }
 }

@@ -240,9 +240,9 @@ where
             let trailers = collected.trailers().cloned();
             let succeeded = trailers
                 .as_ref()
-                .and_then(tonic::Status::from_header_map)
-                .or_else(|| tonic::Status::from_header_map(&parts.headers))
-                .is_some_and(|status| status.code() == Code::Ok);
+                .and_then(resilience::wire::status_code)
+                .or_else(|| resilience::wire::status_code(&parts.headers))
+                == Some(Code::Ok);
             if succeeded && faults.drop_reply() {
                 return Ok(lost_reply(&service).into_http());
             }

@@ -449,7 +449,7 @@ fn with_contract_codes(headers: &mut http::HeaderMap) {
     if !headers.contains_key(&names::GRPC_STATUS) || resilience::wire::is_relayed(headers) {
         return;
     }
-    let Some(status) = Status::from_header_map(headers) else {
+    let Some(status) = resilience::wire::status_in(headers) else {
         return;
     };
     let status = match status.code() {

@@ -338,23 +338,50 @@ pub fn mark_overloaded(metadata: &mut tonic::metadata::MetadataMap) {
 }
 
 /// The gRPC status code `headers` carry (a trailers-only answer's headers, or trailers),
-/// `None` when they carry none. For a caller that needs only the code: tonic's
-/// `Status::from_header_map` also decodes the message and the details and copies the whole
-/// map, and every answer's trailers carry a code (callgrind counted 1.5k instructions a
-/// relayed call for reading a success's trailers that way).
+/// `None` when they carry none; the code [`status_in`] would read. For a caller that needs
+/// only the code: the whole status also decodes the message and the details and copies the
+/// whole map, and every answer's trailers carry a code (callgrind counted 1.5k
+/// instructions a relayed call for reading a success's trailers that way). Only a status
+/// with a message is read whole (rare for a success): tonic reads a status whose message
+/// does not decode as UNKNOWN, whatever its code, and so does this.
 pub fn status_code(headers: &HeaderMap) -> Option<Code> {
-    headers
-        .get(&names::GRPC_STATUS)
-        .map(|value| Code::from_bytes(value.as_bytes()))
+    let code = Code::from_bytes(headers.get(&names::GRPC_STATUS)?.as_bytes());
+    if headers.contains_key(&names::GRPC_MESSAGE) {
+        return status_in(headers).map(|status| status.code());
+    }
+    Some(code)
 }
 
 /// The failure `headers` carry, whole: `None` when they carry no status or OK (read as
 /// [`status_code`] reads it, so a success costs no more).
 pub fn failure_in(headers: &HeaderMap) -> Option<tonic::Status> {
-    match status_code(headers)? {
-        Code::Ok => None,
-        _ => tonic::Status::from_header_map(headers),
+    let code = Code::from_bytes(headers.get(&names::GRPC_STATUS)?.as_bytes());
+    if code == Code::Ok && !headers.contains_key(&names::GRPC_MESSAGE) {
+        return None;
     }
+    status_in(headers).filter(|status| status.code() != Code::Ok)
+}
+
+/// The whole status `headers` carry, read as tonic's `Status::from_header_map` reads it,
+/// except that a `grpc-status-details-bin` that is not base64 is left out: tonic panics on
+/// it, and an answer from below is input like any other (the status keeps its code and
+/// message).
+pub fn status_in(headers: &HeaderMap) -> Option<tonic::Status> {
+    use base64::Engine as _;
+    const DETAILS: base64::engine::GeneralPurpose = base64::engine::GeneralPurpose::new(
+        &base64::alphabet::STANDARD,
+        base64::engine::GeneralPurposeConfig::new()
+            .with_decode_padding_mode(base64::engine::DecodePaddingMode::Indifferent),
+    );
+    let undecodable = headers
+        .get(&names::GRPC_STATUS_DETAILS)
+        .is_some_and(|details| DETAILS.decode(details.as_bytes()).is_err());
+    if undecodable {
+        let mut readable = headers.clone();
+        readable.remove(&names::GRPC_STATUS_DETAILS);
+        return tonic::Status::from_header_map(&readable);
+    }
+    tonic::Status::from_header_map(headers)
 }
 
 /// Whether a response's headers mark it as an overloaded service's refusal ([`OVERLOADED`]).
@@ -373,23 +400,47 @@ mod tests {
 
     #[test]
     fn the_code_alone_is_read_as_tonic_reads_the_whole_status() {
+        let messages = [None, Some("went%20wrong"), Some("%FF")];
         for value in ["0", "3", "14", "16", "17", "-1", "abc", "", "014"] {
-            let mut headers = HeaderMap::new();
-            headers.insert(&names::GRPC_STATUS, value.parse().unwrap());
-            headers.insert(&names::GRPC_MESSAGE, "went%20wrong".parse().unwrap());
-            let whole = tonic::Status::from_header_map(&headers).expect("a status");
-            assert_eq!(status_code(&headers), Some(whole.code()), "{value:?}");
-            match failure_in(&headers) {
-                None => assert_eq!(whole.code(), Code::Ok, "{value:?}"),
-                Some(failure) => {
-                    assert_ne!(whole.code(), Code::Ok, "{value:?}");
-                    assert_eq!(failure.code(), whole.code());
-                    assert_eq!(failure.message(), "went wrong");
+            for message in messages {
+                let mut headers = HeaderMap::new();
+                headers.insert(&names::GRPC_STATUS, value.parse().unwrap());
+                if let Some(message) = message {
+                    headers.insert(&names::GRPC_MESSAGE, message.parse().unwrap());
+                }
+                let case = format!("{value:?} {message:?}");
+                let whole = tonic::Status::from_header_map(&headers).expect("a status");
+                assert_eq!(status_code(&headers), Some(whole.code()), "{case}");
+                match failure_in(&headers) {
+                    None => assert_eq!(whole.code(), Code::Ok, "{case}"),
+                    Some(failure) => {
+                        assert_ne!(whole.code(), Code::Ok, "{case}");
+                        assert_eq!(failure.code(), whole.code(), "{case}");
+                        assert_eq!(failure.message(), whole.message(), "{case}");
+                    }
                 }
             }
         }
         assert_eq!(status_code(&HeaderMap::new()), None);
         assert!(failure_in(&HeaderMap::new()).is_none());
+    }
+
+    #[test]
+    fn details_that_are_not_base64_are_left_out_not_a_panic() {
+        let mut headers = HeaderMap::new();
+        headers.insert(&names::GRPC_STATUS, "14".parse().unwrap());
+        headers.insert(&names::GRPC_MESSAGE, "down".parse().unwrap());
+        headers.insert(&names::GRPC_STATUS_DETAILS, "not base64!".parse().unwrap());
+        let status = failure_in(&headers).expect("a failure");
+        assert_eq!(
+            (status.code(), status.message(), status.details()),
+            (Code::Unavailable, "down", &b""[..])
+        );
+        // Valid details, padded or not, are kept as tonic keeps them.
+        for details in ["AQI=", "AQI"] {
+            headers.insert(&names::GRPC_STATUS_DETAILS, details.parse().unwrap());
+            assert_eq!(status_in(&headers).unwrap().details(), [1, 2]);
+        }
     }
 
     #[test]

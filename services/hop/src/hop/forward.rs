@@ -318,8 +318,8 @@ async fn read_reply(response: http::Response<Body>) -> Result<Response<Bytes>, S
         return Err(whole
             .trailers
             .as_ref()
-            .and_then(Status::from_header_map)
-            .or_else(|| Status::from_header_map(&head.headers))
+            .and_then(resilience::wire::status_in)
+            .or_else(|| resilience::wire::status_in(&head.headers))
             .unwrap_or_else(|| without_status(head.status)));
     }
     // A reply that tonic's client would not read is a fault below, not the caller's.
@@ -516,7 +516,7 @@ mod tests {
         assert!(with(None).is_none());
         assert!(with(Some("identity")).is_none());
         let refused = with(Some("gzip")).expect("refused");
-        let status = Status::from_header_map(refused.headers()).expect("a status");
+        let status = resilience::wire::status_in(refused.headers()).expect("a status");
         assert_eq!(status.code(), Code::Unimplemented);
         assert_eq!(refused.headers()["grpc-accept-encoding"], "identity");
     }

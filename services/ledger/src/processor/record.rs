@@ -94,6 +94,7 @@ impl ProcessorRecord {
             bound,
             crate::database::statement(
                 "recording the processor's call",
+                bound,
                 sqlx::query_scalar::<_, i64>(RECORD)
                     .bind(&call.key)
                     .bind(call.amount_cents)

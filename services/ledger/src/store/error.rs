@@ -184,7 +184,11 @@ impl RoundTrip<'_> {
         work: impl Future<Output = Result<T, E>>,
     ) -> Result<T, StoreError> {
         let started = tokio::time::Instant::now();
-        let answer = tokio::time::timeout(self.limit, crate::database::statement(what, work)).await;
+        let answer = tokio::time::timeout(
+            self.limit,
+            crate::database::statement(what, self.limit, work),
+        )
+        .await;
         self.times.observe(started.elapsed().as_secs_f64());
         match answer {
             Ok(result) => result.map_err(Into::into),
