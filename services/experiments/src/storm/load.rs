@@ -94,9 +94,7 @@ pub(super) async fn storm(
     };
     let tls = tls.as_ref();
     let edge_control = ControlClient::new(connect_as(&edge.admin_url, "edge", tls).await?);
-    let connections = args
-        .connections
-        .map_or_else(|| args.concurrency.div_ceil(100).max(1), |n| n as usize);
+    let connections = args.connections_to_open();
     let mut channels = Vec::with_capacity(connections);
     for _ in 0..connections {
         channels.push(connect_as(&edge.url, "edge", tls).await?);
