@@ -14,7 +14,7 @@ mod load;
 mod report;
 mod tally;
 
-pub use args::StormArgs;
+pub use args::{MOST_DEFAULT_CONNECTIONS, StormArgs};
 pub use report::{Latency, StormReport, print_report};
 
 use crate::chart;
