@@ -533,7 +533,7 @@ async fn a_caller_one_call_at_a_time_is_never_refused_while_another_bursts_past_
 /// The edge's line at the door (`--door-wait-share`), through the real wire. The ledger
 /// answers a charge in 300 ms and the edge's estimate is measured on charges sent one
 /// after another, so a second charge sent while one is in flight is predicted to take
-/// about 600 ms, more than the quarter of its 2 s it may (about 500 ms). Without a wait
+/// about 600 ms, more than the half of its 1.1 s it may (about 540 ms). Without a wait
 /// share it is refused at once; with half its time to wait, it waits at the edge and is
 /// served once the first is answered. Both are the same caller's (one connection), so no
 /// fair share lets the second in.
@@ -548,7 +548,7 @@ async fn a_charge_that_does_not_fit_now_waits_at_the_door_with_a_wait_share_refu
         chain.set_faults(LEDGER, delayed(300)).await;
         let client = PaymentsClient::new(chain.channel(EDGE).await);
         let account = new_account();
-        let deadline = Duration::from_secs(2);
+        let deadline = Duration::from_millis(1100);
         // One at a time: a window of the estimate closes after 8 answers.
         for _ in 0..10 {
             charge_on(&client, &account, 1, Some(&new_key()), deadline)

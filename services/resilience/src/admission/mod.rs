@@ -38,7 +38,7 @@
 //! ratio is base / n̄). Nothing has to be tuned to the machine or the load, and a deadline
 //! that leaves room is never a reason to refuse.
 //!
-//! **At the door.** The edge admits with `headroom` 0.25, the services behind it with 1.0:
+//! **At the door.** The edge admits with `headroom` 0.5, the services behind it with 1.0:
 //! the edge's prediction includes every service below it (its latency is theirs plus its
 //! own), so what it admits fits their deadlines too, with room left for a stall after
 //! admission (a ledger session killed, a starved core), and a service below refuses only

@@ -47,9 +47,10 @@ pub struct HopArgs {
     pub caller_max_in_flight: u32,
     /// The edge: the share of a call's time that a first attempt which does not fit now
     /// may wait at the door for a place, instead of being refused at once (0: refused at
-    /// once; at most 0.75, the edge keeping a quarter for the services below). It goes in
-    /// once it fits the time it has left, or, its wait over, if the chain answered calls
-    /// meanwhile at a pace that serves it in time; else it is refused then, after its wait.
+    /// once; at most 0.5, what the edge's half of a call's time for its prediction leaves).
+    /// It goes in once it fits the time it has left, or, its wait over, if the chain
+    /// answered calls meanwhile at a pace that serves it in time; else it is refused then,
+    /// after its wait.
     /// Fewer refusals for clients that send again at once, some refusals late when the
     /// chain slows (docs/overload.md).
     #[arg(long, env = "RETRYCHAIN_DOOR_WAIT_SHARE", default_value_t = 0.0, value_parser = door_wait_share)]
@@ -111,8 +112,8 @@ pub enum CallersArg {
 }
 
 /// The most of a call's time `--door-wait-share` may give to waiting: what the edge's
-/// headroom (a quarter for the services below) leaves.
-pub const MOST_DOOR_WAIT_SHARE: f64 = 0.75;
+/// headroom (half of it for the prediction) leaves.
+pub const MOST_DOOR_WAIT_SHARE: f64 = 1.0 - super::service::EDGE_HEADROOM;
 
 /// `--door-wait-share`: a number from 0 to [`MOST_DOOR_WAIT_SHARE`].
 fn door_wait_share(value: &str) -> Result<f64, String> {
@@ -123,7 +124,7 @@ fn door_wait_share(value: &str) -> Result<f64, String> {
         Ok(share)
     } else {
         Err(format!(
-            "{value} is not a share from 0 to {MOST_DOOR_WAIT_SHARE} (the edge keeps a quarter of a call's time for the services below)"
+            "{value} is not a share from 0 to {MOST_DOOR_WAIT_SHARE} (the edge keeps the rest of a call's time for its prediction)"
         ))
     }
 }

@@ -254,18 +254,18 @@ mod tests {
     /// lets calls wait.
     #[test]
     fn a_door_wait_share_is_a_share_the_headroom_leaves_and_only_the_edge_s() {
-        for bad in ["0.8", "-0.1", "half", "NaN"] {
+        for bad in ["0.6", "-0.1", "half", "NaN"] {
             let flag = format!("--door-wait-share={bad}");
             let error = ServiceCli::try_parse_from(["edge", flag.as_str()])
                 .expect_err("refused")
                 .to_string();
             assert!(
-                (error.contains("--door-wait-share") && error.contains("from 0 to 0.75"))
+                (error.contains("--door-wait-share") && error.contains("from 0 to 0.5"))
                     || error.contains("not a number"),
                 "{bad}: {error}"
             );
         }
-        let edge = ServiceCli::try_parse_from(["edge", "--door-wait-share", "0.75"])
+        let edge = ServiceCli::try_parse_from(["edge", "--door-wait-share", "0.5"])
             .expect("the most it may be")
             .command;
         let ServiceCommand::Edge(args) = &edge else {
@@ -275,7 +275,7 @@ mod tests {
             .service
             .admission(Some(args.door_wait_share))
             .expect("valid");
-        assert_eq!((door.wait_share, door.door), (0.75, true));
+        assert_eq!((door.wait_share, door.door), (0.5, true));
         let relay = args.service.admission(None).expect("valid");
         assert_eq!((relay.wait_share, relay.door), (0.0, false));
     }
