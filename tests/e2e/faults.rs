@@ -1779,18 +1779,22 @@ async fn charge_seen(
 }
 
 /// The deadlines of the two charges let wait in [`the_line_at_the_door_against_a_stall`],
-/// in ms: each predicted past the half of its time the edge admits to, and within what
-/// may drain ahead of it while it waits.
+/// in ms, in the order they arrive (100 ms apart, so that the second finds the first in
+/// line): the first predicted past the half of its time the edge admits to, the second
+/// behind a call in line (it goes in line behind it, its connection at its fair share),
+/// each within what may drain ahead of it while it waits.
 const WAITERS_DEADLINES: [u64; 2] = [1100, 1600];
 
 /// The line at the edge's door (`--door-wait-share`) against a real stall of the database
 /// (`stall`, mended by `mend`) while charges wait at the edge for a place; the chain's
 /// ledger reaches the database at `chain_url`, the check reads it at `url`. The ledger
 /// takes 300 ms a charge and the edge's estimate is measured one charge at a time, so with
-/// one charge in flight the next two are predicted at about 0.6 and 0.9 s, past the half
-/// of their 1.1 and 1.6 s they may take below (0.54 and 0.79 s) and within what may drain
-/// ahead of them (that half and half of half their time: 0.81 and 1.19 s): they wait, for
-/// half their time. The charge in flight meets the stall and, the
+/// one charge in flight the next is predicted at about 0.6 s, past the half of its 1.1 s
+/// it may take below (0.54 s), and within what may drain ahead of it (that half and half
+/// of half its time: 0.82 s): it waits, for half its time. The one after it, 100 ms later
+/// with 1.6 s, finds it in line and goes behind it (its connection holds its fair share),
+/// predicted behind the call in flight and the line at about 0.9 s, within its 1.19 s:
+/// it waits too, for half its time. The charge in flight meets the stall and, the
 /// ledger's round-trip bound set past the deadline, holds its place until its deadline;
 /// nothing is answered while the others wait. When their wait is over they are refused at
 /// the edge — UNAVAILABLE, overloaded, saying that no call was answered — and reach no
@@ -1831,7 +1835,7 @@ async fn the_line_at_the_door_against_a_stall<S, M>(
         let client = &client;
         let account = &account;
         async move {
-            tokio::time::sleep(Duration::from_millis(200 + 10 * i as u64)).await;
+            tokio::time::sleep(Duration::from_millis(200 + 100 * i as u64)).await;
             charge_seen(client, account, new_key(), Duration::from_millis(*ms)).await
         }
     }));

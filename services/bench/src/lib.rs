@@ -261,6 +261,34 @@ pub fn machine_cpu_seconds() -> anyhow::Result<(f64, f64)> {
     ))
 }
 
+/// The most calls an open-loop point holds in flight at once (storm's `--concurrency`).
+pub const OPEN_LOOP_MOST_IN_FLIGHT: usize = 20_000;
+
+/// The edge's streams a connection (`Http2Settings::max_concurrent_streams`).
+const STREAMS_PER_CONNECTION: usize = 512;
+
+/// storm's flags for an open loop at `rate` calls a second with 5 s deadlines: at most
+/// [`OPEN_LOOP_MOST_IN_FLIGHT`] in flight, over enough connections to carry all of them at
+/// the edge (up to what storm opens from one address), so that the calls wait at the
+/// edge, which decides on them, and not in storm for a stream, where no chain sees them.
+/// One connection per 500 calls a second, as before, carried 3,072 calls at 2× a capacity
+/// of 1,500/s: fewer than admission off holds (4,096), and fewer than an edge admitting to
+/// half a call's time lets in, whose calls then waited out their deadlines inside storm.
+pub fn open_loop_args(rate: f64) -> Vec<String> {
+    let in_flight = ((rate * 5.0).ceil() as usize).min(OPEN_LOOP_MOST_IN_FLIGHT);
+    let connections = in_flight
+        .div_ceil(STREAMS_PER_CONNECTION)
+        .clamp(1, retrychain_experiments::storm::MOST_DEFAULT_CONNECTIONS);
+    vec![
+        "--rate".into(),
+        format!("{rate:.0}"),
+        "--concurrency".into(),
+        OPEN_LOOP_MOST_IN_FLIGHT.to_string(),
+        "--connections".into(),
+        connections.to_string(),
+    ]
+}
+
 /// `retrychain storm`'s settings from `args` (its flags, without the program's name), as
 /// the command line would parse them: a benchmark that runs storms in process states each
 /// one as a user would type it.
@@ -407,4 +435,30 @@ pub fn refusal_p99_ms(before: &[(f64, f64)], after: &[(f64, f64)]) -> Option<f64
             .map_or(f64::INFINITY, |(le, _)| *le)
             * 1000.0
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn connections(rate: f64) -> usize {
+        let args = open_loop_args(rate);
+        let at = args.iter().position(|a| a == "--connections").unwrap();
+        args[at + 1].parse().unwrap()
+    }
+
+    /// Enough streams at the edge for every call a 5 s deadline lets be in flight, up to
+    /// storm's bound on them, over no more connections than storm opens from one address.
+    #[test]
+    fn an_open_loop_opens_streams_for_every_call_in_flight() {
+        // 3,000/s for 5 s: 15,000 calls, 30 connections of 512 streams.
+        assert_eq!(connections(3000.0), 30);
+        assert!(connections(3000.0) * STREAMS_PER_CONNECTION >= 15_000);
+        // Past storm's 20,000 in flight: 40.
+        assert_eq!(connections(15_000.0), 40);
+        assert_eq!(connections(0.0), 1);
+        let parsed = storm_args(open_loop_args(3000.0)).unwrap();
+        assert_eq!(parsed.connections, Some(30));
+        assert_eq!(parsed.concurrency, OPEN_LOOP_MOST_IN_FLIGHT);
+    }
 }

@@ -319,21 +319,6 @@ async fn shed_counts(admins: &[String]) -> anyhow::Result<Vec<u64>> {
     Ok(counts)
 }
 
-/// The edge's streams a connection (`Http2Settings::max_concurrent_streams`).
-const STREAMS_PER_CONNECTION: f64 = 512.0;
-
-/// Connections for an open loop at `rate`: enough streams for every call its 5 s deadline
-/// lets be in flight at once (up to what storm opens from one address), so that the calls
-/// are held at the edge, which decides on them, and not in this client waiting for a
-/// stream, where neither chain sees them. One per 500 calls a second, as before, carried
-/// 3,072 calls at 2× a capacity of 1,500/s: fewer than admission off holds (4,096), and
-/// fewer than an edge admitting to half a call's time lets in, whose calls then waited
-/// out their deadlines in this client.
-fn open_loop_connections(rate: f64) -> usize {
-    let in_flight = rate * 5.0;
-    ((in_flight / STREAMS_PER_CONNECTION).ceil() as usize).clamp(1, storm::MOST_DEFAULT_CONNECTIONS)
-}
-
 fn storm_args(
     edge: &str,
     admin: &str,
@@ -567,14 +552,7 @@ async fn main() -> anyhow::Result<()> {
         let rate = capacity * factor;
         loads.push((
             format!("open loop, {factor}x capacity ({rate:.0}/s)"),
-            vec![
-                "--rate".into(),
-                format!("{rate:.0}"),
-                "--concurrency".into(),
-                "20000".into(),
-                "--connections".into(),
-                open_loop_connections(rate).to_string(),
-            ],
+            retrychain_bench::open_loop_args(rate),
         ));
     }
     let mut points = Vec::new();

@@ -149,19 +149,9 @@ async fn main() -> anyhow::Result<()> {
         let before = retrychain_bench::refusal_buckets(&edge_admin)
             .await
             .unwrap_or_default();
-        let report = storm::run(&storm_args(
-            &cli,
-            &[
-                "--rate".into(),
-                format!("{rate:.0}"),
-                "--concurrency".into(),
-                "20000".into(),
-                "--connections".into(),
-                format!("{}", (rate / 500.0).ceil().max(1.0)),
-            ],
-        )?)
-        .await
-        .with_context(|| format!("the step at {factor}x"))?;
+        let report = storm::run(&storm_args(&cli, &retrychain_bench::open_loop_args(rate))?)
+            .await
+            .with_context(|| format!("the step at {factor}x"))?;
         let after = retrychain_bench::refusal_buckets(&edge_admin)
             .await
             .unwrap_or_default();
