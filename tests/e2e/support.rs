@@ -140,11 +140,17 @@ impl Options {
     }
 
     /// The test deployment as five processes.
+    /// Their ports are below the kernel's range for outgoing connections: a restarted
+    /// service binds its ports again, and a port the kernel once handed out for port 0 may
+    /// by then be an outgoing connection's (measured: `faults::a_draining_ledger…` failed
+    /// with "binding the admin address 127.0.0.1:37343: Address already in use").
     pub fn processes() -> Self {
-        Self {
+        let mut options = Self {
             processes: true,
             ..Self::default()
-        }
+        };
+        options.spec.base_port = free_base_port();
+        options
     }
 }
 
@@ -692,8 +698,15 @@ pub fn start_up(
 /// Five consecutive free ports whose admin ports (+1000) are free too, all below the
 /// kernel's range for outgoing connections (32768–60999), where any connection could take
 /// one between this check and the chain's bind.
+/// Calls in one test process start their search at different bases, so that two tests
+/// asking at once (each lets its ports go before its chain binds them) are not given the
+/// same.
 pub fn free_base_port() -> u16 {
-    'next: for base in (20000..31000u16).step_by(10) {
+    static NEXT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(0);
+    let start = NEXT.fetch_add(10, std::sync::atomic::Ordering::Relaxed) % 1100;
+    let bases = (20000..31000u16).step_by(10);
+    let bases = bases.clone().skip(start as usize / 10).chain(bases);
+    'next: for base in bases {
         let mut held = Vec::new();
         for port in (base..base + 5).chain(base + 1000..base + 1005) {
             match std::net::TcpListener::bind(("127.0.0.1", port)) {
