@@ -1516,11 +1516,15 @@ async fn protocol_abuse_gets_grpc_statuses_while_others_are_served() {
     );
     println!("200 unfinished bodies without grpc-timeout: DEADLINE_EXCEEDED within {took:?}");
 
-    // One address may hold 256 connections (the default): the 257th takes the place of
-    // the oldest idle one, which is closed, while everybody else is still served.
-    let mut one_peer = connections_from("127.0.0.4", &addr, 257).await;
+    // One address may hold 256 connections (the default): once they have been idle a
+    // while, the 257th takes the place of the oldest one, which is closed (it sent no
+    // preface, so its GOAWAY waits for one, and it is closed as idle), while everybody
+    // else is still served.
+    let mut one_peer = connections_from("127.0.0.4", &addr, 256).await;
+    tokio::time::sleep(retrychain_node::limits::EVICTABLE_AFTER).await;
+    one_peer.extend(connections_from("127.0.0.4", &addr, 1).await);
     let mut oldest = one_peer.remove(0);
-    let ended = tokio::time::timeout(Duration::from_secs(2), async {
+    let ended = tokio::time::timeout(Duration::from_secs(4), async {
         use tokio::io::AsyncReadExt;
         let mut buf = [0u8; 64];
         loop {

@@ -14,6 +14,7 @@ mod support;
 mod chain;
 mod chaos;
 mod compose;
+mod connections;
 mod crash;
 mod demo;
 mod failover;

@@ -30,7 +30,7 @@ use tower::{Service, ServiceExt};
 
 use crate::{
     authz::PeerIdentity,
-    limits::{Counted, Handshake},
+    limits::{Counted, Guarded},
 };
 use retrychain_tls::Tls;
 
@@ -90,7 +90,7 @@ pub async fn serve_h2<I, IO, S, B, F>(
     shutdown: F,
 ) where
     I: Stream<Item = std::io::Result<IO>>,
-    IO: AsyncRead + AsyncWrite + Handshake + Unpin + Send + 'static,
+    IO: AsyncRead + AsyncWrite + Guarded + Unpin + Send + 'static,
     S: Service<http::Request<Body>, Response = http::Response<B>> + Clone + Send + 'static,
     S::Error: Into<tower::BoxError>,
     S::Future: Send + 'static,
@@ -136,16 +136,18 @@ pub async fn serve_h2<I, IO, S, B, F>(
                     request
                 },
             ));
+            let evicted = io.evicted();
             let connection = builder.serve_connection(TokioIo::new(io), service);
             tokio::spawn(async move {
                 let _open = open;
-                serve_until(connection, stopping, std::future::pending()).await;
+                serve_until(connection, stopping, evicted).await;
             });
             continue;
         };
         let (tls, service, builder) = (tls.clone(), service.clone(), builder.clone());
         let mut io = io;
         let activity = io.activity();
+        let evicted = io.evicted();
         io.handshake_starts();
         tokio::spawn(async move {
             let _open = open;
@@ -153,6 +155,12 @@ pub async fn serve_h2<I, IO, S, B, F>(
             // so its client reconnects on the new (a rotated-out certificate or authority
             // stops authenticating anything within one call's time).
             let renewed = tls.renewed();
+            let goaway = async move {
+                tokio::select! {
+                    () = renewed => tracing::debug!("TLS material renewed: a connection made with the old one is closed (GOAWAY; its calls finish)"),
+                    () = evicted => {}
+                }
+            };
             let (mut stream, identity) = match tokio::time::timeout(
                 HANDSHAKE_WITHIN,
                 retrychain_tls::accept(&tls, io),
@@ -183,7 +191,7 @@ pub async fn serve_h2<I, IO, S, B, F>(
             // only holds a slot.
             let stream = Counted::new(stream, activity);
             let connection = builder.serve_connection(TokioIo::new(stream), service);
-            serve_until(connection, stopping, renewed).await;
+            serve_until(connection, stopping, goaway).await;
         });
     }
     drop(incoming);
@@ -192,12 +200,13 @@ pub async fn serve_h2<I, IO, S, B, F>(
     let _ = all_closed.recv().await;
 }
 
-/// Serves `connection` until it ends; when the server stops (`stop`) or `renewed`
-/// completes, it is sent a GOAWAY first (calls in flight finish, no new ones start).
+/// Serves `connection` until it ends; when the server stops (`stop`) or `goaway` completes
+/// (the connection evicted to make room, or its TLS material renewed), it is sent a GOAWAY
+/// first (calls in flight finish, no new ones start).
 async fn serve_until<I, S, B, E>(
     connection: hyper::server::conn::http2::Connection<I, S, E>,
     mut stop: tokio::sync::watch::Receiver<bool>,
-    renewed: impl Future<Output = ()>,
+    goaway: impl Future<Output = ()>,
 ) where
     S: hyper::service::HttpService<Incoming, ResBody = B>,
     S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -207,7 +216,7 @@ async fn serve_until<I, S, B, E>(
     E: hyper::rt::bounds::Http2ServerConnExec<S::Future, B>,
 {
     let mut connection = std::pin::pin!(connection);
-    let mut renewed = std::pin::pin!(renewed);
+    let mut goaway = std::pin::pin!(goaway);
     let mut closing = false;
     let ended = loop {
         tokio::select! {
@@ -216,8 +225,7 @@ async fn serve_until<I, S, B, E>(
                 connection.as_mut().graceful_shutdown();
                 closing = true;
             }
-            () = &mut renewed, if !closing => {
-                tracing::debug!("TLS material renewed: a connection made with the old one is closed (GOAWAY; its calls finish)");
+            () = &mut goaway, if !closing => {
                 connection.as_mut().graceful_shutdown();
                 closing = true;
             }

@@ -35,8 +35,9 @@ pub struct ConnectionLimits {
     /// one closes.
     pub max_connections: usize,
     /// Connections held at once from one IP address. Past it, the oldest of that
-    /// address's idle connections (none has sent a request) is closed to make room; if
-    /// all of them have sent requests, the new one is closed at once. Without it, one
+    /// address's idle connections (none has sent a request, for [`EVICTABLE_AFTER`] at
+    /// least) is sent a GOAWAY to make room; if there is none, the new one is refused
+    /// ([`Refusal`]). Without it, one
     /// client could take every slot of `max_connections` and lock everybody else out;
     /// without the eviction, 256 idle sockets from an address (a NAT, a load balancer, an
     /// attacker on the same host) would lock out every other client behind it.
@@ -66,50 +67,218 @@ const PREFACE_BYTES: usize = 24 + 9;
 /// (13) and a PING (17) fit under it; a call's HEADERS frame takes it past.
 const REQUEST_BYTES: usize = 128;
 
+/// How a connection is refused when its address already holds
+/// [`ConnectionLimits::max_per_peer`], none of which can make room (each makes requests,
+/// or has been open less than [`EVICTABLE_AFTER`]).
+///
+/// A connection closed without a word breaks the calls its client has already sent on it:
+/// tonic reports them UNKNOWN ("connection reset") or CANCELLED, codes that do not say
+/// whether a charge was made. HTTP/2 has the word for it: a GOAWAY whose last stream is 0
+/// says that no call on the connection was processed, so every one may be sent again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// A plaintext HTTP/2 port: the connection is answered with the server's SETTINGS and
+    /// a GOAWAY (last stream 0, REFUSED_STREAM, which gRPC clients report as UNAVAILABLE),
+    /// then closed once its client closes, or after [`REFUSED_LINGER`].
+    GoAway,
+    /// A TLS port: the connection is closed before its handshake, which its client
+    /// reports as a failure to connect (UNAVAILABLE) before any call is sent. A GOAWAY
+    /// would first cost the server a TLS handshake for a connection it does not want.
+    Close,
+}
+
+impl Refusal {
+    /// How a port refuses: over TLS (`tls`) or in plaintext.
+    pub fn of_port(tls: bool) -> Self {
+        if tls { Self::Close } else { Self::GoAway }
+    }
+}
+
+/// How long a refused connection is held after its GOAWAY, reading (and dropping) what
+/// its client still sends. Closed with unread bytes, a socket sends a TCP reset, and a
+/// reset can destroy the GOAWAY before the client reads it; a client that read it closes
+/// on its own, at once.
+pub const REFUSED_LINGER: Duration = Duration::from_secs(2);
+
+/// How long a connection must have been open without a request before it may be evicted
+/// to make room for another from its address. A younger one is most likely a client's
+/// that is sending its first call this moment; evicting it would send it a GOAWAY with
+/// NO_ERROR, which tonic reports as INTERNAL for a call it was about to send (measured: a
+/// burst of 16 connections from one address against a limit of 4). A client of many new
+/// connections at once gets the refusal instead, which says UNAVAILABLE; what eviction is
+/// for, sockets that hold a slot and ask nothing, are idle far longer.
+pub const EVICTABLE_AFTER: Duration = Duration::from_secs(1);
+
+/// How long a connection sent a GOAWAY to make room may stay idle before it is closed
+/// outright. A client that has read the GOAWAY starts nothing more on the connection, and
+/// a request it sent before reading it makes the connection busy: served to its end. One
+/// that never answers the GOAWAY's PING (a socket holding a slot, not an HTTP/2 client)
+/// would otherwise hold its socket until keepalive gave up on it, 40 s later.
+pub const EVICTED_LINGER: Duration = Duration::from_secs(1);
+
+/// The server's side of a refused connection: an empty SETTINGS frame (the server's
+/// preface, which must come first) and a GOAWAY with last stream 0, REFUSED_STREAM, and a
+/// few words for whoever reads the frame.
+fn refusal_frames() -> Vec<u8> {
+    const SETTINGS: u8 = 0x4;
+    const GOAWAY: u8 = 0x7;
+    const REFUSED_STREAM: u32 = 0x7;
+    const WHY: &[u8] = b"this address holds too many connections";
+    let frame = |kind: u8, payload: &[u8]| {
+        let length = u32::try_from(payload.len())
+            .expect("a short frame")
+            .to_be_bytes();
+        let mut frame = vec![length[1], length[2], length[3], kind, 0, 0, 0, 0, 0];
+        frame.extend_from_slice(payload);
+        frame
+    };
+    let mut goaway = Vec::with_capacity(8 + WHY.len());
+    goaway.extend_from_slice(&0u32.to_be_bytes()); // last stream: none was processed
+    goaway.extend_from_slice(&REFUSED_STREAM.to_be_bytes());
+    goaway.extend_from_slice(WHY);
+    let mut frames = frame(SETTINGS, &[]);
+    frames.extend(frame(GOAWAY, &goaway));
+    frames
+}
+
+/// Refuses `stream` ([`Refusal::GoAway`]), holding its places under the listener's limit
+/// (`_slot`) and among its address's leaving connections (`_leaving`) until it is closed.
+async fn refuse(mut stream: TcpStream, _slot: OwnedSemaphorePermit, _leaving: Leaving) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let _ = tokio::time::timeout(REFUSED_LINGER, async {
+        stream.write_all(&refusal_frames()).await?;
+        let mut dropped = [0u8; 1024];
+        while stream.read(&mut dropped).await? != 0 {}
+        io::Result::Ok(())
+    })
+    .await;
+}
+
 /// One accepted connection, as its peer's list knows it.
 #[derive(Debug)]
 struct Conn {
+    /// When it was accepted.
+    since: std::time::Instant,
     /// Set once it has sent more than [`REQUEST_BYTES`]: it makes requests.
     busy: std::sync::atomic::AtomicBool,
-    /// Set to close it: its next read fails.
-    close: std::sync::atomic::AtomicBool,
-    /// Wakes its pending read when it is to close.
+    /// Set when it is to make room for another connection from its address.
+    evicted: std::sync::atomic::AtomicBool,
+    /// Wakes its pending read when it is evicted (its idle time starts counting).
     waker: futures::task::AtomicWaker,
+    /// Tells its server to send it a GOAWAY when it is evicted ([`Guarded::evicted`]).
+    goaway: tokio::sync::Notify,
 }
 
-/// The connections of each peer address, oldest first, shared by a listener's accepted
-/// connections.
+/// Connections of one address on their way out at once: refused and being told so, or
+/// evicted and not yet closed. Past it, a connection the address has no room for is closed
+/// at once, without a GOAWAY, and none is evicted. Each holds a place under the listener's
+/// limit while it leaves: without a bound, a client that never closes its sockets would
+/// hold its 256 and another [`REFUSED_LINGER`] of its connection rate (at 2,000 a second,
+/// the listener's every slot).
+pub const MOST_LEAVING_PER_PEER: usize = 16;
+
+/// One address's connections.
 #[derive(Debug, Default)]
-struct Peers(std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, Vec<Arc<Conn>>>>);
+struct Address {
+    /// Those it holds, oldest first.
+    conns: Vec<Arc<Conn>>,
+    /// Those on their way out ([`MOST_LEAVING_PER_PEER`]).
+    leaving: usize,
+}
+
+/// The connections of each peer address, shared by a listener's accepted connections.
+#[derive(Debug, Default)]
+struct Peers(std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, Address>>);
+
+/// What [`Peers::admit`] made of a new connection.
+enum Admission {
+    /// Its place among its address's connections.
+    Admitted(PeerSlot),
+    /// No room for it: with a place among its address's leaving connections, to be told
+    /// so; without, to be closed at once.
+    Refused(Option<Leaving>),
+}
 
 impl Peers {
     /// One more connection from `peer`: at `max`, the oldest of its idle connections is
-    /// closed to make room; `None` when every one of them has made requests.
-    fn admit(self: &Arc<Self>, peer: std::net::IpAddr, max: usize) -> Option<PeerSlot> {
-        let mut peers = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        let conns = peers.entry(peer).or_default();
-        if conns.len() >= max {
-            let idle = conns
+    /// evicted to make room (sent a GOAWAY, closed if it stays idle). It is refused when
+    /// every one of them has made requests, or the oldest idle one is younger than
+    /// [`EVICTABLE_AFTER`], or [`MOST_LEAVING_PER_PEER`] are already leaving.
+    fn admit(self: &Arc<Self>, peer: std::net::IpAddr, max: usize) -> Admission {
+        use std::sync::atomic::Ordering;
+        let now = std::time::Instant::now();
+        let mut peers = self.lock();
+        let address = peers.entry(peer).or_default();
+        if address.conns.len() >= max {
+            if address.leaving >= MOST_LEAVING_PER_PEER {
+                return Admission::Refused(None);
+            }
+            address.leaving += 1;
+            let evictable = address
+                .conns
                 .iter()
-                .position(|c| !c.busy.load(std::sync::atomic::Ordering::Relaxed))?;
-            let evicted = conns.remove(idle);
-            evicted
-                .close
-                .store(true, std::sync::atomic::Ordering::Release);
+                .position(|c| !c.busy.load(Ordering::Relaxed))
+                .filter(|&idle| now.duration_since(address.conns[idle].since) >= EVICTABLE_AFTER);
+            let Some(idle) = evictable else {
+                return Admission::Refused(Some(Leaving {
+                    peers: Arc::clone(self),
+                    peer,
+                }));
+            };
+            // It stays counted among the leaving until it closes ([`PeerSlot`]'s drop).
+            let evicted = address.conns.remove(idle);
+            evicted.evicted.store(true, Ordering::Release);
+            evicted.goaway.notify_one();
             evicted.waker.wake();
-            tracing::debug!(%peer, "closed an idle connection to make room for a new one from its address");
+            tracing::debug!(%peer, "evicted an idle connection (GOAWAY) to make room for a new one from its address");
         }
         let conn = Arc::new(Conn {
+            since: now,
             busy: std::sync::atomic::AtomicBool::new(false),
-            close: std::sync::atomic::AtomicBool::new(false),
+            evicted: std::sync::atomic::AtomicBool::new(false),
             waker: futures::task::AtomicWaker::new(),
+            goaway: tokio::sync::Notify::new(),
         });
-        conns.push(Arc::clone(&conn));
-        Some(PeerSlot {
+        address.conns.push(Arc::clone(&conn));
+        Admission::Admitted(PeerSlot {
             peers: Arc::clone(self),
             peer,
             conn,
         })
+    }
+
+    fn lock(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<std::net::IpAddr, Address>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// `peer` has one connection fewer on its way out.
+    fn left(
+        &self,
+        peers: &mut std::collections::HashMap<std::net::IpAddr, Address>,
+        peer: std::net::IpAddr,
+    ) {
+        if let Some(address) = peers.get_mut(&peer) {
+            address.leaving -= 1;
+            if address.conns.is_empty() && address.leaving == 0 {
+                peers.remove(&peer);
+            }
+        }
+    }
+}
+
+/// A connection's place among its address's leaving ones, given back when it is closed.
+#[derive(Debug)]
+struct Leaving {
+    peers: Arc<Peers>,
+    peer: std::net::IpAddr,
+}
+
+impl Drop for Leaving {
+    fn drop(&mut self) {
+        let mut peers = self.peers.lock();
+        self.peers.left(&mut peers, self.peer);
     }
 }
 
@@ -123,10 +292,15 @@ struct PeerSlot {
 
 impl Drop for PeerSlot {
     fn drop(&mut self) {
-        let mut peers = self.peers.0.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(conns) = peers.get_mut(&self.peer) {
-            conns.retain(|c| !Arc::ptr_eq(c, &self.conn));
-            if conns.is_empty() {
+        let mut peers = self.peers.lock();
+        // Set under the lock, by an eviction: then it is among the leaving.
+        if self.conn.evicted.load(std::sync::atomic::Ordering::Relaxed) {
+            self.peers.left(&mut peers, self.peer);
+            return;
+        }
+        if let Some(address) = peers.get_mut(&self.peer) {
+            address.conns.retain(|c| !Arc::ptr_eq(c, &self.conn));
+            if address.conns.is_empty() && address.leaving == 0 {
                 peers.remove(&self.peer);
             }
         }
@@ -134,13 +308,14 @@ impl Drop for PeerSlot {
 }
 
 /// The connections `listener` accepts: at most `limits.max_connections` open at once and
-/// `limits.max_per_peer` from one address (more are closed as they come), each closed if
-/// it has not sent the HTTP/2 preface within `limits.preface_within`. Accept errors (out
-/// of file descriptors, say) are yielded after a short pause, so that a persistent one
-/// does not spin the accept loop.
+/// `limits.max_per_peer` from one address (more are refused as they come, as `refusal`
+/// says), each closed if it has not sent the HTTP/2 preface within
+/// `limits.preface_within`. Accept errors (out of file descriptors, say) are yielded after
+/// a short pause, so that a persistent one does not spin the accept loop.
 pub fn incoming(
     listener: TcpListener,
     limits: ConnectionLimits,
+    refusal: Refusal,
 ) -> impl Stream<Item = io::Result<GuardedStream>> + Send + 'static {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     let peers = Arc::new(Peers::default());
@@ -151,9 +326,15 @@ pub fn incoming(
                 let slot = Arc::clone(&slots).acquire_owned().await.ok()?;
                 match listener.accept().await {
                     Ok((stream, peer)) => {
-                        let Some(peer_slot) = peers.admit(peer.ip(), limits.max_per_peer) else {
-                            tracing::debug!(%peer, "refused a connection: its address holds too many, all making requests");
-                            continue; // dropped: closed
+                        let peer_slot = match peers.admit(peer.ip(), limits.max_per_peer) {
+                            Admission::Admitted(peer_slot) => peer_slot,
+                            Admission::Refused(leaving) => {
+                                tracing::debug!(%peer, ?refusal, told = leaving.is_some(), "refused a connection: its address holds too many, none of them idle long enough to make room");
+                                if let (Refusal::GoAway, Some(leaving)) = (refusal, leaving) {
+                                    tokio::spawn(refuse(stream, slot, leaving));
+                                }
+                                continue; // else dropped: closed
+                            }
                         };
                         let _ = stream.set_nodelay(true);
                         break Ok(GuardedStream {
@@ -163,6 +344,7 @@ pub fn incoming(
                             received: 0,
                             request_bytes: REQUEST_BYTES,
                             silence: Some(Box::pin(tokio::time::sleep(limits.preface_within))),
+                            idle_after_goaway: None,
                         });
                     }
                     Err(error) => {
@@ -189,18 +371,22 @@ pub struct GuardedStream {
     /// Bytes read so far, until the preface is in.
     received: usize,
     /// Bytes after which the connection counts as one that makes requests (never, while a
-    /// TLS handshake is read: [`Handshake`]).
+    /// TLS handshake is read: [`Guarded`]).
     request_bytes: usize,
     /// Until the preface is in: when the connection is given up.
     silence: Option<Pin<Box<Sleep>>>,
+    /// Once evicted: when it is closed if it is still idle ([`EVICTED_LINGER`]).
+    idle_after_goaway: Option<Pin<Box<Sleep>>>,
 }
 
-/// A connection told when its TLS handshake starts and ends. What the socket reads then
-/// is ciphertext (a client hello and a certificate are hundreds of bytes, and a request's
-/// bytes may arrive in the same read as the handshake's end), so whether the connection
-/// makes requests is judged above TLS, on the plaintext ([`Counted`], through
-/// [`Handshake::activity`]).
-pub trait Handshake {
+/// A connection accepted under [`ConnectionLimits`], as its server sees it: told when its
+/// TLS handshake starts and ends, and telling when it is to be sent a GOAWAY.
+///
+/// What the socket reads during a handshake is ciphertext (a client hello and a
+/// certificate are hundreds of bytes, and a request's bytes may arrive in the same read as
+/// the handshake's end), so whether the connection makes requests is judged above TLS, on
+/// the plaintext ([`Counted`], through [`Guarded::activity`]).
+pub trait Guarded {
     /// The handle that marks this connection as one that makes requests.
     fn activity(&self) -> Activity;
     /// The handshake begins: the socket's own count stops judging.
@@ -208,9 +394,13 @@ pub trait Handshake {
     /// The handshake is over: it proved a live client, so the preface timer is off (HTTP/2
     /// keepalive notices a peer that vanishes).
     fn handshake_done(&mut self);
+    /// Completes when the connection is evicted to make room for another from its address:
+    /// its server then sends it a GOAWAY, so that a request already on its way is served,
+    /// not broken.
+    fn evicted(&self) -> impl Future<Output = ()> + Send + 'static;
 }
 
-impl Handshake for GuardedStream {
+impl Guarded for GuardedStream {
     fn activity(&self) -> Activity {
         Activity(Arc::clone(&self._peer_slot.conn))
     }
@@ -222,9 +412,14 @@ impl Handshake for GuardedStream {
     fn handshake_done(&mut self) {
         self.silence = None;
     }
+
+    fn evicted(&self) -> impl Future<Output = ()> + Send + 'static {
+        let conn = Arc::clone(&self._peer_slot.conn);
+        async move { conn.goaway.notified().await }
+    }
 }
 
-/// Marks a connection as one that makes requests: it is then never closed to make room for
+/// Marks a connection as one that makes requests: it is then never evicted to make room for
 /// another from its address.
 #[derive(Debug, Clone)]
 pub struct Activity(Arc<Conn>);
@@ -300,6 +495,28 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Counted<S> {
     }
 }
 
+impl GuardedStream {
+    /// Whether the connection, evicted to make room, has stayed idle [`EVICTED_LINGER`]
+    /// since. Asked when a read waits: it registers to be woken when the connection is
+    /// evicted, and when that time is up.
+    fn idle_after_goaway(&mut self, cx: &mut Context<'_>) -> bool {
+        use std::sync::atomic::Ordering;
+        let conn = &self._peer_slot.conn;
+        if conn.busy.load(Ordering::Relaxed) {
+            return false; // it makes requests: its GOAWAY lets them finish
+        }
+        conn.waker.register(cx.waker());
+        if !conn.evicted.load(Ordering::Acquire) {
+            return false;
+        }
+        self.idle_after_goaway
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(EVICTED_LINGER)))
+            .as_mut()
+            .poll(cx)
+            .is_ready()
+    }
+}
+
 impl AsyncRead for GuardedStream {
     fn poll_read(
         mut self: Pin<&mut Self>,
@@ -307,17 +524,6 @@ impl AsyncRead for GuardedStream {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         use std::sync::atomic::Ordering;
-        let conn = &self._peer_slot.conn;
-        if !conn.busy.load(Ordering::Relaxed) {
-            // Idle: it may be closed to make room for another from its address.
-            conn.waker.register(cx.waker());
-            if conn.close.load(Ordering::Acquire) {
-                return Poll::Ready(Err(io::Error::new(
-                    io::ErrorKind::ConnectionAborted,
-                    "closed while idle: its address reached its connection limit, and a new connection took its place",
-                )));
-            }
-        }
         let before = buf.filled().len();
         let read = Pin::new(&mut self.stream).poll_read(cx, buf);
         if let Poll::Ready(Ok(())) = read
@@ -327,6 +533,12 @@ impl AsyncRead for GuardedStream {
             if self.received > self.request_bytes {
                 self._peer_slot.conn.busy.store(true, Ordering::Relaxed);
             }
+        }
+        if read.is_pending() && self.idle_after_goaway(cx) {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "closed while idle: its address reached its connection limit, a new connection took its place, and it sent nothing after its GOAWAY",
+            )));
         }
         let Some(silence) = self.silence.as_mut() else {
             return read;

@@ -355,7 +355,11 @@ where
         .layer(tower::layer::layer_fn(limits::RequestDecodeFailures::new))
         .service(Dispatch::new(payments, others));
     Ok(crate::h2::serve_h2(
-        limits::incoming(listener, node.connection_limits),
+        limits::incoming(
+            listener,
+            node.connection_limits,
+            limits::Refusal::of_port(node.tls.is_some()),
+        ),
         service,
         Http2Settings {
             // HTTP/2 limits for a port that faces untrusted clients (docs/contract.md's table).

@@ -128,6 +128,7 @@ async fn server(tls: Option<Tls>) -> anyhow::Result<u16> {
             max_per_peer: 100_000,
             ..Default::default()
         },
+        limits::Refusal::of_port(tls.is_some()),
     );
     tokio::spawn(retrychain_node::h2::serve_h2(
         incoming,

@@ -25,9 +25,9 @@ pub struct StormArgs {
     /// 100 calls in flight, at most 200]. One connection carries at most the edge's stream
     /// limit (512) at once; more calls would wait in this client, not at the edge. The edge
     /// holds at most `--max-connections-per-peer` (256) from one address: past that it
-    /// closes those that have sent no request yet, then each new one at once, and the
-    /// calls this client sent on them fail here (UNKNOWN or CANCELLED: tonic's report of a
-    /// connection closed under it).
+    /// refuses each new one with a GOAWAY (it evicts only connections idle for a second,
+    /// and this client's are not), and the calls this client sends on a refused one fail
+    /// here, UNAVAILABLE.
     #[arg(long, env = "RETRYCHAIN_STORM_CONNECTIONS", value_parser = clap::value_parser!(u32).range(1..))]
     pub connections: Option<u32>,
     /// Requests in flight at once (closed loop); with --rate, the most in flight.
@@ -98,7 +98,7 @@ pub struct StormArgs {
 }
 
 /// The most connections storm opens unless told (`--connections`): under the edge's
-/// default `--max-connections-per-peer` (256), which would close the rest, and still room
+/// default `--max-connections-per-peer` (256), which would refuse the rest, and still room
 /// for 102,400 calls at once at the edge's 512 streams a connection. Measured before the
 /// bound: `--rate 2900 --concurrency 100000` opened 1,000 connections, and 10,629 of the
 /// 14,475 calls of 5 s failed in storm itself, as CANCELLED (5,557) and UNKNOWN (5,072).
