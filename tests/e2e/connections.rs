@@ -424,7 +424,7 @@ async fn refusals_being_told_are_bounded_per_address() {
     }
     let opened = std::time::Instant::now();
     let mut sockets = Vec::new();
-    for _ in 0..MOST_LEAVING_PER_PEER * 3 {
+    for _ in 0..MOST_LEAVING_PER_PEER + 16 {
         sockets.push(socket_from(&chain, from).await);
     }
     let took = opened.elapsed();

@@ -27,7 +27,7 @@ pub struct StormArgs {
     /// holds at most `--max-connections-per-peer` (256) from one address: past that it
     /// refuses each new one with a GOAWAY (it evicts only connections idle for a second,
     /// and this client's are not), and the calls this client sends on a refused one fail
-    /// here, UNAVAILABLE.
+    /// here: UNAVAILABLE, or CANCELLED for those tonic had queued on it, unsent.
     #[arg(long, env = "RETRYCHAIN_STORM_CONNECTIONS", value_parser = clap::value_parser!(u32).range(1..))]
     pub connections: Option<u32>,
     /// Requests in flight at once (closed loop); with --rate, the most in flight.
