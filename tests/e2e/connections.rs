@@ -1,7 +1,7 @@
 //! How the edge says no to a connection, over the wire: a connection past its address's
-//! limit, and one evicted to make room for another. Each is told with an HTTP/2 GOAWAY,
-//! so its client learns which calls were not processed, and a charge is made once or not
-//! at all.
+//! limit, and one evicted to make room for another. Each is told with an HTTP/2 GOAWAY
+//! (up to a bound on those being told at once), so its client learns which calls were not
+//! processed, and a charge is made once or not at all.
 
 use std::{net::IpAddr, time::Duration};
 
@@ -81,7 +81,8 @@ fn assert_refused(status: &tonic::Status) {
 }
 
 /// Refused calls are told UNAVAILABLE, all but a few: with the edge closing a connection
-/// it had no room for without a GOAWAY, every one read CANCELLED.
+/// it had no room for without a GOAWAY, these tests' calls read CANCELLED (storm's at
+/// 1,000 connections, UNKNOWN and CANCELLED).
 fn assert_mostly_unavailable(codes: &[Code]) {
     let refused = codes.iter().filter(|code| **code != Code::Ok).count();
     let unavailable = codes
@@ -262,11 +263,19 @@ async fn an_idle_connection_evicted_to_make_room_is_sent_a_goaway_then_closed() 
     let opened = std::time::Instant::now();
     for _ in 0..PER_PEER {
         let mut socket = socket_from(&chain, from).await;
-        // The preface and an empty SETTINGS frame: a connection, and nothing asked of it.
+        // The preface, an empty SETTINGS frame and ten PINGs (as many bytes as an idle
+        // client's answers to half an hour of keepalive PINGs): a connection, and nothing
+        // asked of it. Counted in bytes, it passed for one that makes requests.
         socket
             .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
             .await
             .unwrap();
+        for _ in 0..10 {
+            socket
+                .write_all(b"\x00\x00\x08\x06\x00\x00\x00\x00\x00idle....")
+                .await
+                .unwrap();
+        }
         idle.push(socket);
     }
     let refused = client_from(&chain, from).await;
@@ -449,16 +458,16 @@ async fn refusals_being_told_are_bounded_per_address() {
             "refusals told at once, of {} refused: {told:?}",
             told.len()
         );
+        assert!(
+            !told[told.len() - 1],
+            "the last refusals are closed without a GOAWAY"
+        );
     } else {
         println!(
             "{} connections took {took:?} to open: the bound went unchecked",
             told.len()
         );
     }
-    assert!(
-        !told[told.len() - 1],
-        "the last refusals are closed without a GOAWAY"
-    );
     for client in &held {
         charge_on(client, &new_account(), 100, None, Duration::from_secs(5))
             .await

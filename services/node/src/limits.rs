@@ -62,10 +62,58 @@ impl Default for ConnectionLimits {
 /// stops. One byte is not enough to hold a slot.
 const PREFACE_BYTES: usize = 24 + 9;
 
-/// What a connection must have sent to count as one that makes requests: the preface, a
-/// SETTINGS frame with every setting HTTP/2 defines (9 + 6 × 6 bytes), a WINDOW_UPDATE
-/// (13) and a PING (17) fit under it; a call's HEADERS frame takes it past.
-const REQUEST_BYTES: usize = 128;
+/// Follows what a client sends on an HTTP/2 connection far enough to see its first call:
+/// the preface, then each frame's header, its payload skipped, until a HEADERS frame opens
+/// a stream. A connection counts as one that makes requests from then on. Counted in bytes
+/// instead (more than 128: the preface, SETTINGS, WINDOW_UPDATE and a PING fit under it),
+/// an idle client answering the server's keepalive PINGs (17 bytes each, every 30 s) passed
+/// for one that makes requests after about 90 s, and could never be evicted.
+#[derive(Debug, Clone)]
+struct FirstCall {
+    /// Bytes still to skip: the preface's, then a frame's payload.
+    skip: usize,
+    /// The frame header being read.
+    header: [u8; 9],
+    /// How much of it has been read.
+    have: usize,
+}
+
+impl FirstCall {
+    /// Before the client's first byte.
+    fn new() -> Self {
+        Self {
+            skip: 24, // "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+            header: [0; 9],
+            have: 0,
+        }
+    }
+
+    /// Follows `bytes`, the next the client sent: whether a call has begun.
+    fn seen_in(&mut self, mut bytes: &[u8]) -> bool {
+        const HEADERS: u8 = 0x1;
+        while !bytes.is_empty() {
+            if self.skip > 0 {
+                let n = self.skip.min(bytes.len());
+                self.skip -= n;
+                bytes = &bytes[n..];
+                continue;
+            }
+            let n = (self.header.len() - self.have).min(bytes.len());
+            self.header[self.have..self.have + n].copy_from_slice(&bytes[..n]);
+            self.have += n;
+            bytes = &bytes[n..];
+            if self.have == self.header.len() {
+                if self.header[3] == HEADERS {
+                    return true;
+                }
+                let [a, b, c, ..] = self.header;
+                self.skip = u32::from_be_bytes([0, a, b, c]) as usize;
+                self.have = 0;
+            }
+        }
+        false
+    }
+}
 
 /// How a connection is refused when its address already holds
 /// [`ConnectionLimits::max_per_peer`], none of which can make room (each makes requests,
@@ -105,8 +153,8 @@ pub const REFUSED_LINGER: Duration = Duration::from_secs(2);
 /// that is sending its first call this moment; evicting it would send it a GOAWAY with
 /// NO_ERROR, which tonic reports as INTERNAL for a call it was about to send (measured: a
 /// burst of 16 connections from one address against a limit of 4). A client of many new
-/// connections at once gets the refusal instead, which says UNAVAILABLE; what eviction is
-/// for, sockets that hold a slot and ask nothing, are idle far longer.
+/// connections at once gets the refusal instead ([`Refusal`]); what eviction is for,
+/// sockets that hold a slot and ask nothing, are idle far longer.
 pub const EVICTABLE_AFTER: Duration = Duration::from_secs(1);
 
 /// How long a connection sent a GOAWAY to make room may stay idle before it is closed
@@ -159,7 +207,7 @@ async fn refuse(mut stream: TcpStream, _slot: OwnedSemaphorePermit, _leaving: Le
 struct Conn {
     /// When it was accepted.
     since: std::time::Instant,
-    /// Set once it has sent more than [`REQUEST_BYTES`]: it makes requests.
+    /// Set once it has begun a call ([`FirstCall`]): it makes requests.
     busy: std::sync::atomic::AtomicBool,
     /// Set when it is to make room for another connection from its address.
     evicted: std::sync::atomic::AtomicBool,
@@ -315,9 +363,10 @@ impl Drop for PeerSlot {
 }
 
 /// The connections `listener` accepts: at most `limits.max_connections` open at once and
-/// `limits.max_per_peer` from one address (more are refused as they come, as `refusal`
-/// says), each closed if it has not sent the HTTP/2 preface within
-/// `limits.preface_within`. Accept errors (out of file descriptors, say) are yielded after
+/// `limits.max_per_peer` from one address (past it, an idle one is evicted to make room,
+/// or the new one refused as `refusal` says, or closed at once past
+/// [`MOST_LEAVING_PER_PEER`]), each closed if it has not sent the HTTP/2
+/// preface within `limits.preface_within`. Accept errors (out of file descriptors, say) are yielded after
 /// a short pause, so that a persistent one does not spin the accept loop.
 pub fn incoming(
     listener: TcpListener,
@@ -349,7 +398,7 @@ pub fn incoming(
                             _slot: slot,
                             _peer_slot: peer_slot,
                             received: 0,
-                            request_bytes: REQUEST_BYTES,
+                            first_call: Some(FirstCall::new()),
                             silence: Some(Box::pin(tokio::time::sleep(limits.preface_within))),
                             idle_after_goaway: None,
                         });
@@ -377,9 +426,9 @@ pub struct GuardedStream {
     _peer_slot: PeerSlot,
     /// Bytes read so far, until the preface is in.
     received: usize,
-    /// Bytes after which the connection counts as one that makes requests (never, while a
-    /// TLS handshake is read: [`Guarded`]).
-    request_bytes: usize,
+    /// Watches for its first call, once it is one that makes requests (`None` over TLS,
+    /// whose plaintext [`Counted`] watches instead: [`Guarded`]).
+    first_call: Option<FirstCall>,
     /// Until the preface is in: when the connection is given up.
     silence: Option<Pin<Box<Sleep>>>,
     /// Once evicted: when it is closed if it is still idle ([`EVICTED_LINGER`]).
@@ -413,7 +462,7 @@ impl Guarded for GuardedStream {
     }
 
     fn handshake_starts(&mut self) {
-        self.request_bytes = usize::MAX;
+        self.first_call = None;
     }
 
     fn handshake_done(&mut self) {
@@ -437,7 +486,8 @@ pub struct Activity(Arc<Conn>);
 pub struct Counted<S> {
     inner: S,
     activity: Activity,
-    received: usize,
+    /// Watches for its first call, until it has seen it.
+    first_call: Option<FirstCall>,
 }
 
 impl<S> Counted<S> {
@@ -446,7 +496,7 @@ impl<S> Counted<S> {
         Self {
             inner,
             activity,
-            received: 0,
+            first_call: Some(FirstCall::new()),
         }
     }
 }
@@ -461,12 +511,11 @@ impl<S: AsyncRead + Unpin> AsyncRead for Counted<S> {
         let before = buf.filled().len();
         let read = Pin::new(&mut self.inner).poll_read(cx, buf);
         if let Poll::Ready(Ok(())) = read
-            && self.received <= REQUEST_BYTES
+            && let Some(first_call) = self.first_call.as_mut()
+            && first_call.seen_in(&buf.filled()[before..])
         {
-            self.received += buf.filled().len() - before;
-            if self.received > REQUEST_BYTES {
-                self.activity.0.busy.store(true, Ordering::Relaxed);
-            }
+            self.activity.0.busy.store(true, Ordering::Relaxed);
+            self.first_call = None;
         }
         read
     }
@@ -533,12 +582,16 @@ impl AsyncRead for GuardedStream {
         use std::sync::atomic::Ordering;
         let before = buf.filled().len();
         let read = Pin::new(&mut self.stream).poll_read(cx, buf);
-        if let Poll::Ready(Ok(())) = read
-            && !self._peer_slot.conn.busy.load(Ordering::Relaxed)
-        {
-            self.received += buf.filled().len() - before;
-            if self.received > self.request_bytes {
+        if let Poll::Ready(Ok(())) = read {
+            let new = &buf.filled()[before..];
+            if self.silence.is_some() {
+                self.received += new.len();
+            }
+            if let Some(first_call) = self.first_call.as_mut()
+                && first_call.seen_in(new)
+            {
                 self._peer_slot.conn.busy.store(true, Ordering::Relaxed);
+                self.first_call = None;
             }
         }
         if read.is_pending() && self.idle_after_goaway(cx) {
@@ -726,5 +779,73 @@ impl MetadataLimit {
             )));
         }
         Ok(request)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A frame as a client sends it: `kind`, on stream `stream`, with `length` bytes of
+    /// payload.
+    fn frame(kind: u8, stream: u32, length: usize) -> Vec<u8> {
+        let len = u32::try_from(length).unwrap().to_be_bytes();
+        let mut frame = vec![len[1], len[2], len[3], kind, 0];
+        frame.extend_from_slice(&stream.to_be_bytes());
+        frame.extend(std::iter::repeat_n(0xAB, length));
+        frame
+    }
+
+    /// An idle client: the preface, SETTINGS with every setting, a WINDOW_UPDATE, then a
+    /// year of keepalive PING acks and SETTINGS acks.
+    fn idle_client() -> Vec<u8> {
+        let mut bytes = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        bytes.extend(frame(0x4, 0, 36));
+        bytes.extend(frame(0x8, 0, 4));
+        for _ in 0..1000 {
+            bytes.extend(frame(0x6, 0, 8));
+            bytes.extend(frame(0x4, 0, 0));
+        }
+        bytes
+    }
+
+    #[test]
+    fn pings_and_settings_are_not_a_call_and_headers_are_however_the_bytes_arrive() {
+        let idle = idle_client();
+        let mut call = idle.clone();
+        call.extend(frame(0x1, 1, 120)); // a call's HEADERS
+        call.extend(frame(0x0, 1, 200));
+        // Whole, and cut at every point into two reads, and one byte at a time.
+        let mut whole = FirstCall::new();
+        assert!(!whole.seen_in(&idle));
+        let mut whole = FirstCall::new();
+        assert!(whole.seen_in(&call));
+        for cut in [
+            1,
+            23,
+            24,
+            25,
+            32,
+            33,
+            60,
+            idle.len() - 1,
+            idle.len(),
+            idle.len() + 4,
+        ] {
+            let mut reads = FirstCall::new();
+            let first = reads.seen_in(&call[..cut]);
+            assert!(!first, "cut at {cut}: no call yet");
+            assert!(reads.seen_in(&call[cut..]), "cut at {cut}");
+        }
+        let mut bytewise = FirstCall::new();
+        let at = call
+            .iter()
+            .position(|byte| bytewise.seen_in(std::slice::from_ref(byte)))
+            .expect("the call is seen");
+        assert_eq!(
+            at,
+            idle.len() + 8,
+            "seen once the HEADERS frame's header is whole"
+        );
     }
 }
