@@ -225,11 +225,11 @@ struct Conn {
 /// the listener's every slot); with it, at most 512 of the 4,096. A client that reads its
 /// GOAWAY closes at once, so the bound is reached only by one that does not, or by a
 /// burst. Measured with storm's 1,000 connections at once (744 of them refused), 5 s at
-/// 2,900 calls a second: with this bound, of 14,500 calls 3,840 were served, 8,620 refused
-/// UNAVAILABLE and 2,040 CANCELLED (calls tonic had queued on a refused connection when it
+/// 2,900 calls a second: with this bound, of 14,499 calls 3,837 were served, 9,262 refused
+/// UNAVAILABLE and 1,400 CANCELLED (calls tonic had queued on a refused connection when it
 /// closed: hyper cancels them, unsent), none UNKNOWN; with a bound of 16, most refusals
-/// went untold, and 3,112 calls read UNKNOWN; before any GOAWAY, 7,230 UNKNOWN and 3,465
-/// CANCELLED of 14,499.
+/// went untold, and 3,112 of 14,498 read UNKNOWN; before any GOAWAY, 7,230 UNKNOWN and
+/// 3,465 CANCELLED of 14,499.
 pub const MOST_LEAVING_PER_PEER: usize = 256;
 
 /// One address's connections.
