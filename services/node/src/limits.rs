@@ -796,8 +796,8 @@ mod tests {
         frame
     }
 
-    /// An idle client: the preface, SETTINGS with every setting, a WINDOW_UPDATE, then a
-    /// year of keepalive PING acks and SETTINGS acks.
+    /// An idle client: the preface, SETTINGS with every setting, a WINDOW_UPDATE, then
+    /// 1,000 keepalive PING acks (over 8 hours of the server's PINGs) and SETTINGS acks.
     fn idle_client() -> Vec<u8> {
         let mut bytes = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
         bytes.extend(frame(0x4, 0, 36));
