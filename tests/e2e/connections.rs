@@ -6,7 +6,6 @@
 use std::{net::IpAddr, time::Duration};
 
 use crate::support::*;
-use retrychain_harness::{ChainSpec, ChainTls, LocalChain};
 use retrychain_proto::v1::payments_client::PaymentsClient;
 use retrychain_tls::{Connector, Identity};
 use tonic::{Code, transport::Channel};
@@ -342,14 +341,10 @@ async fn an_idle_connection_evicted_to_make_room_is_sent_a_goaway_then_closed() 
 #[tokio::test]
 async fn over_tls_a_connection_past_the_limit_fails_to_connect_unavailable() {
     let dir = tempfile::tempdir().unwrap();
-    let tls = ChainTls::create(dir.path()).unwrap();
-    let mut spec = ChainSpec {
-        database_url: Some(database().await),
-        tls: Some(tls.clone()),
-        ..Options::processes().spec
-    };
-    spec.edge().service.max_connections_per_peer = PER_PEER;
-    let chain = LocalChain::start(spec).await.unwrap();
+    let (chain, tls) = tls_chain(dir.path(), |spec| {
+        spec.edge().service.max_connections_per_peer = PER_PEER;
+    })
+    .await;
     let url = chain.addrs().edge.url.clone();
     let connector = Connector::new(tls.operator().unwrap(), Identity::of_service("edge"));
     // The operator's client, on a connection of its own from 127.0.0.8.

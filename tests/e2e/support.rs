@@ -33,8 +33,8 @@ pub use retrychain_domain::metadata::{
 };
 pub use retrychain_harness::faults::{delayed, failing, failing_with, losing_replies};
 pub use retrychain_harness::{
-    ChainAddrs, ChainClient, ChainSpec, ChildService, InProcessChain, InProcessService, Launch,
-    LocalChain, Logs, NAMES, ServiceAddr, client::LEDGER,
+    ChainAddrs, ChainClient, ChainSpec, ChainTls, ChildService, InProcessChain, InProcessService,
+    Launch, LocalChain, Logs, NAMES, ServiceAddr, client::LEDGER,
 };
 use retrychain_proto::v1::{
     ChargeReply, ChargeRequest, Faults, Stats, control_client::ControlClient,
@@ -505,6 +505,22 @@ pub async fn row_counts(database_url: &str) -> (i64, i64, i64) {
     }
     pool.close().await;
     (counts[0], counts[1], counts[2])
+}
+
+/// A chain over TLS, as processes, on its own database, the certificates in `dir`, its
+/// settings changed by `change`.
+pub async fn tls_chain(
+    dir: &std::path::Path,
+    change: impl FnOnce(&mut ChainSpec),
+) -> (LocalChain, ChainTls) {
+    let tls = ChainTls::create(dir).unwrap();
+    let mut spec = ChainSpec {
+        database_url: Some(database().await),
+        tls: Some(tls.clone()),
+        ..Options::processes().spec
+    };
+    change(&mut spec);
+    (LocalChain::start(spec).await.unwrap(), tls)
 }
 
 pub async fn connect(addr: &str) -> Channel {

@@ -24,18 +24,6 @@ use retrychain_proto::v1::{
 use retrychain_tls::{ClientAuth, Connector, Identity, Tls, TlsFiles, issue::Authority};
 use tonic::{Code, transport::Endpoint};
 
-/// A chain over TLS, as processes, on its own database; the certificates in `dir`.
-async fn tls_chain(dir: &Path) -> (LocalChain, ChainTls) {
-    let tls = ChainTls::create(dir).unwrap();
-    let options = Options::processes();
-    let spec = ChainSpec {
-        database_url: Some(database().await),
-        tls: Some(tls.clone()),
-        ..options.spec
-    };
-    (LocalChain::start(spec).await.unwrap(), tls)
-}
-
 /// A channel to `url` presenting `files`' certificate, to a server that must be `expected`.
 async fn channel_as(
     files: TlsFiles,
@@ -60,7 +48,7 @@ async fn handled(tls: &ChainTls, admin_url: &str) -> u64 {
 #[tokio::test]
 async fn a_chain_over_mutual_tls_charges_and_each_tier_accepts_only_the_one_above() {
     let dir = tempfile::tempdir().unwrap();
-    let (chain, tls) = tls_chain(dir.path()).await;
+    let (chain, tls) = tls_chain(dir.path(), |_| {}).await;
     let addrs = chain.addrs();
     assert!(addrs.edge.url.starts_with("https://"), "{}", addrs.edge.url);
 
@@ -275,7 +263,7 @@ async fn a_chain_over_mutual_tls_charges_and_each_tier_accepts_only_the_one_abov
 #[tokio::test]
 async fn certificates_and_the_authority_rotate_under_load_without_a_failed_call() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut chain, tls) = tls_chain(dir.path()).await;
+    let (mut chain, tls) = tls_chain(dir.path(), |_| {}).await;
     let addrs = chain.addrs();
     let edge = tls.connect(&addrs.edge.url, "edge").await.unwrap();
 
@@ -759,14 +747,7 @@ fn charge_as(
 #[tokio::test]
 async fn callers_are_authenticated_own_their_accounts_and_are_limited_apart() {
     let dir = tempfile::tempdir().unwrap();
-    let tls = ChainTls::create(dir.path()).unwrap();
-    let mut spec = ChainSpec {
-        database_url: Some(database().await),
-        tls: Some(tls.clone()),
-        ..Options::processes().spec
-    };
-    spec.edge().caller_max_in_flight = 2;
-    let chain = LocalChain::start(spec).await.unwrap();
+    let (chain, tls) = tls_chain(dir.path(), |spec| spec.edge().caller_max_in_flight = 2).await;
     let addrs = chain.addrs();
     let client = retrychain_harness::ChainClient::connect_tls(&addrs, &tls)
         .await
@@ -968,7 +949,7 @@ async fn callers_are_authenticated_own_their_accounts_and_are_limited_apart() {
 #[tokio::test]
 async fn storm_and_top_reach_a_chain_over_tls_as_the_operator() {
     let dir = tempfile::tempdir().unwrap();
-    let (chain, tls) = tls_chain(dir.path()).await;
+    let (chain, tls) = tls_chain(dir.path(), |_| {}).await;
     let addrs = chain.addrs();
     let operator = tls.dir.join("operator");
     let storm = Command::new(BIN)
@@ -1054,7 +1035,7 @@ async fn a_stolen_tier_key_cannot_charge_or_read_as_another_caller() {
     use std::time::SystemTime;
 
     let dir = tempfile::tempdir().unwrap();
-    let (chain, tls) = tls_chain(dir.path()).await;
+    let (chain, tls) = tls_chain(dir.path(), |_| {}).await;
     let addrs = chain.addrs();
     let client = retrychain_harness::ChainClient::connect_tls(&addrs, &tls)
         .await
