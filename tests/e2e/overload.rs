@@ -119,6 +119,43 @@ fn goodput_per_second(calls: &[Call], seconds: usize) -> Vec<usize> {
     per
 }
 
+/// What the ledger recorded of `call`'s key, its times in seconds from `started_at` (the
+/// database's clock at the load's start): what a failure that waited out its deadline
+/// left behind, to tell where it waited.
+async fn key_story(pool: &sqlx::PgPool, started_at: f64, call: &Call) -> String {
+    // Each time as text, in seconds from the load's start ($1).
+    const QUERY: &str = "SELECT state, takeovers, \
+        round((extract(epoch FROM created_at)::float8 - $1)::numeric, 3)::text, \
+        round((extract(epoch FROM lease_expires_at)::float8 - $1)::numeric, 3)::text, \
+        round((extract(epoch FROM finished_at)::float8 - $1)::numeric, 3)::text, \
+        round((extract(epoch FROM p.first_call_at)::float8 - $1)::numeric, 3)::text, p.calls \
+        FROM idempotency_keys k LEFT JOIN processor_charges p ON p.processor_key = k.processor_key \
+        WHERE k.account_id = $2 AND k.idempotency_key = $3";
+    type Row = (
+        String,
+        i32,
+        Option<String>,
+        Option<String>,
+        Option<String>,
+        Option<String>,
+        Option<i64>,
+    );
+    let row: Option<Row> = sqlx::query_as(QUERY)
+        .bind(started_at)
+        .bind(&call.account)
+        .bind(&call.key)
+        .fetch_optional(pool)
+        .await
+        .unwrap();
+    match row {
+        None => "no record".to_owned(),
+        Some((state, takeovers, created, lease, finished, processor, calls)) => format!(
+            "{state}, claimed at {created:?}, lease until {lease:?}, finished at {finished:?}, \
+             {takeovers} take-overs, processor called at {processor:?} ({calls:?} calls)"
+        ),
+    }
+}
+
 /// The ledger's sessions on the database at `url` now.
 async fn ledger_sessions(pool: &sqlx::PgPool) -> i64 {
     sqlx::query_scalar(
@@ -227,6 +264,12 @@ async fn a_session_ended_under_1500_in_flight_leaves_the_pool_whole_and_goodput_
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
 
     let seconds = 10;
+    // The database's clock at the load's start, to place a key's timestamps in the run.
+    let started_at: f64 =
+        sqlx::query_scalar("SELECT extract(epoch FROM clock_timestamp())::float8")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
     let load = hammer(&chain.addrs[EDGE], 1500, 15, Duration::from_secs(seconds));
     let watch = async {
         let mut sessions = Vec::new();
@@ -257,8 +300,17 @@ async fn a_session_ended_under_1500_in_flight_leaves_the_pool_whole_and_goodput_
     // last three.
     let first = per_second[1..3].iter().sum::<usize>() as f64 / 2.0;
     let last = per_second[seconds as usize - 3..].iter().sum::<usize>() as f64 / 3.0;
+    // How long the successes took: how close an admitted call comes to its deadline.
+    let mut took: Vec<Duration> = calls
+        .iter()
+        .filter(|c| c.code == Code::Ok)
+        .map(|c| c.took)
+        .collect();
+    took.sort();
+    let at = |q: f64| took[((took.len() - 1) as f64 * q) as usize];
+    let (p50, p99, slowest) = (at(0.5), at(0.99), at(1.0));
     eprintln!(
-        "goodput per second {per_second:?}; ledger sessions per second {sessions:?}; {} calls, {} refused by the edge",
+        "goodput per second {per_second:?}; ledger sessions per second {sessions:?}; {} calls, {} refused by the edge; successes took p50 {p50:.2?}, p99 {p99:.2?}, at most {slowest:.2?}",
         calls.len(),
         calls.iter().filter(|c| c.shed_at_edge).count()
     );
@@ -292,14 +344,24 @@ async fn a_session_ended_under_1500_in_flight_leaves_the_pool_whole_and_goodput_
         .iter()
         .filter(|c| c.code != Code::Ok && c.took >= Duration::from_secs(4))
         .count();
-    let examples: Vec<(Code, f64, &String)> = calls
+    let mut examples = Vec::new();
+    for call in calls
         .iter()
         .filter(|c| c.code != Code::Ok && c.took >= Duration::from_secs(4))
-        .map(|c| (c.code, c.done_at, &c.message))
-        .collect();
+        .take(5)
+    {
+        examples.push(format!(
+            "{:?} {:?} sent at {:.2} s, done at {:.2} s; its key: {}",
+            call.code,
+            call.message,
+            call.done_at - call.took.as_secs_f64(),
+            call.done_at,
+            key_story(&pool, started_at, call).await
+        ));
+    }
     assert_eq!(
         waited_out, 0,
-        "failures that waited out their deadline: {examples:?}"
+        "failures that waited out their deadline: {examples:#?}"
     );
     // The edge's refusals, if any, timed at the edge: from a call's arrival to its
     // refusal.

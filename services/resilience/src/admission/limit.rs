@@ -622,11 +622,15 @@ impl ConcurrencyLimit {
             (Ok(()), _, _) if !reserved => Verdict::Admit,
             (Ok(()), _, false) => Verdict::Admit,
             // Full, or in the reserve kept below the ceiling: a first attempt of a caller
-            // under its share still goes in. The share is of what fits, and never of the
+            // under its share still goes in. The share is of what fits as far as the
+            // estimate was measured (callers that each hold their share of an unproven
+            // `fit` would together take all of it, past the bound above), and never of the
             // reserve itself.
             (fits, Priority::First, true) => Verdict::IfUnderShare {
                 full: fits.err().unwrap_or(Full::Reserved),
-                fit: fit.min((s.max_limit as f64 * RESERVED_FOR_LIGHT_CALLERS) as usize),
+                fit: fit
+                    .min(proven)
+                    .min((s.max_limit as f64 * RESERVED_FOR_LIGHT_CALLERS) as usize),
             },
             (fits, _, _) => Verdict::Refuse(fits.err().unwrap_or(Full::Reserved)),
         }

@@ -187,6 +187,43 @@ fn first(time_ms: u64) -> Ask {
 }
 
 #[test]
+fn callers_each_under_their_share_are_not_admitted_past_what_was_measured() {
+    let door = AdmissionSettings {
+        door: true,
+        ..AdmissionSettings::default()
+    };
+    let limit = Arc::new(ConcurrencyLimit::new(door));
+    measured(&limit, Duration::from_millis(1));
+    // Measured with 20 in flight: trusted to 40. 4,000 would fit the budget, so fifteen
+    // callers (a client's fifteen connections) each have a share of 266 of it; together
+    // they would take it all, and the bound would protect nothing.
+    limit.measured_at.store(20, Ordering::Relaxed);
+    let callers: Vec<CallerKey> = (0..15).map(CallerKey::of).collect();
+    let mut held = Vec::new();
+    for round in 0..100 {
+        for &caller in &callers {
+            if let Ok(admitted) = limit.try_admit(Ask {
+                caller: Some(caller),
+                ..first(5000)
+            }) {
+                held.push(admitted);
+            } else {
+                assert!(round > 0, "a caller's first call is under its share");
+            }
+        }
+    }
+    // Within twice the measure, and a share of it for each caller holding calls: 40, and
+    // up to one more call for each caller whose share rounds up.
+    assert!(
+        (40..=40 + callers.len()).contains(&held.len()),
+        "{} admitted",
+        held.len()
+    );
+    drop(held);
+    assert_eq!(limit.in_flight(), 0);
+}
+
+#[test]
 fn everything_that_fits_its_deadline_is_admitted_however_deep_the_queue() {
     // 1,000 calls a second and a 5 s deadline: 1,500 at once wait 1.5 s each. Queueing,
     // not overload: every one is admitted (a latency target would have refused most).
