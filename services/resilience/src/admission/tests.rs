@@ -147,16 +147,22 @@ fn measured(limit: &ConcurrencyLimit, per_call: Duration) {
     limit.measured_at.store(4096, Ordering::Relaxed);
 }
 
-#[test]
-fn a_burst_far_past_what_was_measured_is_admitted_as_it_is_measured() {
+/// A door whose estimate, 1 ms a call in flight, was measured with 20 calls in flight: it
+/// is trusted to 40, though 4,000 would fit a 5 s deadline's budget.
+fn door_measured_at_20() -> Arc<ConcurrencyLimit> {
     let door = AdmissionSettings {
         door: true,
         ..AdmissionSettings::default()
     };
     let limit = Arc::new(ConcurrencyLimit::new(door));
     measured(&limit, Duration::from_millis(1));
-    // Measured with 20 in flight: trusted to 40, though 4,000 would fit the budget.
     limit.measured_at.store(20, Ordering::Relaxed);
+    limit
+}
+
+#[test]
+fn a_burst_far_past_what_was_measured_is_admitted_as_it_is_measured() {
+    let limit = door_measured_at_20();
     let mut held: Vec<Admitted> = (0..40)
         .map(|_| {
             limit
@@ -188,16 +194,10 @@ fn first(time_ms: u64) -> Ask {
 
 #[test]
 fn callers_each_under_their_share_are_not_admitted_past_what_was_measured() {
-    let door = AdmissionSettings {
-        door: true,
-        ..AdmissionSettings::default()
-    };
-    let limit = Arc::new(ConcurrencyLimit::new(door));
-    measured(&limit, Duration::from_millis(1));
-    // Measured with 20 in flight: trusted to 40. 4,000 would fit the budget, so fifteen
-    // callers (a client's fifteen connections) each have a share of 266 of it; together
-    // they would take it all, and the bound would protect nothing.
-    limit.measured_at.store(20, Ordering::Relaxed);
+    // Fifteen callers (a client's fifteen connections) would each have a share of 266 of
+    // the 4,000 that fit; together they would take it all, and the bound of 40 would
+    // protect nothing.
+    let limit = door_measured_at_20();
     let callers: Vec<CallerKey> = (0..15).map(CallerKey::of).collect();
     let mut held = Vec::new();
     for round in 0..100 {
