@@ -130,6 +130,9 @@ pub fn first_success_after(sent: &[Sent], at: Instant) -> Option<Duration> {
 }
 
 /// Re-sends every key once the fault is over, then checks the invariant in the database.
+/// A re-send the edge refuses as overloaded is sent again once its pushback has passed, as
+/// an A6 client would: after a fault the edge trusts its estimate only as deep as it has
+/// measured it again (docs/overload.md), and refuses a burst past that depth.
 pub async fn resend_and_check(edge: &str, database_url: &str, sent: &[Sent]) {
     assert!(!sent.is_empty(), "the load sent nothing");
     let client = PaymentsClient::new(connect(edge).await);
@@ -137,15 +140,34 @@ pub async fn resend_and_check(edge: &str, database_url: &str, sent: &[Sent]) {
         .map(|s| {
             let client = client.clone();
             async move {
-                let result = charge_on(
-                    &client,
-                    &s.account,
-                    s.amount,
-                    Some(&s.key),
-                    Duration::from_secs(20),
-                )
-                .await
-                .map(|_| ());
+                let give_up = Instant::now() + Duration::from_secs(20);
+                let result = loop {
+                    let result = charge_on(
+                        &client,
+                        &s.account,
+                        s.amount,
+                        Some(&s.key),
+                        give_up.saturating_duration_since(Instant::now()),
+                    )
+                    .await
+                    .map(|_| ());
+                    match &result {
+                        Err(status) if Instant::now() < give_up => {
+                            match resilience::wire::pushback(status) {
+                                resilience::wire::Pushback::RetryAfter(after)
+                                    if status
+                                        .metadata()
+                                        .get(resilience::wire::OVERLOADED)
+                                        .is_some() =>
+                                {
+                                    tokio::time::sleep(after).await;
+                                }
+                                _ => break result,
+                            }
+                        }
+                        _ => break result,
+                    }
+                };
                 (s, result)
             }
         })

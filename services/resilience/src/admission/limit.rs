@@ -130,8 +130,8 @@ impl std::fmt::Debug for RefusalObserver {
 enum Verdict {
     /// In.
     Admit,
-    /// In if its caller holds fewer calls than its share of `fit` (the calls that fit);
-    /// else refused for `full`.
+    /// In if its caller holds fewer calls than its share of `fit` (the calls that fit, no
+    /// more than the estimate is trusted to); else refused for `full`.
     IfUnderShare { full: Full, fit: usize },
     /// Refused.
     Refuse(Full),
@@ -494,6 +494,9 @@ impl ConcurrencyLimit {
                 .store(budget.as_nanos() as u64, Ordering::Relaxed);
         }
         let verdict = match self.judge(&ask, n, budget) {
+            // Admitted, so within the depth the estimate is trusted to: `fit` needs no bound
+            // here, and bounding it would send callers between the two shares into the
+            // line instead of past it.
             Verdict::Admit if behind && self.may_wait(&ask) => {
                 let per_call = self.per_call_ns.load(Ordering::Relaxed);
                 Verdict::IfUnderShare {
