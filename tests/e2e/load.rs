@@ -142,28 +142,17 @@ pub async fn resend_and_check(edge: &str, database_url: &str, sent: &[Sent]) {
             async move {
                 let give_up = Instant::now() + Duration::from_secs(20);
                 let result = loop {
-                    let result = charge_on(
-                        &client,
-                        &s.account,
-                        s.amount,
-                        Some(&s.key),
-                        give_up.saturating_duration_since(Instant::now()),
-                    )
-                    .await
-                    .map(|_| ());
+                    let left = give_up.saturating_duration_since(Instant::now());
+                    let result = charge_on(&client, &s.account, s.amount, Some(&s.key), left)
+                        .await
+                        .map(|_| ());
                     match &result {
-                        Err(status) if Instant::now() < give_up => {
-                            match resilience::wire::pushback(status) {
-                                resilience::wire::Pushback::RetryAfter(after)
-                                    if status
-                                        .metadata()
-                                        .get(resilience::wire::OVERLOADED)
-                                        .is_some() =>
-                                {
-                                    tokio::time::sleep(after).await;
-                                }
-                                _ => break result,
-                            }
+                        Err(status) if !left.is_zero() && overloaded(status) => {
+                            let after = match resilience::wire::pushback(status) {
+                                resilience::wire::Pushback::RetryAfter(after) => after,
+                                _ => Duration::from_millis(50),
+                            };
+                            tokio::time::sleep(after).await;
                         }
                         _ => break result,
                     }
@@ -184,6 +173,14 @@ pub async fn resend_and_check(edge: &str, database_url: &str, sent: &[Sent]) {
         codes(sent)
     );
     assert_exactly_once(database_url, sent).await;
+}
+
+/// Whether `status` is a refusal for overload (by the edge, or relayed from below).
+fn overloaded(status: &tonic::Status) -> bool {
+    status
+        .metadata()
+        .get(resilience::wire::OVERLOADED)
+        .is_some()
 }
 
 /// Every key of `sent` has exactly one charge, nothing else was charged, every balance is

@@ -70,9 +70,8 @@
 //! **Fairly.** At the edge each call carries a caller key (the caller's credentials, or
 //! without any its connection: see `AdmissionLayer::keyed_by`). While the server is full
 //! (a call's prediction does not fit), a caller holding fewer calls than its share —
-//! `budget / per_call` calls (what fits, but no more than the depth the estimate is trusted
-//! to: [`GROWTH`] times what it was measured at) divided among the callers holding calls
-//! now, and at least one — is still admitted, past the line at the door, and a caller at or over its share waits in
+//! `budget / per_call` calls (what fits) divided among the callers holding calls now — is
+//! still admitted, past the line at the door, and a caller at or over its share waits in
 //! line or is refused as above: a caller using less than its share is never refused
 //! because another uses more, and shares follow the server's capacity, not a fixed number.
 //! A caller's calls in line count among what it holds, or a caller with calls in line
