@@ -6,6 +6,7 @@
 //!   message and its metadata passed on as they came, nothing else: no deadline layer or
 //!   arithmetic, no key, mode or trace handling, no retry executor, no counters, no logging.
 //!   It is the baseline a retrychain relay is compared to.
+//! - [`h2_floor`]: a forwarder on `h2` alone, the floor under every forwarder built on it.
 //! - [`serve_tls`]: tonic's own server behind a rustls handshake (the chain's material),
 //!   so a bare forwarder can be compared with a relay over TLS on both sides too.
 //! - [`cpu_seconds`]: a process's user + system CPU time, from `/proc`.
@@ -13,6 +14,8 @@
 //!   run storms in process.
 //! - [`refusal_buckets`], [`refusal_p99_ms`]: how long the edge took to answer its
 //!   refusals, from its `shed_seconds` histogram, over a stretch of a run.
+
+pub mod h2_floor;
 
 use std::time::Duration;
 

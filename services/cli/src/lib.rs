@@ -25,7 +25,9 @@ use clap::Parser;
 use config::{Cli, Command};
 use retrychain_experiments::{demo, sim, storm};
 
-/// The whole program: the command line parsed, then run on a multi-threaded tokio runtime.
+/// The whole program: the command line parsed, then run on a tokio runtime — a service's
+/// as its `--worker-threads` says (`retrychain_serve::runtime`), every other command's
+/// multi-threaded.
 ///
 /// The runtime is started here rather than by `#[tokio::main]` in the binary: release
 /// builds do not share generic instantiations between crates, so a binary that polls this
@@ -33,10 +35,13 @@ use retrychain_experiments::{demo, sim, storm};
 /// clean release build, against 1 s now).
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match &cli.command {
+        Command::Serve(service) => retrychain_serve::runtime(service),
+        _ => tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build(),
+    };
+    let runtime = match runtime {
         Ok(runtime) => runtime,
         Err(error) => {
             eprintln!("error: cannot start the tokio runtime: {error}");

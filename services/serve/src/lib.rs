@@ -6,10 +6,10 @@
 //!
 //! - [`args`]: the flags (clap, every flag also an environment variable).
 //! - [`start()`]: bind, build, then [`Started::serve`] until the shutdown future completes;
-//!   [`run`] is that for a process, with its logging.
+//!   [`run`] is that for a process, with its logging, on the [`runtime()`] its flags ask for.
 
 pub mod args;
 mod start;
 
 pub use args::{ServiceCli, ServiceCommand};
-pub use start::{Serving, Started, run, start};
+pub use start::{Serving, Started, run, runtime, start};

@@ -25,6 +25,33 @@ use crate::args::{HopArgs, InFlightArg, LedgerArgs, ServiceArgs, ServiceCommand,
 /// trait object; nobody spawns a start (a runtime's `block_on` or an `.await` runs it).
 pub type Serving<T> = Pin<Box<dyn Future<Output = anyhow::Result<T>>>>;
 
+/// The runtime a service process runs on, as `--worker-threads` says: one thread on
+/// tokio's current-thread scheduler, or the multi-thread scheduler with that many workers
+/// (0: one per core).
+///
+/// One thread is the default because a forwarding service's CPU goes to handing work
+/// between threads otherwise. On the multi-thread scheduler every call wakes tasks that
+/// the other worker may steal, and each wake-up across threads is a futex and a context
+/// switch. Measured on this machine (two cores shared by five services, Postgres and the
+/// load), one relay forwarding at 32 in flight: 48.8 µs of CPU a request with a worker
+/// per core, 32.6 µs on one thread; the whole chain at 32 in flight, 561–671 µs of the
+/// five services' CPU a charge against 382–524, and 8–16% more charges a second. An
+/// `h2` forwarder with nothing on top, the floor under both, cost 30.2 µs and 18.2 µs
+/// (docs/benchmarks.md, section 2). linkerd2-proxy makes the same choice when it is
+/// given one core.
+pub fn runtime(command: &ServiceCommand) -> std::io::Result<tokio::runtime::Runtime> {
+    let mut builder = match command.service().worker_threads {
+        1 => tokio::runtime::Builder::new_current_thread(),
+        0 => tokio::runtime::Builder::new_multi_thread(),
+        workers => {
+            let mut builder = tokio::runtime::Builder::new_multi_thread();
+            builder.worker_threads(workers);
+            builder
+        }
+    };
+    builder.enable_all().build()
+}
+
 /// Runs the service `command` describes as this process's only service: logging set up
 /// from its flags, serving until Ctrl-C or SIGTERM. (Boxed here, as [`start`] is.)
 pub fn run(command: ServiceCommand) -> Serving<()> {

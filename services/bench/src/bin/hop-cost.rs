@@ -71,12 +71,19 @@ struct Cli {
     /// Also measure HAProxy, this binary (see the module's documentation).
     #[arg(long, conflicts_with = "tls")]
     haproxy: Option<std::path::PathBuf>,
+    /// Also measure the floor of a forwarder on `h2`: `hop-cost h2-forward` (see
+    /// `retrychain_bench::h2_floor`), in the same alternating rounds.
+    #[arg(long, conflicts_with = "tls")]
+    h2_floor: bool,
+    /// The `h2` floor on one thread (`h2-forward --current-thread`).
+    #[arg(long, requires = "h2_floor")]
+    h2_floor_current_thread: bool,
     /// Print JSON.
     #[arg(long)]
     json: bool,
     /// Count instructions under this valgrind instead of measuring CPU time (see the
     /// module's documentation).
-    #[arg(long, conflicts_with_all = ["tls", "haproxy", "perf", "otlp_sample"])]
+    #[arg(long, conflicts_with_all = ["tls", "haproxy", "h2_floor", "perf", "otlp_sample"])]
     callgrind: Option<std::path::PathBuf>,
     /// With --callgrind: keep the two profiles in this directory (`relay.out.1`,
     /// `bare.out.1`) for `callgrind_annotate`, instead of a temporary one.
@@ -84,7 +91,8 @@ struct Cli {
     callgrind_profiles: Option<std::path::PathBuf>,
     /// After the measured rounds, one more round with each forwarder profiled by `perf
     /// record` (DWARF call graphs), written to this directory as `relay.perf.data`,
-    /// `bare.perf.data` and `haproxy.perf.data` (`bench/flamegraphs` draws them). The
+    /// `bare.perf.data`, `haproxy.perf.data` and `h2-floor.perf.data` (`bench/flamegraphs`
+    /// draws the first three). The
     /// profiled round is not counted: sampling costs the profiled process CPU.
     #[arg(long)]
     perf: Option<std::path::PathBuf>,
@@ -109,6 +117,18 @@ enum Role {
         /// Serve and call over TLS with the material here; the downstream must be hop4.
         #[arg(long)]
         tls_dir: Option<std::path::PathBuf>,
+    },
+    /// Forward every stream on `h2` alone, nothing else (`retrychain_bench::h2_floor`).
+    H2Forward {
+        #[arg(long)]
+        listen: String,
+        /// The sink's address (host:port), plaintext.
+        #[arg(long)]
+        downstream: std::net::SocketAddr,
+        /// On a runtime of one thread (tokio's current-thread scheduler), as HAProxy
+        /// runs an event loop a thread, rather than a worker per core.
+        #[arg(long)]
+        current_thread: bool,
     },
     /// Accept OTLP trace exports and drop them.
     OtlpSink {
@@ -159,7 +179,40 @@ struct Report {
     bare_rps: f64,
     /// With `--haproxy`.
     haproxy: Option<HaproxyReport>,
+    /// With `--h2-floor`.
+    h2_floor: Option<FloorReport>,
 }
+
+/// The `h2` floor's figures, and the relay's and the bare forwarder's against them.
+#[derive(Debug, Serialize)]
+struct FloorReport {
+    cpu_us_per_request: f64,
+    rps: f64,
+    rss_kib: u64,
+    /// relay / floor: each round's, their median.
+    relay_ratio_rounds: Vec<f64>,
+    relay_ratio_median: f64,
+    /// bare / floor: each round's, their median.
+    bare_ratio_rounds: Vec<f64>,
+    bare_ratio_median: f64,
+    /// floor / HAProxy, with `--haproxy`: each round's, their median.
+    haproxy_ratio_rounds: Option<Vec<f64>>,
+    haproxy_ratio_median: Option<f64>,
+}
+
+/// A forwarder measured: its name (the relay's and the bare forwarder's come first, in that
+/// order), where the load goes, and the process whose CPU is counted.
+#[derive(Debug)]
+struct Target {
+    name: &'static str,
+    url: String,
+    pid: u32,
+}
+
+const RELAY: &str = "relay";
+const BARE: &str = "bare";
+const HAPROXY: &str = "haproxy";
+const H2_FLOOR: &str = "h2-floor";
 
 /// HAProxy's figures, and the relay's and the bare forwarder's against them.
 #[derive(Debug, Serialize)]
@@ -204,6 +257,35 @@ async fn main() -> anyhow::Result<()> {
                     serve_tls(listener, BareForwarder::new(channel), tls).await
                 }
                 None => serve(listener, BareForwarder::new(endpoint.connect_lazy())).await,
+            }
+        }
+        Some(Role::H2Forward {
+            listen,
+            downstream,
+            current_thread,
+        }) => {
+            let listener = std::net::TcpListener::bind(listen)?;
+            listener.set_nonblocking(true)?;
+            let forward = async move {
+                let listener = TcpListener::from_std(listener)?;
+                retrychain_bench::h2_floor::forward(listener, *downstream).await
+            };
+            match current_thread {
+                true => {
+                    let forward = forward;
+                    std::thread::scope(|scope| {
+                        scope
+                            .spawn(|| {
+                                tokio::runtime::Builder::new_current_thread()
+                                    .enable_all()
+                                    .build()?
+                                    .block_on(forward)
+                            })
+                            .join()
+                            .map_err(|_| anyhow::anyhow!("the forwarder's thread panicked"))?
+                    })
+                }
+                false => forward.await,
             }
         }
         Some(Role::OtlpSink { listen }) => {
@@ -270,7 +352,13 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
     };
     // The relay takes a port of its own choosing and says which (a port picked here and
     // released could be taken in between); the tool's own processes get distinct ones.
-    let [sink_port, bare_port, collector_port, haproxy_port] = free_ports()?;
+    let [
+        sink_port,
+        bare_port,
+        collector_port,
+        haproxy_port,
+        floor_port,
+    ] = free_ports()?;
     // With --tls: a throwaway authority and the tiers' material; each process is told its
     // own directory (`--tls-dir`), as a deployment mounts one.
     let material_dir = tempfile::tempdir()?;
@@ -373,21 +461,52 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
         Some(path) => Some(haproxy(path, config_dir.path(), haproxy_port, sink_port)?),
         None => None,
     };
+    let floor = match cli.h2_floor {
+        true => Some(spawn(
+            Command::new(&me)
+                .args([
+                    "h2-forward",
+                    "--listen",
+                    &format!("127.0.0.1:{floor_port}"),
+                    "--downstream",
+                    &format!("127.0.0.1:{sink_port}"),
+                ])
+                .args(cli.h2_floor_current_thread.then_some("--current-thread")),
+        )?),
+        false => None,
+    };
     for port in [sink_port, bare_port]
         .into_iter()
         .chain(haproxy.as_ref().map(|_| haproxy_port))
+        .chain(floor.as_ref().map(|_| floor_port))
     {
         wait_listening(port).await?;
     }
     let mut targets = vec![
-        (
-            relay.url().replacen("http://", &format!("{scheme}://"), 1),
-            relay_pid,
-        ),
-        (format!("{scheme}://127.0.0.1:{bare_port}"), bare.0.id()),
+        Target {
+            name: RELAY,
+            url: relay.url().replacen("http://", &format!("{scheme}://"), 1),
+            pid: relay_pid,
+        },
+        Target {
+            name: BARE,
+            url: format!("{scheme}://127.0.0.1:{bare_port}"),
+            pid: bare.0.id(),
+        },
     ];
     if let Some(haproxy) = &haproxy {
-        targets.push((format!("http://127.0.0.1:{haproxy_port}"), haproxy.0.id()));
+        targets.push(Target {
+            name: HAPROXY,
+            url: format!("http://127.0.0.1:{haproxy_port}"),
+            pid: haproxy.0.id(),
+        });
+    }
+    if let Some(floor) = &floor {
+        targets.push(Target {
+            name: H2_FLOOR,
+            url: format!("http://127.0.0.1:{floor_port}"),
+            pid: floor.0.id(),
+        });
     }
     // The load is hop2 calling hop3.
     let client = match &chain {
@@ -438,6 +557,20 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
                 haproxy.rss_kib,
                 haproxy.relay_ratio_median,
                 haproxy.bare_ratio_median
+            );
+        }
+        if let Some(floor) = &report.h2_floor {
+            println!(
+                "h2 floor: {:.1} µs CPU per request ({:.0} req/s, RSS {} KiB)\nratio relay/floor: {:.2}, bare/floor: {:.2}{} (medians of rounds)",
+                floor.cpu_us_per_request,
+                floor.rps,
+                floor.rss_kib,
+                floor.relay_ratio_median,
+                floor.bare_ratio_median,
+                match floor.haproxy_ratio_median {
+                    Some(ratio) => format!(", floor/haproxy: {ratio:.2}"),
+                    None => String::new(),
+                }
             );
         }
     }
@@ -538,18 +671,18 @@ struct InstructionReport {
 /// a dump of the counts, instrumentation off again.
 async fn count_instructions(
     cli: &Cli,
-    targets: &[(String, u32)],
+    targets: &[Target],
     profiles: &std::path::Path,
 ) -> anyhow::Result<InstructionReport> {
-    for (url, _) in targets {
-        load(url, None, cli.requests / 10 + 100, cli.concurrency).await?;
+    for target in targets {
+        load(&target.url, None, cli.requests / 10 + 100, cli.concurrency).await?;
     }
     let valgrind = cli
         .callgrind
         .as_deref()
         .context("--callgrind names valgrind")?;
     let mut per_request = Vec::new();
-    for ((url, pid), name) in targets.iter().zip(["relay", "bare"]) {
+    for Target { name, url, pid } in targets {
         callgrind_control(valgrind, *pid, &["--instr=on"]).await?;
         load(url, None, cli.requests, cli.concurrency).await?;
         callgrind_control(valgrind, *pid, &["--dump"]).await?;
@@ -624,23 +757,23 @@ fn dumped_instructions(profiles: &std::path::Path, name: &str) -> anyhow::Result
         .with_context(|| format!("no instruction count in {}", dump.display()))
 }
 
-/// Loads the relay, the bare forwarder and HAProxy when there is one (`targets`: URL and
-/// pid, in that order) in alternating rounds, over `tls` when given, and reports their CPU
-/// per request.
+/// Loads the relay, the bare forwarder, and HAProxy and the `h2` floor when asked
+/// (`targets`) in alternating rounds, over `tls` when given, and reports their CPU per
+/// request.
 async fn measure(
     cli: &Cli,
-    targets: &[(String, u32)],
+    targets: &[Target],
     tls: Option<&(Tls, Identity)>,
 ) -> anyhow::Result<Report> {
     // Warm each up, then alternate rounds so drift on a shared machine hits all alike.
-    for (url, _) in targets {
-        load(url, tls, cli.requests / 10 + 100, cli.concurrency).await?;
+    for target in targets {
+        load(&target.url, tls, cli.requests / 10 + 100, cli.concurrency).await?;
     }
     // Per target: each round's CPU seconds, and the wall time in all.
     let mut cpu = vec![Vec::new(); targets.len()];
     let mut wall = vec![0.0f64; targets.len()];
     for _ in 0..cli.rounds {
-        for (i, (url, pid)) in targets.iter().enumerate() {
+        for (i, Target { url, pid, .. }) in targets.iter().enumerate() {
             let before = cpu_seconds(*pid)?;
             wall[i] += load(url, tls, cli.requests, cli.concurrency)
                 .await?
@@ -649,8 +782,7 @@ async fn measure(
         }
     }
     if let Some(dir) = &cli.perf {
-        const NAMES: [&str; 3] = ["relay", "bare", "haproxy"];
-        for ((url, pid), name) in targets.iter().zip(NAMES) {
+        for Target { name, url, pid } in targets {
             let data = dir.join(format!("{name}.perf.data"));
             let mut perf = Command::new("perf")
                 .args([
@@ -698,18 +830,38 @@ async fn measure(
             .collect()
     };
     let ratio_rounds = rounds(0, 1);
-    let haproxy = match targets.get(2) {
-        Some((_, pid)) => {
-            let relay_ratio_rounds = rounds(0, 2);
-            let bare_ratio_rounds = rounds(1, 2);
+    let at = |name: &str| targets.iter().position(|target| target.name == name);
+    let haproxy = match at(HAPROXY) {
+        Some(h) => {
+            let relay_ratio_rounds = rounds(0, h);
+            let bare_ratio_rounds = rounds(1, h);
             Some(HaproxyReport {
-                cpu_us_per_request: sum(2) / total * 1e6,
-                rps: total / wall[2],
-                rss_kib: rss_kib(*pid)?,
+                cpu_us_per_request: sum(h) / total * 1e6,
+                rps: total / wall[h],
+                rss_kib: rss_kib(targets[h].pid)?,
                 relay_ratio_median: median(&relay_ratio_rounds),
                 relay_ratio_rounds,
                 bare_ratio_median: median(&bare_ratio_rounds),
                 bare_ratio_rounds,
+            })
+        }
+        None => None,
+    };
+    let h2_floor = match at(H2_FLOOR) {
+        Some(f) => {
+            let relay_ratio_rounds = rounds(0, f);
+            let bare_ratio_rounds = rounds(1, f);
+            let haproxy_ratio_rounds = at(HAPROXY).map(|h| rounds(f, h));
+            Some(FloorReport {
+                cpu_us_per_request: sum(f) / total * 1e6,
+                rps: total / wall[f],
+                rss_kib: rss_kib(targets[f].pid)?,
+                relay_ratio_median: median(&relay_ratio_rounds),
+                relay_ratio_rounds,
+                bare_ratio_median: median(&bare_ratio_rounds),
+                bare_ratio_rounds,
+                haproxy_ratio_median: haproxy_ratio_rounds.as_deref().map(median),
+                haproxy_ratio_rounds,
             })
         }
         None => None,
@@ -723,10 +875,11 @@ async fn measure(
         ratio: sum(0) / sum(1).max(f64::EPSILON),
         ratio_median: median(&ratio_rounds),
         ratio_rounds,
-        relay_rss_kib: rss_kib(targets[0].1)?,
-        bare_rss_kib: rss_kib(targets[1].1)?,
+        relay_rss_kib: rss_kib(targets[0].pid)?,
+        bare_rss_kib: rss_kib(targets[1].pid)?,
         relay_rps: total / wall[0],
         bare_rps: total / wall[1],
         haproxy,
+        h2_floor,
     })
 }

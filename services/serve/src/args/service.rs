@@ -154,6 +154,15 @@ pub struct ServiceArgs {
     /// call's deadline alone decides.
     #[arg(long, env = "RETRYCHAIN_LATENCY_OBJECTIVE_MS", value_parser = clap::value_parser!(u64).range(1..))]
     pub latency_objective_ms: Option<u64>,
+    /// Threads that serve calls. 1: one, on tokio's current-thread scheduler — every
+    /// connection and call on it, nothing handed between threads (a relay forwards a call
+    /// for a third less CPU than with a worker per core: docs/benchmarks.md, section 2); it
+    /// uses at most one core. More: tokio's multi-thread scheduler with that many workers,
+    /// for a service that needs more than a core. 0: a worker per core. (The log writer
+    /// has a thread of its own either way.) A service started in process by the harness
+    /// runs on its caller's runtime instead.
+    #[arg(long, env = "RETRYCHAIN_WORKER_THREADS", default_value_t = 1)]
+    pub worker_threads: usize,
     /// TLS: a directory holding tls.crt, tls.key and ca.crt (a Kubernetes TLS secret, as
     /// cert-manager writes it). With it, or the three files below, the public port speaks
     /// TLS 1.3 only, every downstream call is TLS with this service's certificate, and the
