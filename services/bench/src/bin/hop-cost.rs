@@ -75,6 +75,10 @@ struct Cli {
     /// `retrychain_bench::h2_floor`), in the same alternating rounds.
     #[arg(long, conflicts_with = "tls")]
     h2_floor: bool,
+    /// The bare forwarder on one thread (`forward --current-thread`), as the relay runs by
+    /// default; unset, on a worker per core, as `#[tokio::main]` starts one.
+    #[arg(long)]
+    bare_current_thread: bool,
     /// The `h2` floor on one thread (`h2-forward --current-thread`).
     #[arg(long, requires = "h2_floor")]
     h2_floor_current_thread: bool,
@@ -117,6 +121,10 @@ enum Role {
         /// Serve and call over TLS with the material here; the downstream must be hop4.
         #[arg(long)]
         tls_dir: Option<std::path::PathBuf>,
+        /// On a runtime of one thread (tokio's current-thread scheduler), as a retrychain
+        /// service runs by default, rather than a worker per core (`#[tokio::main]`'s).
+        #[arg(long)]
+        current_thread: bool,
     },
     /// Forward every stream on `h2` alone, nothing else (`retrychain_bench::h2_floor`).
     H2Forward {
@@ -178,23 +186,17 @@ struct Report {
     relay_rps: f64,
     bare_rps: f64,
     /// With `--haproxy`.
-    haproxy: Option<HaproxyReport>,
+    haproxy: Option<BaselineReport>,
     /// With `--h2-floor`.
     h2_floor: Option<FloorReport>,
 }
 
-/// The `h2` floor's figures, and the relay's and the bare forwarder's against them.
+/// The `h2` floor's figures, the relay's and the bare forwarder's against them, and the
+/// floor's against HAProxy's.
 #[derive(Debug, Serialize)]
 struct FloorReport {
-    cpu_us_per_request: f64,
-    rps: f64,
-    rss_kib: u64,
-    /// relay / floor: each round's, their median.
-    relay_ratio_rounds: Vec<f64>,
-    relay_ratio_median: f64,
-    /// bare / floor: each round's, their median.
-    bare_ratio_rounds: Vec<f64>,
-    bare_ratio_median: f64,
+    #[serde(flatten)]
+    baseline: BaselineReport,
     /// floor / HAProxy, with `--haproxy`: each round's, their median.
     haproxy_ratio_rounds: Option<Vec<f64>>,
     haproxy_ratio_median: Option<f64>,
@@ -214,23 +216,47 @@ const BARE: &str = "bare";
 const HAPROXY: &str = "haproxy";
 const H2_FLOOR: &str = "h2-floor";
 
-/// HAProxy's figures, and the relay's and the bare forwarder's against them.
+/// A baseline's figures (HAProxy's, the `h2` floor's), and the relay's and the bare
+/// forwarder's against them.
 #[derive(Debug, Serialize)]
-struct HaproxyReport {
+struct BaselineReport {
     cpu_us_per_request: f64,
     rps: f64,
     rss_kib: u64,
-    /// relay / HAProxy: each round's, their median.
+    /// relay / the baseline: each round's, their median.
     relay_ratio_rounds: Vec<f64>,
     relay_ratio_median: f64,
-    /// bare / HAProxy: each round's, their median.
+    /// bare / the baseline: each round's, their median.
     bare_ratio_rounds: Vec<f64>,
     bare_ratio_median: f64,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    // A forwarder asked to run on one thread gets tokio's current-thread scheduler, as a
+    // retrychain service does by default; everything else a worker per core.
+    let one_thread = matches!(
+        cli.command,
+        Some(
+            Role::Forward {
+                current_thread: true,
+                ..
+            } | Role::H2Forward {
+                current_thread: true,
+                ..
+            }
+        )
+    );
+    let runtime = match one_thread {
+        true => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?,
+        false => tokio::runtime::Runtime::new()?,
+    };
+    runtime.block_on(run(cli))
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
     match &cli.command {
         Some(Role::Sink { listen, tls_dir }) => {
             let listener = TcpListener::bind(listen).await?;
@@ -243,6 +269,7 @@ async fn main() -> anyhow::Result<()> {
             listen,
             downstream,
             tls_dir,
+            ..
         }) => {
             let endpoint =
                 tonic::transport::Endpoint::from_shared(downstream.clone())?.tcp_nodelay(true);
@@ -260,33 +287,10 @@ async fn main() -> anyhow::Result<()> {
             }
         }
         Some(Role::H2Forward {
-            listen,
-            downstream,
-            current_thread,
+            listen, downstream, ..
         }) => {
-            let listener = std::net::TcpListener::bind(listen)?;
-            listener.set_nonblocking(true)?;
-            let forward = async move {
-                let listener = TcpListener::from_std(listener)?;
-                retrychain_bench::h2_floor::forward(listener, *downstream).await
-            };
-            match current_thread {
-                true => {
-                    let forward = forward;
-                    std::thread::scope(|scope| {
-                        scope
-                            .spawn(|| {
-                                tokio::runtime::Builder::new_current_thread()
-                                    .enable_all()
-                                    .build()?
-                                    .block_on(forward)
-                            })
-                            .join()
-                            .map_err(|_| anyhow::anyhow!("the forwarder's thread panicked"))?
-                    })
-                }
-                false => forward.await,
-            }
+            let listener = TcpListener::bind(listen).await?;
+            retrychain_bench::h2_floor::forward(listener, *downstream).await
         }
         Some(Role::OtlpSink { listen }) => {
             use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::TraceServiceServer;
@@ -454,7 +458,8 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
                 "--downstream",
                 &sink_url,
             ])
-            .args(tls_dir("hop3")),
+            .args(tls_dir("hop3"))
+            .args(cli.bare_current_thread.then_some("--current-thread")),
     )?;
     let config_dir = tempfile::tempdir()?;
     let haproxy = match &cli.haproxy {
@@ -562,11 +567,11 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
         if let Some(floor) = &report.h2_floor {
             println!(
                 "h2 floor: {:.1} µs CPU per request ({:.0} req/s, RSS {} KiB)\nratio relay/floor: {:.2}, bare/floor: {:.2}{} (medians of rounds)",
-                floor.cpu_us_per_request,
-                floor.rps,
-                floor.rss_kib,
-                floor.relay_ratio_median,
-                floor.bare_ratio_median,
+                floor.baseline.cpu_us_per_request,
+                floor.baseline.rps,
+                floor.baseline.rss_kib,
+                floor.baseline.relay_ratio_median,
+                floor.baseline.bare_ratio_median,
                 match floor.haproxy_ratio_median {
                     Some(ratio) => format!(", floor/haproxy: {ratio:.2}"),
                     None => String::new(),
@@ -831,35 +836,25 @@ async fn measure(
     };
     let ratio_rounds = rounds(0, 1);
     let at = |name: &str| targets.iter().position(|target| target.name == name);
-    let haproxy = match at(HAPROXY) {
-        Some(h) => {
-            let relay_ratio_rounds = rounds(0, h);
-            let bare_ratio_rounds = rounds(1, h);
-            Some(HaproxyReport {
-                cpu_us_per_request: sum(h) / total * 1e6,
-                rps: total / wall[h],
-                rss_kib: rss_kib(targets[h].pid)?,
-                relay_ratio_median: median(&relay_ratio_rounds),
-                relay_ratio_rounds,
-                bare_ratio_median: median(&bare_ratio_rounds),
-                bare_ratio_rounds,
-            })
-        }
-        None => None,
+    let baseline = |b: usize| -> anyhow::Result<BaselineReport> {
+        let relay_ratio_rounds = rounds(0, b);
+        let bare_ratio_rounds = rounds(1, b);
+        Ok(BaselineReport {
+            cpu_us_per_request: sum(b) / total * 1e6,
+            rps: total / wall[b],
+            rss_kib: rss_kib(targets[b].pid)?,
+            relay_ratio_median: median(&relay_ratio_rounds),
+            relay_ratio_rounds,
+            bare_ratio_median: median(&bare_ratio_rounds),
+            bare_ratio_rounds,
+        })
     };
+    let haproxy = at(HAPROXY).map(baseline).transpose()?;
     let h2_floor = match at(H2_FLOOR) {
         Some(f) => {
-            let relay_ratio_rounds = rounds(0, f);
-            let bare_ratio_rounds = rounds(1, f);
             let haproxy_ratio_rounds = at(HAPROXY).map(|h| rounds(f, h));
             Some(FloorReport {
-                cpu_us_per_request: sum(f) / total * 1e6,
-                rps: total / wall[f],
-                rss_kib: rss_kib(targets[f].pid)?,
-                relay_ratio_median: median(&relay_ratio_rounds),
-                relay_ratio_rounds,
-                bare_ratio_median: median(&bare_ratio_rounds),
-                bare_ratio_rounds,
+                baseline: baseline(f)?,
                 haproxy_ratio_median: haproxy_ratio_rounds.as_deref().map(median),
                 haproxy_ratio_rounds,
             })
