@@ -312,3 +312,53 @@ async fn a_sampled_trace_is_exported_whole_under_the_id_the_logs_show() {
         "{exported} of 40 at a ratio of 0.5"
     );
 }
+
+/// A service that stops (SIGTERM) sends the spans it has not exported yet: with batches
+/// due only every ten minutes, one charge's trace still reaches the collector whole once
+/// the five services have stopped. Each runs on one thread by default, where the exporter's
+/// last batch needs the runtime the shutdown is made from: flushed on that thread, it waited
+/// for itself until the SDK gave up, and the spans were lost.
+#[tokio::test]
+async fn a_stopped_service_exports_the_spans_it_still_held() {
+    let (collector, endpoint) = Collector::start().await;
+    let mut options = Options::processes();
+    options.spec.env = vec![
+        ("OTEL_EXPORTER_OTLP_ENDPOINT".into(), endpoint),
+        ("OTEL_BSP_SCHEDULE_DELAY".into(), "600000".into()),
+    ];
+    let mut chain = Chain::spawn(options).await;
+    let reply = chain
+        .charge_new(Duration::from_secs(10), &[])
+        .await
+        .unwrap();
+    let trace_id = header(&reply, TRACE_ID).unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let early = collector
+        .spans
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|s| s.trace_id == trace_id)
+        .count();
+    assert_eq!(
+        early, 0,
+        "nothing of the trace exported before the services stop"
+    );
+    for service in &mut chain.services {
+        let grace = retrychain_node::DRAIN_GRACE + Duration::from_secs(5);
+        let status = service.terminate(grace).await.expect("exits on SIGTERM");
+        assert!(status.success(), "{} exited with {status}", service.name);
+    }
+    let spans = collector.spans.lock().unwrap().clone();
+    let servers: Vec<&Got> = spans
+        .iter()
+        .filter(|s| s.trace_id == trace_id && s.kind == SpanKind::Server)
+        .collect();
+    for service in ["edge", "hop2", "hop3", "hop4", "ledger"] {
+        assert_eq!(
+            servers.iter().filter(|s| s.service == service).count(),
+            1,
+            "{service}'s server span of {trace_id}, exported when it stopped: {servers:#?}"
+        );
+    }
+}

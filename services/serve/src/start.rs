@@ -33,8 +33,8 @@ pub type Serving<T> = Pin<Box<dyn Future<Output = anyhow::Result<T>>>>;
 /// between threads otherwise. On the multi-thread scheduler every call wakes tasks that
 /// the other worker may steal, and each wake-up across threads is a futex and a context
 /// switch. Measured on this machine (two cores shared by five services, Postgres and the
-/// load), one relay forwarding at 32 in flight: 48.8 µs of CPU a request with a worker
-/// per core, 32.6 µs on one thread; the whole chain at 32 in flight, 561–671 µs of the
+/// load), one relay forwarding at 32 in flight: about 49 µs of CPU a request with a worker
+/// per core, 30–33 µs on one thread; the whole chain at 32 in flight, 561–671 µs of the
 /// five services' CPU a charge against 382–524, and 8–16% more charges a second. An
 /// `h2` forwarder with nothing on top, the floor under both, cost 30.2 µs and 18.2 µs
 /// (docs/benchmarks.md, section 2). linkerd2-proxy makes the same choice when it is
@@ -59,13 +59,19 @@ pub fn run(command: ServiceCommand) -> Serving<()> {
 }
 
 async fn run_service(command: ServiceCommand) -> anyhow::Result<()> {
-    let _telemetry = telemetry::init(command.service().log_format.into(), &command.name());
-    let started = start(command, retrychain_node::shutdown_signal()).await?;
-    // One plain line on stderr whatever the log format and level: `retrychain up`, the
-    // experiments and the tests read it to learn the addresses of a process started on
-    // port 0. Calls made from now on queue on the bound sockets until served.
-    eprintln!("{}", started.addrs);
-    started.serve().await
+    let telemetry = telemetry::init(command.service().log_format.into(), &command.name());
+    let served = async {
+        let started = start(command, retrychain_node::shutdown_signal()).await?;
+        // One plain line on stderr whatever the log format and level: `retrychain up`, the
+        // experiments and the tests read it to learn the addresses of a process started
+        // on port 0. Calls made from now on queue on the bound sockets until served.
+        eprintln!("{}", started.addrs);
+        started.serve().await
+    }
+    .await;
+    // The last spans out while the runtime still runs (see `Telemetry::shutdown`).
+    telemetry.shutdown().await;
+    served
 }
 
 /// A service bound to its ports, its node built, ready to serve.

@@ -96,7 +96,7 @@ struct Cli {
     /// After the measured rounds, one more round with each forwarder profiled by `perf
     /// record` (DWARF call graphs), written to this directory as `relay.perf.data`,
     /// `bare.perf.data`, `haproxy.perf.data` and `h2-floor.perf.data` (`bench/flamegraphs`
-    /// draws the first three). The
+    /// draws them). The
     /// profiled round is not counted: sampling costs the profiled process CPU.
     #[arg(long)]
     perf: Option<std::path::PathBuf>,

@@ -184,8 +184,8 @@ impl IdGenerator for ChainIds {
     }
 }
 
-/// Flushes and stops the trace exporter when dropped (at the end of `main`), so the
-/// spans of the last requests are not lost.
+/// Flushes and stops the trace exporter when a service stops ([`Telemetry::shutdown`], or
+/// when dropped), so the spans of the last requests are not lost.
 #[derive(Debug)]
 #[must_use = "dropping the guard stops the trace exporter"]
 pub struct Telemetry {
@@ -195,6 +195,24 @@ pub struct Telemetry {
     _logs: Option<crate::log_writer::Flusher>,
 }
 
+impl Telemetry {
+    /// Flushes and stops the trace exporter from a blocking thread, while this task's
+    /// runtime goes on: the exporter's last batch is sent by its own thread over a tonic
+    /// channel whose connection is a task of this runtime, and on a runtime of one thread
+    /// (a service's default) a flush made on that thread would wait for itself until the
+    /// SDK gave up (5 s) and the batch was lost.
+    pub async fn shutdown(mut self) {
+        if let Some(provider) = self.provider.take() {
+            match tokio::task::spawn_blocking(move || provider.shutdown()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => eprintln!("flushing traces: {error}"),
+                Err(error) => eprintln!("flushing traces: {error}"),
+            }
+        }
+    }
+}
+
+/// Without [`Telemetry::shutdown`] (an error on the way out): the flush on this thread.
 impl Drop for Telemetry {
     fn drop(&mut self) {
         if let Some(provider) = self.provider.take()
