@@ -147,7 +147,10 @@ pub async fn resend_and_check(edge: &str, database_url: &str, sent: &[Sent]) {
                         .await
                         .map(|_| ());
                     match &result {
-                        Err(status) if !left.is_zero() && overloaded(status) => {
+                        Err(status)
+                            if !left.is_zero()
+                                && resilience::wire::is_overloaded(status.metadata().as_ref()) =>
+                        {
                             let after = match resilience::wire::pushback(status) {
                                 resilience::wire::Pushback::RetryAfter(after) => after,
                                 _ => Duration::from_millis(50),
@@ -173,14 +176,6 @@ pub async fn resend_and_check(edge: &str, database_url: &str, sent: &[Sent]) {
         codes(sent)
     );
     assert_exactly_once(database_url, sent).await;
-}
-
-/// Whether `status` is a refusal for overload (by the edge, or relayed from below).
-fn overloaded(status: &tonic::Status) -> bool {
-    status
-        .metadata()
-        .get(resilience::wire::OVERLOADED)
-        .is_some()
 }
 
 /// Every key of `sent` has exactly one charge, nothing else was charged, every balance is

@@ -124,13 +124,22 @@ impl Collector {
     }
 }
 
-/// A chain exporting to `endpoint`.
+/// A chain exporting to `endpoint` every 50 ms.
 async fn traced_chain(endpoint: &str) -> Chain {
+    exporting_chain(endpoint, "50", &[]).await
+}
+
+/// A chain exporting to `endpoint` every `schedule_delay_ms`, with `more` variables.
+async fn exporting_chain(endpoint: &str, schedule_delay_ms: &str, more: &[(&str, &str)]) -> Chain {
     let mut options = Options::processes();
-    options.spec.env = vec![
-        ("OTEL_EXPORTER_OTLP_ENDPOINT".into(), endpoint.into()),
-        ("OTEL_BSP_SCHEDULE_DELAY".into(), "50".into()),
-    ];
+    options.spec.env = [
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint),
+        ("OTEL_BSP_SCHEDULE_DELAY", schedule_delay_ms),
+    ]
+    .iter()
+    .chain(more)
+    .map(|&(name, value)| (name.into(), value.into()))
+    .collect();
     Chain::spawn(options).await
 }
 
@@ -260,14 +269,15 @@ async fn amplification_shows_as_processor_spans_243_against_3() {
 #[tokio::test]
 async fn a_sampled_trace_is_exported_whole_under_the_id_the_logs_show() {
     let (collector, endpoint) = Collector::start().await;
-    let mut options = Options::processes();
-    options.spec.env = vec![
-        ("OTEL_EXPORTER_OTLP_ENDPOINT".into(), endpoint),
-        ("OTEL_BSP_SCHEDULE_DELAY".into(), "50".into()),
-        ("OTEL_TRACES_SAMPLER".into(), "traceidratio".into()),
-        ("OTEL_TRACES_SAMPLER_ARG".into(), "0.5".into()),
-    ];
-    let chain = Chain::spawn(options).await;
+    let chain = exporting_chain(
+        &endpoint,
+        "50",
+        &[
+            ("OTEL_TRACES_SAMPLER", "traceidratio"),
+            ("OTEL_TRACES_SAMPLER_ARG", "0.5"),
+        ],
+    )
+    .await;
     let mut trace_ids = Vec::new();
     for _ in 0..40 {
         let reply = chain
@@ -321,12 +331,7 @@ async fn a_sampled_trace_is_exported_whole_under_the_id_the_logs_show() {
 #[tokio::test]
 async fn a_stopped_service_exports_the_spans_it_still_held() {
     let (collector, endpoint) = Collector::start().await;
-    let mut options = Options::processes();
-    options.spec.env = vec![
-        ("OTEL_EXPORTER_OTLP_ENDPOINT".into(), endpoint),
-        ("OTEL_BSP_SCHEDULE_DELAY".into(), "600000".into()),
-    ];
-    let mut chain = Chain::spawn(options).await;
+    let mut chain = exporting_chain(&endpoint, "600000", &[]).await;
     let reply = chain
         .charge_new(Duration::from_secs(10), &[])
         .await

@@ -466,6 +466,10 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
         Some(path) => Some(haproxy(path, config_dir.path(), haproxy_port, sink_port)?),
         None => None,
     };
+    // The floor opens its one connection to the sink as it starts.
+    if cli.h2_floor {
+        wait_listening(sink_port).await?;
+    }
     let floor = match cli.h2_floor {
         true => Some(spawn(
             Command::new(&me)
