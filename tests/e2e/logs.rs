@@ -121,3 +121,138 @@ async fn up_with_json_logs_writes_one_json_object_per_line_and_nothing_else() {
     );
     assert_eq!(ledger_outcomes, 1, "one line for the charge at the ledger");
 }
+
+/// A service must never wait for its stdout: a relay whose stdout is a pipe nobody reads
+/// is sent calls until its log backlog (4 MiB, past the pipe's own buffer) is full and
+/// lines are dropped, and a further batch past that; every call is still answered in time.
+/// Then the pipe is read: the relay says how many lines it dropped, as `/metrics` does.
+/// Before lines were dropped, the task that logged past the backlog wrote it out itself,
+/// and on a service's one thread that write, blocked on the full pipe, stopped every call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_whose_stdout_is_not_read_keeps_serving_and_counts_the_lines_it_dropped() {
+    use futures::StreamExt;
+
+    /// Killed outright when the test ends: a service stuck on its stdout would not stop
+    /// on SIGTERM.
+    struct Killed(std::process::Child);
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    // A charge without a key is refused by a relay at once (INVALID_ARGUMENT), before any
+    // downstream call, and logged: a line a call, about 300 bytes, with nothing below.
+    let relay = Command::new(BIN)
+        .args([
+            "relay",
+            "--name",
+            "hop2",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--downstream",
+            "http://127.0.0.1:1",
+        ])
+        .env("RETRYCHAIN_LOG_FORMAT", "text")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut relay = Killed(relay);
+    // Held open and not read until the end.
+    let stdout = relay.0.stdout.take().unwrap();
+    let stderr = relay.0.stderr.take().unwrap();
+    let (ready_tx, ready) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if let Some(addrs) = retrychain_node::server::ReadyAddrs::parse(&line) {
+                let _ = ready_tx.send(addrs);
+            }
+        }
+    });
+    let addrs = off_runtime(move || ready.recv_timeout(Duration::from_secs(60)))
+        .await
+        .expect("the relay says where it listens");
+    let public = format!("http://{}", host_port(&addrs.public));
+    let admin = format!("http://{}", host_port(&addrs.admin));
+    let client = retrychain_proto::v1::payments_client::PaymentsClient::new(connect(&public).await);
+    let dropped = |metrics: &str| -> u64 {
+        metrics
+            .lines()
+            .find(|l| l.starts_with("retrychain_log_lines_dropped_total"))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no log_lines_dropped_total in:\n{metrics}"))
+    };
+    assert_eq!(dropped(&scrape_metrics(&admin).await), 0, "none yet");
+
+    // Batches of calls, 64 at once, until lines are dropped; then one more batch.
+    const BATCH: usize = 2_000;
+    let mut calls = 0;
+    let mut batches_past_the_backlog = 0;
+    while batches_past_the_backlog < 2 {
+        assert!(
+            calls < 100_000,
+            "{calls} calls and no line dropped: are the lines logged at all?"
+        );
+        let answered = futures::stream::iter(0..BATCH)
+            .map(|_| {
+                let client = client.clone();
+                async move {
+                    let request = charge(&new_account(), 100, None, Duration::from_secs(2), &[]);
+                    tokio::time::timeout(Duration::from_secs(5), client.clone().charge(request))
+                        .await
+                }
+            })
+            .buffer_unordered(64)
+            .collect::<Vec<_>>()
+            .await;
+        for answer in answered {
+            let status = answer
+                .unwrap_or_else(|_| {
+                    panic!("a call was not answered in 5 s, after {calls} calls: the relay stalled on its stdout")
+                })
+                .expect_err("no key: refused");
+            assert_eq!(
+                status.code(),
+                tonic::Code::InvalidArgument,
+                "after {calls} calls (the relay stalled on its stdout if its time ran out): {status:?}"
+            );
+        }
+        calls += BATCH;
+        if dropped(&scrape_metrics(&admin).await) > 0 {
+            batches_past_the_backlog += 1;
+        }
+    }
+    let total = dropped(&scrape_metrics(&admin).await);
+    assert!(total > 0);
+
+    // stdout read again: the relay says what it dropped.
+    let (line_tx, said) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if line.contains("log lines dropped") {
+                let _ = line_tx.send(line);
+            }
+        }
+    });
+    let line = off_runtime(move || said.recv_timeout(Duration::from_secs(10)))
+        .await
+        .expect("a line says lines were dropped, once stdout is read");
+    let reported: u64 = line
+        .split_whitespace()
+        .find_map(|word| word.strip_prefix("dropped_total="))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("dropped_total on the line: {line}"));
+    // The first such line counts every line dropped before stdout was read (more may
+    // have been since the scrape: the relay's own warnings about its downstream).
+    assert!(
+        reported >= total,
+        "the line's total {reported}, /metrics {total}: {line}"
+    );
+    drop(relay);
+}

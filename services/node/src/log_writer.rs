@@ -8,18 +8,26 @@
 //! shared buffer under a lock held for a copy; nothing wakes until the timer does, or a
 //! batch reaches [`BATCH_BYTES`].
 //!
-//! Nothing is dropped: past [`BACKLOG_BYTES`] (stdout not being drained), the task that
-//! logs writes the backlog out itself and so waits for the reader, as a blocking writer
-//! would. Lines reach stdout in the order they were logged: a batch is taken from the
-//! buffer and written under one lock. [`Flusher`], dropped at the end of `main`, writes
-//! out the last lines (waiting at most [`SHUTDOWN_WAIT`] for a stdout that is not being
-//! read); a line logged after that is written by the task that logs it. A process killed
-//! outright loses the lines not yet written: the last [`FLUSH_EVERY`] of them while stdout
-//! keeps up.
+//! A service never waits for its stdout. Past [`BACKLOG_BYTES`] not yet written (stdout
+//! not being read: a log collector stopped, a terminal paused, a pipe nobody drains), new
+//! lines are dropped and counted ([`dropped_lines`], `retrychain_log_lines_dropped_total`
+//! on `/metrics`) rather than written by the task that logs: a service runs on one thread
+//! by default, and one write(2) blocked on a full pipe would stop every call it serves —
+//! and its admin port, so its health checks too. The charges are Postgres's record, not the
+//! log's; a line says how many were dropped once stdout takes lines again. Before that
+//! limit nothing is dropped. Lines reach stdout in the order they were logged: a batch is
+//! taken from the buffer and written under one lock. [`Flusher`], dropped at the end of
+//! `main`, writes out the last lines (waiting at most [`SHUTDOWN_WAIT`] for a stdout that
+//! is not being read); a line logged after that is written by the task that logs it. A
+//! process killed outright loses the lines not yet written: the last [`FLUSH_EVERY`] of
+//! them while stdout keeps up.
 
 use std::{
     io::Write,
-    sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError},
+    sync::{
+        Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError,
+        atomic::{AtomicU64, Ordering},
+    },
     thread::JoinHandle,
     time::Duration,
 };
@@ -32,7 +40,7 @@ pub const FLUSH_EVERY: Duration = Duration::from_millis(20);
 /// A batch this large wakes the writer thread before its time.
 pub const BATCH_BYTES: usize = 64 * 1024;
 
-/// Past this many bytes not yet written, a task that logs writes them out itself.
+/// Past this many bytes not yet written, new lines are dropped (see the module docs).
 pub const BACKLOG_BYTES: usize = 4 * 1024 * 1024;
 
 /// The longest the process waits at exit for its last lines to be written: a stdout that
@@ -55,6 +63,25 @@ struct Shared {
     /// The output; a batch is taken from `pending` and written while this is held, so
     /// batches go out in order.
     out: Mutex<Box<dyn Write + Send>>,
+    /// Lines dropped because the backlog was full, since the start.
+    dropped: AtomicU64,
+}
+
+thread_local! {
+    /// Set on the writer thread: the line it logs about dropped lines is never dropped
+    /// itself, however full the backlog is again by then.
+    static WRITER_THREAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// The process's stdout writer, once made: what [`dropped_lines`] reads.
+static STDOUT: OnceLock<Arc<Shared>> = OnceLock::new();
+
+/// Log lines this process dropped because stdout was not taking them (see the module
+/// docs): the figure `/metrics` shows, 0 before any log writer to stdout exists.
+pub fn dropped_lines() -> u64 {
+    STDOUT
+        .get()
+        .map_or(0, |shared| shared.dropped.load(Ordering::Relaxed))
 }
 
 /// See [`Shared::pending`].
@@ -62,7 +89,8 @@ struct Shared {
 struct Pending {
     /// The bytes of whole lines.
     lines: Vec<u8>,
-    /// Set by [`Flusher`]'s drop.
+    /// Set by [`Flusher`]'s drop, or when no writer thread could be started: each task
+    /// then writes its own line.
     stop: bool,
 }
 
@@ -80,7 +108,15 @@ pub struct Flusher {
 impl BatchedStdout {
     /// A writer to stdout, and the guard that writes out its last lines.
     pub fn stdout() -> (Self, Flusher) {
-        Self::to(Box::new(std::io::stdout()))
+        let (writer, flusher) = Self::to(Box::new(std::io::stdout()));
+        // The first is the process's (`init` makes one; a second would change nothing).
+        let _ = STDOUT.set(Arc::clone(&writer.shared));
+        (writer, flusher)
+    }
+
+    /// Lines this writer dropped (see the module docs).
+    pub fn dropped(&self) -> u64 {
+        self.shared.dropped.load(Ordering::Relaxed)
     }
 
     /// A writer to `out` (stdout but in tests), and its guard.
@@ -89,6 +125,7 @@ impl BatchedStdout {
             pending: Mutex::default(),
             wake: Condvar::new(),
             out: Mutex::new(out),
+            dropped: AtomicU64::new(0),
         });
         let (finish, finished) = std::sync::mpsc::channel();
         let thread = std::thread::Builder::new()
@@ -101,6 +138,9 @@ impl BatchedStdout {
                 }
             })
             .ok();
+        if thread.is_none() {
+            shared.pending().stop = true;
+        }
         (
             Self {
                 shared: Arc::clone(&shared),
@@ -132,9 +172,12 @@ impl Shared {
         }
     }
 
-    /// The writer thread: a batch every [`FLUSH_EVERY`], or sooner when woken.
+    /// The writer thread: a batch every [`FLUSH_EVERY`], or sooner when woken; after a
+    /// batch is written, a line saying how many were dropped since the last such line.
     fn run(&self) {
+        WRITER_THREAD.with(|writer| writer.set(true));
         let mut spare = Vec::with_capacity(BATCH_BYTES);
+        let mut reported = 0;
         loop {
             let stop = {
                 let pending = self.pending();
@@ -147,6 +190,17 @@ impl Shared {
                 pending.stop
             };
             self.write_out(&mut spare);
+            let dropped = self.dropped.load(Ordering::Relaxed);
+            if dropped > reported {
+                // Through the subscriber, so it is a line of the service's format; it
+                // comes back here as any other line does (this thread holds no lock now).
+                tracing::warn!(
+                    dropped = dropped - reported,
+                    dropped_total = dropped,
+                    "log lines dropped: stdout was not taking them"
+                );
+                reported = dropped;
+            }
             if stop {
                 return;
             }
@@ -197,13 +251,22 @@ impl Write for LineWriter<'_> {
     fn write(&mut self, line: &[u8]) -> std::io::Result<usize> {
         let (backlog, stopped) = {
             let mut pending = self.shared.pending();
+            if !pending.stop
+                && pending.lines.len() + line.len() > BACKLOG_BYTES
+                && !WRITER_THREAD.with(std::cell::Cell::get)
+            {
+                // The writer thread is stuck on a stdout nobody reads (or far behind):
+                // dropped, not waited for (see the module docs).
+                drop(pending);
+                self.shared.dropped.fetch_add(1, Ordering::Relaxed);
+                return Ok(line.len());
+            }
             pending.lines.extend_from_slice(line);
             (pending.lines.len(), pending.stop)
         };
-        if stopped || backlog >= BACKLOG_BYTES {
-            // After the flusher stopped (a task still logging at exit), or when the writer
-            // thread is not keeping up (stdout not drained): write here, waiting for the
-            // reader rather than growing without bound or dropping lines.
+        if stopped {
+            // After the flusher stopped (a task still logging at exit), or without a
+            // writer thread: written here.
             self.shared.write_out(&mut Vec::new());
         } else if backlog >= BATCH_BYTES && backlog - line.len() < BATCH_BYTES {
             self.shared.wake.notify_one();
@@ -259,15 +322,76 @@ mod tests {
         }
         drop(flusher);
         let text = String::from_utf8(kept.0.lock().expect("kept").clone()).expect("utf8");
+        // Four threads may outrun the writer past the backlog: what is not dropped is
+        // written whole, once, and in each thread's order.
         let mut next = [0usize; 4];
+        let mut written = 0;
         for line in text.lines() {
             let mut words = line.split(' ');
             let t: usize = words.nth(1).expect("thread").parse().expect("number");
             let i: usize = words.nth(1).expect("line").parse().expect("number");
-            assert_eq!(i, next[t], "thread {t}'s lines out of order or lost");
-            next[t] += 1;
+            assert!(i >= next[t], "thread {t}'s lines out of order or twice");
+            next[t] = i + 1;
+            written += 1;
         }
-        assert_eq!(next, [40_000; 4]);
+        assert_eq!(written + writer.dropped(), 4 * 40_000);
+    }
+
+    /// An output whose writes wait while it is shut (a pipe nobody reads).
+    #[derive(Clone, Default)]
+    struct Gate {
+        kept: Kept,
+        shut: Arc<(Mutex<bool>, Condvar)>,
+    }
+
+    impl Gate {
+        fn set(&self, shut: bool) {
+            *self.shut.0.lock().expect("gate") = shut;
+            self.shut.1.notify_all();
+        }
+    }
+
+    impl Write for Gate {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            let (shut, opened) = &*self.shut;
+            let _open = opened
+                .wait_while(shut.lock().expect("gate"), |shut| *shut)
+                .expect("gate");
+            self.kept.write(bytes)
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_stdout_that_takes_nothing_never_holds_a_line_and_the_backlog_is_kept() {
+        let gate = Gate::default();
+        gate.set(true);
+        let (writer, flusher) = BatchedStdout::to(Box::new(gate.clone()));
+        // Twice the backlog, from this thread: had a line waited for the output, this
+        // would never end (the test harness would time it out).
+        let line = format!("{}\n", "x".repeat(99));
+        let lines = 2 * BACKLOG_BYTES / line.len();
+        for _ in 0..lines {
+            writer
+                .make_writer()
+                .write_all(line.as_bytes())
+                .expect("write");
+        }
+        let dropped = writer.dropped() as usize;
+        // Dropped past the backlog (and the batch the writer took before the output shut):
+        // a full backlog is kept.
+        assert!(
+            dropped > 0 && dropped <= lines - BACKLOG_BYTES / line.len(),
+            "{dropped} of {lines} dropped"
+        );
+        gate.set(false);
+        drop(flusher);
+        // The batch taken before the output shut, and the backlog, are written.
+        let written = gate.kept.0.lock().expect("kept").len() / line.len();
+        assert_eq!(written + dropped, lines);
     }
 
     #[test]

@@ -27,6 +27,7 @@
 //! | `shed_total{attempt="first"\|"retry"}` | counter | calls refused as overloaded (Stats `shed`, `shed_retries`) |
 //! | `shed_seconds` | histogram | how long each refusal took to answer |
 //! | `ledger_processor_conflicts_total` | counter | Stats `processor_conflicts` |
+//! | `log_lines_dropped_total` | counter | log lines dropped because stdout was not taking them ([`crate::log_writer`]) |
 //!
 //! The counters are the Stats counters' totals since the process started (see
 //! [`crate::stats`]), so the two always agree up to the last `ResetStats`.
@@ -217,6 +218,12 @@ impl Collector for NodeCollector {
         for (name, help, count) in simple {
             Self::counter(&mut encoder, name, help, count.total())?;
         }
+        Self::counter(
+            &mut encoder,
+            "log_lines_dropped",
+            "Log lines dropped because stdout was not taking them (past a 4 MiB backlog)",
+            crate::log_writer::dropped_lines(),
+        )?;
         {
             let counter = ConstCounter::new(c.budget_denied.total());
             let mut metric = encoder.encode_descriptor(

@@ -230,8 +230,9 @@ impl Drop for Telemetry {
 pub fn init(format: LogFormat, service: &str) -> Telemetry {
     // Lines go to stdout in batches from a thread of their own (see [`crate::log_writer`]):
     // a request's task formats its line and appends it to a buffer, never waiting for a
-    // write(2) to a pipe nor waking a thread per line. Not lossy. The guard in
-    // [`Telemetry`] writes out the last lines at exit.
+    // write(2) to a pipe nor waking a thread per line. Lines are dropped (and counted)
+    // only past a 4 MiB backlog, when stdout is not being read. The guard in [`Telemetry`]
+    // writes out the last lines at exit.
     let (writer, guard) = crate::log_writer::BatchedStdout::stdout();
     let fmt = tracing_subscriber::fmt::layer()
         .with_target(false)
