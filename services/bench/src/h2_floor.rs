@@ -1,19 +1,26 @@
-//! The floor of a forwarder built on `h2`, the HTTP/2 implementation under hyper, tonic and
-//! every retrychain service: each stream accepted is forwarded as it came — its headers,
-//! its body's frames, the answer's headers, frames and trailers — on one HTTP/2 connection
-//! to the downstream, and nothing else is done. No hyper, no tonic, no tower, no log line,
-//! no metadata read: what is left is `h2`'s own per-stream work, tokio's and the kernel's.
+//! The floors under every service built on `h2`, the HTTP/2 implementation under hyper,
+//! tonic and every retrychain service:
 //!
-//! It is what `hop-cost --h2-floor` measures beside the relay, the bare tonic forwarder and
-//! HAProxy: a relay on `h2` cannot cost less than this per request, so a goal below it
-//! (relay / HAProxy ≤ 1.3) is out of reach of any forwarder on `h2`, however little it does
-//! on top; a goal above it says how much the layers on top may cost.
+//! - [`forward`]: each stream accepted is forwarded as it came — its headers, its body's
+//!   frames, the answer's headers, frames and trailers — on one HTTP/2 connection to the
+//!   downstream, and nothing else is done. No hyper, no tonic, no tower, no log line, no
+//!   metadata read: what is left is `h2`'s own per-stream work, tokio's and the kernel's.
+//!   It is what `hop-cost --h2-floor` measures beside the relay, the bare tonic forwarder
+//!   and HAProxy: a relay on `h2` cannot cost less than this per request, so a goal below
+//!   it is out of reach of any forwarder on `h2`, however little it does on top; a goal
+//!   above it says how much the layers on top may cost.
+//! - [`refuse`]: each stream is answered at once with the refusal an overloaded service
+//!   sends (trailers-only: UNAVAILABLE, a pushback, `retrychain-overloaded`), its body
+//!   read to its end apart and dropped, as the edge's admission does. It is what `refusal-cost` measures beside the edge's refusal: the least any
+//!   server on `h2` can spend on a call it refuses.
 
 use std::net::SocketAddr;
 
 use anyhow::Context;
 use bytes::Bytes;
+use futures::FutureExt;
 use h2::{RecvStream, SendStream, client::SendRequest, server::SendResponse};
+use http::{HeaderValue, header::CONTENT_TYPE};
 use tokio::net::{TcpListener, TcpStream};
 
 /// Serves `listener`, forwarding every stream to `downstream` over one connection.
@@ -92,4 +99,68 @@ async fn copy(mut from: RecvStream, mut to: SendStream<Bytes>) -> Result<(), h2:
         Some(trailers) => to.send_trailers(trailers),
         None => to.send_data(Bytes::new(), true),
     }
+}
+
+/// The message a refusal carries, as long as the edge's for a service at its ceiling.
+pub const REFUSAL_MESSAGE: &str = "overloaded: this service is serving 1 call, its most at once";
+
+/// Serves `listener`, answering every stream with a refusal (see the module docs).
+pub async fn refuse(listener: TcpListener) -> anyhow::Result<()> {
+    loop {
+        let (tcp, _) = listener.accept().await?;
+        tcp.set_nodelay(true)?;
+        tokio::spawn(async move {
+            let mut connection = match h2::server::handshake(tcp).await {
+                Ok(connection) => connection,
+                Err(_) => return,
+            };
+            // Bodies still coming, read in this task too: no task a stream, the least a
+            // server can do.
+            let mut draining = futures::stream::FuturesUnordered::new();
+            loop {
+                tokio::select! {
+                    accepted = connection.accept() => {
+                        let Some(Ok(first)) = accepted else { return };
+                        // Every stream already read is answered in this turn, so their
+                        // answers leave in one write, not a write each.
+                        let mut streams = vec![first];
+                        while let Some(Some(Ok(next))) = connection.accept().now_or_never() {
+                            streams.push(next);
+                        }
+                        for (request, mut respond) in streams {
+                            // Answered at once. A body still coming is read to its end, as
+                            // the edge's refusal does: dropped unread, its stream would be
+                            // reset, and a client still sending it would see the reset,
+                            // not the refusal.
+                            let _ = respond.send_response(refusal(), true);
+                            let body = request.into_body();
+                            if !body.is_end_stream() {
+                                draining.push(drain(body));
+                            }
+                        }
+                    }
+                    Some(()) = futures::StreamExt::next(&mut draining), if !draining.is_empty() => {}
+                }
+            }
+        });
+    }
+}
+
+/// Reads a refused request's body to its end, dropping it.
+async fn drain(mut body: RecvStream) {
+    while let Some(Ok(data)) = body.data().await {
+        let _ = body.flow_control().release_capacity(data.len());
+    }
+}
+
+/// A trailers-only gRPC answer: UNAVAILABLE, with the pushback and the overload mark.
+fn refusal() -> http::Response<()> {
+    let mut response = http::Response::new(());
+    let headers = response.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    headers.insert("grpc-status", HeaderValue::from_static("14"));
+    headers.insert("grpc-message", HeaderValue::from_static(REFUSAL_MESSAGE));
+    headers.insert("grpc-retry-pushback-ms", HeaderValue::from_static("100"));
+    headers.insert("retrychain-overloaded", HeaderValue::from_static("1"));
+    response
 }

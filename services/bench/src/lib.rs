@@ -6,7 +6,9 @@
 //!   message and its metadata passed on as they came, nothing else: no deadline layer or
 //!   arithmetic, no key, mode or trace handling, no retry executor, no counters, no logging.
 //!   It is the baseline a retrychain relay is compared to.
-//! - [`h2_floor`]: a forwarder on `h2` alone, the floor under every forwarder built on it.
+//! - [`h2_floor`]: a forwarder on `h2` alone, the floor under every forwarder built on it,
+//!   and a refuser on `h2` alone, the floor under every refusal.
+//! - [`procs`]: the processes a benchmark starts: killed on drop, on free ports.
 //! - [`serve_tls`]: tonic's own server behind a rustls handshake (the chain's material),
 //!   so a bare forwarder can be compared with a relay over TLS on both sides too.
 //! - [`cpu_seconds`]: a process's user + system CPU time, from `/proc`.
@@ -16,6 +18,7 @@
 //!   refusals, from its `shed_seconds` histogram, over a stretch of a run.
 
 pub mod h2_floor;
+pub mod procs;
 
 use std::time::Duration;
 
@@ -348,16 +351,7 @@ pub async fn load(
     let failures = futures::stream::iter(0..requests)
         .map(|n| {
             let mut client = client.clone();
-            async move {
-                let request = retrychain_harness::charge_request(
-                    &format!("bench-{}", n % 100),
-                    100,
-                    Some(&format!("bench-{n}")),
-                    Duration::from_secs(5),
-                    None,
-                );
-                client.charge(request).await.is_err()
-            }
+            async move { client.charge(charge(n)).await.is_err() }
         })
         .buffer_unordered(concurrency.max(1))
         .filter(|failed| std::future::ready(*failed))
@@ -365,6 +359,18 @@ pub async fn load(
         .await;
     anyhow::ensure!(failures == 0, "{failures} of {requests} requests failed");
     Ok(start.elapsed())
+}
+
+/// The `n`th Charge of a benchmark's load: a key of its own, one of 100 accounts, a 5 s
+/// deadline.
+pub fn charge(n: u64) -> Request<ChargeRequest> {
+    retrychain_harness::charge_request(
+        &format!("bench-{}", n % 100),
+        100,
+        Some(&format!("bench-{n}")),
+        Duration::from_secs(5),
+        None,
+    )
 }
 
 /// The median of `values` (the mean of the middle two of an even count): what a figure of

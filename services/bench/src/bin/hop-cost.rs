@@ -30,13 +30,17 @@
 
 use std::{
     os::unix::process::ExitStatusExt,
-    process::{Child, Command, Stdio},
+    process::{Command, Stdio},
     time::Duration,
 };
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use retrychain_bench::{BareForwarder, Sink, cpu_seconds, load, median, rss_kib, serve, serve_tls};
+use retrychain_bench::{
+    BareForwarder, Sink, cpu_seconds, load, median,
+    procs::{Proc, free_ports, spawn_quiet as spawn, wait_listening},
+    rss_kib, serve, serve_tls,
+};
 use retrychain_harness::{ChainTls, ChildService, Launch, Logs};
 use retrychain_tls::{ClientAuth, Connector, Identity, Tls, TlsFiles};
 use serde::Serialize;
@@ -310,42 +314,6 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
 fn material(dir: &std::path::Path) -> anyhow::Result<Tls> {
     Tls::load(TlsFiles::in_dir(dir), ClientAuth::Required)
         .with_context(|| format!("TLS material in {}", dir.display()))
-}
-
-/// A child process killed on drop.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// `N` distinct free ports: bound all at once (so no two are the same, as ports bound and
-/// released one after the other can be), then released for the processes to take.
-fn free_ports<const N: usize>() -> anyhow::Result<[u16; N]> {
-    let listeners = (0..N)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
-        .collect::<Result<Vec<_>, _>>()?;
-    let mut ports = [0; N];
-    for (port, listener) in ports.iter_mut().zip(&listeners) {
-        *port = listener.local_addr()?.port();
-    }
-    Ok(ports)
-}
-
-async fn wait_listening(port: u16) -> anyhow::Result<()> {
-    for _ in 0..200 {
-        if tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .is_ok()
-        {
-            return Ok(());
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    anyhow::bail!("nothing listens on {port}")
 }
 
 async fn compare(cli: &Cli) -> anyhow::Result<()> {
@@ -628,16 +596,6 @@ backend sink
     );
     // In the foreground (`-db`): the process measured is the one that forwards.
     spawn(Command::new(program).args(["-db", "-f"]).arg(&config))
-}
-
-/// A child process, its output discarded.
-fn spawn(command: &mut Command) -> anyhow::Result<Proc> {
-    Ok(Proc(
-        command
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()?,
-    ))
 }
 
 /// Starts this binary's OTLP collector on `port` and points the relay's environment at
