@@ -125,15 +125,16 @@ async fn up_with_json_logs_writes_one_json_object_per_line_and_nothing_else() {
 /// A service must never wait for its stdout: a relay whose stdout is a pipe nobody reads
 /// is sent calls until its log backlog (4 MiB, past the pipe's own buffer) is full and
 /// lines are dropped, and a further batch past that; every call is still answered in time.
-/// Then the pipe is read: the relay says how many lines it dropped, as `/metrics` does.
+/// Then the pipe is read until the relay says how many lines it dropped (as `/metrics`
+/// does), and left unread again; stuck once more, the relay still stops on SIGTERM.
 /// Before lines were dropped, the task that logged past the backlog wrote it out itself,
 /// and on a service's one thread that write, blocked on the full pipe, stopped every call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_service_whose_stdout_is_not_read_keeps_serving_and_counts_the_lines_it_dropped() {
     use futures::StreamExt;
 
-    /// Killed outright when the test ends: a service stuck on its stdout would not stop
-    /// on SIGTERM.
+    /// Killed outright if the test fails midway: `KillOnDrop`'s SIGTERM and wait would
+    /// hang on a relay stuck on its stdout, which is what this test looks for.
     struct Killed(std::process::Child);
     impl Drop for Killed {
         fn drop(&mut self) {
@@ -143,7 +144,8 @@ async fn a_service_whose_stdout_is_not_read_keeps_serving_and_counts_the_lines_i
     }
 
     // A charge without a key is refused by a relay at once (INVALID_ARGUMENT), before any
-    // downstream call, and logged: a line a call, about 300 bytes, with nothing below.
+    // downstream call, and logged: a line a call, about 300 bytes, with nothing below. On
+    // one thread, as a service runs by default: there one blocked write stops everything.
     let relay = Command::new(BIN)
         .args([
             "relay",
@@ -155,6 +157,8 @@ async fn a_service_whose_stdout_is_not_read_keeps_serving_and_counts_the_lines_i
             "127.0.0.1:0",
             "--downstream",
             "http://127.0.0.1:1",
+            "--worker-threads",
+            "1",
         ])
         .env("RETRYCHAIN_LOG_FORMAT", "text")
         .stdin(Stdio::null())
@@ -163,7 +167,7 @@ async fn a_service_whose_stdout_is_not_read_keeps_serving_and_counts_the_lines_i
         .spawn()
         .unwrap();
     let mut relay = Killed(relay);
-    // Held open and not read until the end.
+    // Held open and not read until lines were dropped.
     let stdout = relay.0.stdout.take().unwrap();
     let stderr = relay.0.stderr.take().unwrap();
     let (ready_tx, ready) = std::sync::mpsc::channel();
@@ -180,65 +184,75 @@ async fn a_service_whose_stdout_is_not_read_keeps_serving_and_counts_the_lines_i
     let public = format!("http://{}", host_port(&addrs.public));
     let admin = format!("http://{}", host_port(&addrs.admin));
     let client = retrychain_proto::v1::payments_client::PaymentsClient::new(connect(&public).await);
-    let dropped = |metrics: &str| -> u64 {
+    let dropped = || async {
+        let metrics = scrape_metrics(&admin).await;
         metrics
             .lines()
             .find(|l| l.starts_with("retrychain_log_lines_dropped_total"))
             .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse().ok())
+            .and_then(|v| v.parse::<u64>().ok())
             .unwrap_or_else(|| panic!("no log_lines_dropped_total in:\n{metrics}"))
     };
-    assert_eq!(dropped(&scrape_metrics(&admin).await), 0, "none yet");
+    assert_eq!(dropped().await, 0, "none yet");
 
-    // Batches of calls, 64 at once, until lines are dropped; then one more batch.
-    const BATCH: usize = 2_000;
+    // Batches of calls, 64 at once, until more lines are dropped than `past`; then one
+    // more batch. Every call must be answered.
     let mut calls = 0;
-    let mut batches_past_the_backlog = 0;
-    while batches_past_the_backlog < 2 {
-        assert!(
-            calls < 100_000,
-            "{calls} calls and no line dropped: are the lines logged at all?"
-        );
-        let answered = futures::stream::iter(0..BATCH)
-            .map(|_| {
-                let client = client.clone();
-                async move {
-                    let request = charge(&new_account(), 100, None, Duration::from_secs(2), &[]);
-                    tokio::time::timeout(Duration::from_secs(5), client.clone().charge(request))
-                        .await
-                }
-            })
-            .buffer_unordered(64)
-            .collect::<Vec<_>>()
-            .await;
-        for answer in answered {
-            let status = answer
-                .unwrap_or_else(|_| {
-                    panic!("a call was not answered in 5 s, after {calls} calls: the relay stalled on its stdout")
-                })
-                .expect_err("no key: refused");
-            assert_eq!(
-                status.code(),
-                tonic::Code::InvalidArgument,
-                "after {calls} calls (the relay stalled on its stdout if its time ran out): {status:?}"
+    let mut calls_until_dropped = async |past: u64| {
+        const BATCH: usize = 2_000;
+        let mut batches_past = 0;
+        while batches_past < 2 {
+            assert!(
+                calls < 100_000,
+                "{calls} calls and no more lines dropped: are the lines logged at all?"
             );
-        }
-        calls += BATCH;
-        if dropped(&scrape_metrics(&admin).await) > 0 {
-            batches_past_the_backlog += 1;
-        }
-    }
-    let total = dropped(&scrape_metrics(&admin).await);
-    assert!(total > 0);
-
-    // stdout read again: the relay says what it dropped.
-    let (line_tx, said) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if line.contains("log lines dropped") {
-                let _ = line_tx.send(line);
+            let answered = futures::stream::iter(0..BATCH)
+                .map(|_| {
+                    let client = client.clone();
+                    async move {
+                        let request =
+                            charge(&new_account(), 100, None, Duration::from_secs(2), &[]);
+                        tokio::time::timeout(Duration::from_secs(5), client.clone().charge(request))
+                            .await
+                    }
+                })
+                .buffer_unordered(64)
+                .collect::<Vec<_>>()
+                .await;
+            for answer in answered {
+                let status = answer
+                    .unwrap_or_else(|_| {
+                        panic!("a call was not answered in 5 s, after {calls} calls: the relay stalled on its stdout")
+                    })
+                    .expect_err("no key: refused");
+                assert_eq!(
+                    status.code(),
+                    tonic::Code::InvalidArgument,
+                    "after {calls} calls (the relay stalled on its stdout if its time ran out): {status:?}"
+                );
+            }
+            calls += BATCH;
+            if dropped().await > past {
+                batches_past += 1;
             }
         }
+    };
+    calls_until_dropped(0).await;
+    let total = dropped().await;
+
+    // stdout read until the relay says what it dropped, then left unread again.
+    let (line_tx, said) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        let mut stdout = BufReader::new(stdout);
+        let mut line = String::new();
+        while stdout.read_line(&mut line).is_ok_and(|n| n > 0) {
+            if line.contains("log lines dropped") {
+                let _ = line_tx.send(line.clone());
+                break;
+            }
+            line.clear();
+        }
+        stdout
     });
     let line = off_runtime(move || said.recv_timeout(Duration::from_secs(10)))
         .await
@@ -254,5 +268,26 @@ async fn a_service_whose_stdout_is_not_read_keeps_serving_and_counts_the_lines_i
         reported >= total,
         "the line's total {reported}, /metrics {total}: {line}"
     );
-    drop(relay);
+    let _unread = off_runtime(move || reader.join().unwrap()).await;
+
+    // Stuck again (the backlog fills the pipe at once), and more dropped: SIGTERM stops
+    // it all the same, its last lines dropped rather than waited for.
+    let past = dropped().await;
+    calls_until_dropped(past).await;
+    let pid = relay.0.id().to_string();
+    let _ = Command::new("kill").args(["-TERM", &pid]).status();
+    let mut relay = relay;
+    let exited = off_runtime(move || {
+        let started = std::time::Instant::now();
+        while started.elapsed() < Duration::from_secs(30) {
+            if let Ok(Some(status)) = relay.0.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    })
+    .await;
+    let status = exited.expect("the relay stops on SIGTERM within 30 s with its stdout stuck");
+    assert!(status.success(), "it stops cleanly: {status}");
 }

@@ -11,8 +11,9 @@
 //!   above it says how much the layers on top may cost.
 //! - [`refuse`]: each stream is answered at once with the refusal an overloaded service
 //!   sends (trailers-only: UNAVAILABLE, a pushback, `retrychain-overloaded`), its body
-//!   read to its end apart and dropped, as the edge's admission does. It is what `refusal-cost` measures beside the edge's refusal: the least any
-//!   server on `h2` can spend on a call it refuses.
+//!   read to its end apart and dropped, as the edge's admission does, and every stream
+//!   already read answered before the next write. It is what `refusal-cost` measures
+//!   beside the edge's refusal: the least a server on `h2` spends on a call it refuses.
 
 use std::net::SocketAddr;
 

@@ -111,9 +111,16 @@ fn pass_on<T>(request: Request<T>) -> Request<T> {
 
 /// Serves `service` on `listener` until the process ends.
 pub async fn serve<P: Payments>(listener: TcpListener, service: P) -> anyhow::Result<()> {
+    use futures::StreamExt;
+    // Without Nagle's delay, as every retrychain service and the `h2` floors accept.
+    let incoming = TcpListenerStream::new(listener).map(|tcp| {
+        tcp.inspect(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        })
+    });
     tonic::transport::Server::builder()
         .add_service(PaymentsServer::new(service))
-        .serve_with_incoming(TcpListenerStream::new(listener))
+        .serve_with_incoming(incoming)
         .await?;
     Ok(())
 }

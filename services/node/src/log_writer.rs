@@ -15,12 +15,16 @@
 //! by default, and one write(2) blocked on a full pipe would stop every call it serves —
 //! and its admin port, so its health checks too. The charges are Postgres's record, not the
 //! log's; a line says how many were dropped once stdout takes lines again. Before that
-//! limit nothing is dropped. Lines reach stdout in the order they were logged: a batch is
-//! taken from the buffer and written under one lock. [`Flusher`], dropped at the end of
-//! `main`, writes out the last lines (waiting at most [`SHUTDOWN_WAIT`] for a stdout that
-//! is not being read); a line logged after that is written by the task that logs it. A
-//! process killed outright loses the lines not yet written: the last [`FLUSH_EVERY`] of
-//! them while stdout keeps up.
+//! limit nothing is dropped (the limit counts the lines waiting, not the batch the writer
+//! thread is writing). A batch whose write fails (stdout closed) is counted as dropped too.
+//! Lines reach stdout in the order they were logged: a batch is taken from the buffer and
+//! written under one lock. [`Flusher`], dropped as a service stops, writes out the last
+//! lines, waiting at most [`SHUTDOWN_WAIT`] for a stdout that is not being read; a line
+//! logged after that is written by the task that logs it, or, when the writer thread is
+//! still stuck on stdout, dropped and counted, so that a service whose stdout nobody reads
+//! still stops. A process killed outright loses the lines not yet written: the last
+//! [`FLUSH_EVERY`] of them while stdout keeps up. Should no writer thread start, each task
+//! writes its own line and waits for stdout as a blocking writer would.
 
 use std::{
     io::Write,
@@ -92,6 +96,10 @@ struct Pending {
     /// Set by [`Flusher`]'s drop, or when no writer thread could be started: each task
     /// then writes its own line.
     stop: bool,
+    /// Set by [`Flusher`]'s drop when the writer thread did not finish within
+    /// [`SHUTDOWN_WAIT`]: it is stuck on stdout, holding the output, and a line is dropped
+    /// rather than waited for.
+    abandoned: bool,
 }
 
 /// Stops the writer thread when dropped, once it has written every line.
@@ -161,15 +169,21 @@ impl Shared {
         self.pending.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Writes out whatever is pending, in order with every other batch.
-    fn write_out(&self, spare: &mut Vec<u8>) {
+    /// Writes out whatever is pending, in order with every other batch. False when the
+    /// write failed: its lines are counted as dropped (there is nowhere else to say so).
+    fn write_out(&self, spare: &mut Vec<u8>) -> bool {
         let mut out = self.out.lock().unwrap_or_else(PoisonError::into_inner);
         std::mem::swap(&mut self.pending().lines, spare);
+        let mut written = true;
         if !spare.is_empty() {
-            // Nowhere to report a failed write of the log itself; the next batch tries again.
-            let _ = out.write_all(spare).and_then(|()| out.flush());
+            if out.write_all(spare).and_then(|()| out.flush()).is_err() {
+                let lines = spare.iter().filter(|&&b| b == b'\n').count();
+                self.dropped.fetch_add(lines as u64, Ordering::Relaxed);
+                written = false;
+            }
             spare.clear();
         }
+        written
     }
 
     /// The writer thread: a batch every [`FLUSH_EVERY`], or sooner when woken; after a
@@ -189,9 +203,11 @@ impl Shared {
                     .unwrap_or_else(PoisonError::into_inner);
                 pending.stop
             };
-            self.write_out(&mut spare);
+            let written = self.write_out(&mut spare);
             let dropped = self.dropped.load(Ordering::Relaxed);
-            if dropped > reported {
+            // Said once stdout takes lines again (a stdout that fails every write would
+            // only have this line fail too, again and again).
+            if written && dropped > reported {
                 // Through the subscriber, so it is a line of the service's format; it
                 // comes back here as any other line does (this thread holds no lock now).
                 tracing::warn!(
@@ -223,10 +239,14 @@ impl Drop for Flusher {
                 // Joined once it has written everything; left behind if stdout is stuck.
                 if self.finished.recv_timeout(SHUTDOWN_WAIT).is_ok() {
                     let _ = thread.join();
+                } else {
+                    self.shared.pending().abandoned = true;
                 }
             }
             // No thread could be started: write out here.
-            None => self.shared.write_out(&mut Vec::new()),
+            None => {
+                self.shared.write_out(&mut Vec::new());
+            }
         }
     }
 }
@@ -251,10 +271,11 @@ impl Write for LineWriter<'_> {
     fn write(&mut self, line: &[u8]) -> std::io::Result<usize> {
         let (backlog, stopped) = {
             let mut pending = self.shared.pending();
-            if !pending.stop
+            // A line alone is never over the limit, however long.
+            let full = !pending.lines.is_empty()
                 && pending.lines.len() + line.len() > BACKLOG_BYTES
-                && !WRITER_THREAD.with(std::cell::Cell::get)
-            {
+                && !WRITER_THREAD.with(std::cell::Cell::get);
+            if pending.abandoned || (full && !pending.stop) {
                 // The writer thread is stuck on a stdout nobody reads (or far behind):
                 // dropped, not waited for (see the module docs).
                 drop(pending);
@@ -267,7 +288,7 @@ impl Write for LineWriter<'_> {
         if stopped {
             // After the flusher stopped (a task still logging at exit), or without a
             // writer thread: written here.
-            self.shared.write_out(&mut Vec::new());
+            let _ = self.shared.write_out(&mut Vec::new());
         } else if backlog >= BATCH_BYTES && backlog - line.len() < BATCH_BYTES {
             self.shared.wake.notify_one();
         }
@@ -299,7 +320,7 @@ mod tests {
     }
 
     #[test]
-    fn every_line_from_every_thread_is_written_once_and_in_each_threads_order() {
+    fn every_line_from_every_thread_is_written_once_in_its_order_or_counted_dropped() {
         let kept = Kept::default();
         let (writer, flusher) = BatchedStdout::to(Box::new(kept.clone()));
         // Enough bytes to pass the batch size and the backlog limit many times.
@@ -349,6 +370,10 @@ mod tests {
             *self.shut.0.lock().expect("gate") = shut;
             self.shut.1.notify_all();
         }
+
+        fn text(&self) -> String {
+            String::from_utf8(self.kept.0.lock().expect("kept").clone()).expect("utf8")
+        }
     }
 
     impl Write for Gate {
@@ -365,33 +390,152 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_stdout_that_takes_nothing_never_holds_a_line_and_the_backlog_is_kept() {
+    /// Runs `work` on a thread of its own and waits at most 30 s for it: a line that
+    /// waits for a shut output would otherwise hang the test run.
+    fn within_30_s<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> T {
+        let (done, result) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = done.send(work());
+        });
+        result
+            .recv_timeout(Duration::from_secs(30))
+            .expect("a line waited for an output that takes nothing")
+    }
+
+    /// 100-byte lines, numbered.
+    fn line(i: usize) -> String {
+        format!("{i:>8} {}\n", "x".repeat(90))
+    }
+
+    /// A writer to an output shut from the start.
+    fn shut() -> (Gate, BatchedStdout, Flusher) {
         let gate = Gate::default();
         gate.set(true);
         let (writer, flusher) = BatchedStdout::to(Box::new(gate.clone()));
-        // Twice the backlog, from this thread: had a line waited for the output, this
-        // would never end (the test harness would time it out).
-        let line = format!("{}\n", "x".repeat(99));
-        let lines = 2 * BACKLOG_BYTES / line.len();
-        for _ in 0..lines {
-            writer
-                .make_writer()
-                .write_all(line.as_bytes())
-                .expect("write");
-        }
+        (gate, writer, flusher)
+    }
+
+    /// Lines 0 to `lines`, each written as a task logs it (within 30 s in all).
+    fn write_lines(writer: &BatchedStdout, lines: usize) {
+        let writing = writer.clone();
+        within_30_s(move || {
+            for i in 0..lines {
+                writing
+                    .make_writer()
+                    .write_all(line(i).as_bytes())
+                    .expect("write");
+            }
+        });
+    }
+
+    #[test]
+    fn a_backlog_under_the_limit_loses_nothing_while_stdout_takes_nothing() {
+        let (gate, writer, flusher) = shut();
+        let lines = BACKLOG_BYTES / line(0).len();
+        write_lines(&writer, lines);
+        assert_eq!(writer.dropped(), 0);
+        gate.set(false);
+        drop(flusher);
+        let text = gate.text();
+        let numbers: Vec<usize> = text
+            .lines()
+            .map(|l| l.split_whitespace().next().expect("n").parse().expect("n"))
+            .collect();
+        assert_eq!(
+            numbers,
+            (0..lines).collect::<Vec<_>>(),
+            "every line, in order"
+        );
+    }
+
+    #[test]
+    fn a_stdout_that_takes_nothing_never_holds_a_line_and_the_backlog_is_kept() {
+        let (gate, writer, flusher) = shut();
+        // Three times the backlog, each line sent as if stdout took it.
+        let lines = 3 * BACKLOG_BYTES / line(0).len();
+        write_lines(&writer, lines);
         let dropped = writer.dropped() as usize;
         // Dropped past the backlog (and the batch the writer took before the output shut):
         // a full backlog is kept.
         assert!(
-            dropped > 0 && dropped <= lines - BACKLOG_BYTES / line.len(),
+            dropped > 0 && dropped <= lines - BACKLOG_BYTES / line(0).len(),
             "{dropped} of {lines} dropped"
         );
         gate.set(false);
         drop(flusher);
         // The batch taken before the output shut, and the backlog, are written.
-        let written = gate.kept.0.lock().expect("kept").len() / line.len();
+        let written = gate.text().lines().count();
         assert_eq!(written + dropped, lines);
+    }
+
+    #[test]
+    fn the_writer_threads_own_line_is_kept_however_full_the_backlog() {
+        let (gate, writer, flusher) = shut();
+        let lines = 2 * BACKLOG_BYTES / line(0).len();
+        write_lines(&writer, lines);
+        let dropped = writer.dropped();
+        assert!(dropped > 0, "the backlog is full");
+        // What the writer thread logs about the lines dropped (its report goes through the
+        // subscriber and back here, from that thread).
+        let reporting = writer.clone();
+        within_30_s(move || {
+            WRITER_THREAD.with(|writer| writer.set(true));
+            reporting
+                .make_writer()
+                .write_all(b"lines dropped\n")
+                .expect("write");
+        });
+        assert_eq!(writer.dropped(), dropped, "the report is not dropped");
+        gate.set(false);
+        drop(flusher);
+        assert!(
+            gate.text().ends_with("lines dropped\n"),
+            "the report is written last"
+        );
+    }
+
+    #[test]
+    fn a_stopping_service_whose_stdout_is_stuck_drops_its_last_lines_rather_than_wait() {
+        let (gate, writer, flusher) = shut();
+        writer
+            .make_writer()
+            .write_all(line(0).as_bytes())
+            .expect("write");
+        // The writer thread takes the line and waits on the shut output past SHUTDOWN_WAIT.
+        std::thread::sleep(FLUSH_EVERY * 5);
+        drop(flusher);
+        let writing = writer.clone();
+        within_30_s(move || {
+            writing
+                .make_writer()
+                .write_all(line(1).as_bytes())
+                .expect("write");
+        });
+        assert_eq!(writer.dropped(), 1, "the line after the stop is dropped");
+        gate.set(false);
+    }
+
+    #[test]
+    fn a_batch_that_fails_to_be_written_is_counted_dropped() {
+        struct Closed;
+        impl Write for Closed {
+            fn write(&mut self, _: &[u8]) -> std::io::Result<usize> {
+                Err(std::io::ErrorKind::BrokenPipe.into())
+            }
+
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let (writer, flusher) = BatchedStdout::to(Box::new(Closed));
+        for i in 0..3 {
+            writer
+                .make_writer()
+                .write_all(line(i).as_bytes())
+                .expect("write");
+        }
+        drop(flusher);
+        assert_eq!(writer.dropped(), 3);
     }
 
     #[test]

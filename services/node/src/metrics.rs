@@ -27,7 +27,7 @@
 //! | `shed_total{attempt="first"\|"retry"}` | counter | calls refused as overloaded (Stats `shed`, `shed_retries`) |
 //! | `shed_seconds` | histogram | how long each refusal took to answer |
 //! | `ledger_processor_conflicts_total` | counter | Stats `processor_conflicts` |
-//! | `log_lines_dropped_total` | counter | log lines dropped because stdout was not taking them ([`crate::log_writer`]) |
+//! | `log_lines_dropped_total` | counter | log lines the process dropped because stdout was not taking them ([`crate::log_writer`]; the process's, not a Stats counter: `ResetStats` leaves it) |
 //!
 //! The counters are the Stats counters' totals since the process started (see
 //! [`crate::stats`]), so the two always agree up to the last `ResetStats`.

@@ -13,11 +13,13 @@
 //!   histogram, the request's body drained apart. Once the held call's 5 s deadline ends
 //!   the next is admitted and held, so a round admits one call every 5 s.
 //!
-//! All three run on one thread (tokio's current-thread scheduler), as a retrychain service
-//! does by default. Each round sends `--requests` calls to each, `--concurrency` in flight
-//! on one HTTP/2 connection, as fast as the answers come back; the server's CPU over the
-//! round (user + system, from /proc) divided by the calls it answered is its figure.
-//! The load generator shares the machine's two cores and is measured too.
+//! All three serve on one thread (tokio's current-thread scheduler), as a retrychain
+//! service does by default; the edge's process also has its log writer's thread, idle here
+//! (a refusal logs no line). Each round sends `--requests` calls to each, `--concurrency`
+//! in flight on one HTTP/2 connection, as fast as the answers come back; the server's CPU
+//! (user + system, from /proc) until all but the round's last two answers, divided by the
+//! calls answered by then, is its figure (the last two are where the edge's held calls
+//! end, 5 s on). The load generator shares the machine's two cores and is measured too.
 //!
 //! ```text
 //! cargo run --release -p retrychain-bench --bin refusal-cost -- --requests 50000
@@ -33,11 +35,11 @@ use futures::StreamExt;
 use retrychain_bench::{
     cpu_seconds, median,
     procs::{Proc, free_ports, spawn_quiet, wait_listening},
+    serve,
 };
 use retrychain_proto::v1::{
-    Account, ChargeReply, ChargeRequest, GetAccountRequest,
-    payments_client::PaymentsClient,
-    payments_server::{Payments, PaymentsServer},
+    Account, ChargeReply, ChargeRequest, GetAccountRequest, payments_client::PaymentsClient,
+    payments_server::Payments,
 };
 use serde::Serialize;
 use tokio::net::TcpListener;
@@ -101,20 +103,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Some(Role::H2Refuse { listen }) => {
             retrychain_bench::h2_floor::refuse(TcpListener::bind(listen).await?).await
         }
-        Some(Role::Refuse { listen }) => serve(listen, Refuser).await,
-        Some(Role::Hold { listen }) => serve(listen, Holder).await,
+        Some(Role::Refuse { listen }) => serve(TcpListener::bind(listen).await?, Refuser).await,
+        Some(Role::Hold { listen }) => serve(TcpListener::bind(listen).await?, Holder).await,
         None => compare(&cli).await,
     }
-}
-
-async fn serve<P: Payments>(listen: &str, service: P) -> anyhow::Result<()> {
-    tonic::transport::Server::builder()
-        .add_service(PaymentsServer::new(service))
-        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(
-            TcpListener::bind(listen).await?,
-        ))
-        .await?;
-    Ok(())
 }
 
 /// Refuses every call as an overloaded service does: UNAVAILABLE, a pushback, the mark.
@@ -176,11 +168,13 @@ struct Figures {
     /// CPU µs per call answered: each round's, and their median.
     cpu_us_per_call_rounds: Vec<f64>,
     cpu_us_per_call_median: f64,
-    /// Over `h2`'s, each round's, and their median.
-    over_h2_rounds: Vec<f64>,
-    over_h2_median: f64,
-    /// Calls answered a second, over all rounds. Not the edge's rate: its rounds last until
-    /// the call it holds reaches its 5 s deadline.
+    /// Over `h2`'s, each round's, and their median: `None` for a round too short for
+    /// `h2`'s CPU to have moved a clock tick (10 ms; `bench/run --quick`), and for the
+    /// median when every round was.
+    over_h2_rounds: Vec<Option<f64>>,
+    over_h2_median: Option<f64>,
+    /// Calls answered a second, over all rounds (up to the answer before each round's
+    /// last two: see `refused_load`).
     calls_per_second: f64,
     /// Of the calls answered, those refused as overloaded (the rest: the edge's held
     /// calls, which end in DEADLINE_EXCEEDED).
@@ -258,7 +252,13 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
     let me_pid = std::process::id();
     // Warm each up (the edge's first call is admitted and held from here on).
     for target in &targets {
-        refused_load(&target.url, cli.requests / 10 + 100, cli.concurrency).await?;
+        refused_load(
+            &target.url,
+            [target.pid, me_pid],
+            cli.requests / 10 + 100,
+            cli.concurrency,
+        )
+        .await?;
     }
     let n = targets.len();
     let mut cpu = vec![Vec::new(); n];
@@ -270,10 +270,15 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
         // Each round in another order, so no server always follows the same one.
         for i in (0..n).map(|i| (i + round) % n) {
             let target = &targets[i];
-            let (before, load_before) = (cpu_seconds(target.pid)?, cpu_seconds(me_pid)?);
-            let outcome = refused_load(&target.url, cli.requests, cli.concurrency).await?;
-            cpu[i].push(cpu_seconds(target.pid)? - before);
-            load_cpu[i] += cpu_seconds(me_pid)? - load_before;
+            let outcome = refused_load(
+                &target.url,
+                [target.pid, me_pid],
+                cli.requests,
+                cli.concurrency,
+            )
+            .await?;
+            cpu[i].push(outcome.cpu[0]);
+            load_cpu[i] += outcome.cpu[1];
             answered[i].push(outcome.answered as f64);
             refused[i] += outcome.refused;
             wall[i] += outcome.took.as_secs_f64();
@@ -281,7 +286,7 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
                 "round {}: {:>5} {:.2} µs a call ({} of {} refused)",
                 round + 1,
                 target.name,
-                cpu[i].last().unwrap_or(&0.0) / outcome.answered.max(1) as f64 * 1e6,
+                outcome.cpu[0] / outcome.answered.max(1) as f64 * 1e6,
                 outcome.refused,
                 outcome.answered,
             );
@@ -298,13 +303,18 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
     let servers = (0..n)
         .map(|i| {
             let rounds = per_call(i);
-            let over_h2: Vec<f64> = rounds.iter().zip(&h2).map(|(c, f)| c / f).collect();
+            let over_h2: Vec<Option<f64>> = rounds
+                .iter()
+                .zip(&h2)
+                .map(|(c, f)| (*f > 0.0).then(|| c / f))
+                .collect();
+            let measured: Vec<f64> = over_h2.iter().flatten().copied().collect();
             let calls: f64 = answered[i].iter().sum();
             Figures {
                 name: targets[i].name,
                 cpu_us_per_call_median: median(&rounds),
                 cpu_us_per_call_rounds: rounds,
-                over_h2_median: median(&over_h2),
+                over_h2_median: (!measured.is_empty()).then(|| median(&measured)),
                 over_h2_rounds: over_h2,
                 calls_per_second: calls / wall[i],
                 refused_share: refused[i] as f64 / calls.max(1.0),
@@ -323,55 +333,81 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// What one round of calls came back with.
+/// What one round of calls came back with, up to the answer before its last two (see
+/// [`refused_load`]).
 struct Outcome {
-    /// Calls answered (every call sent: each ends, refused or after its deadline).
+    /// Calls answered by then.
     answered: u64,
     /// Of those, refused as overloaded (UNAVAILABLE with `retrychain-overloaded`).
     refused: u64,
+    /// The CPU seconds each of the processes measured used by then.
+    cpu: [f64; 2],
+    /// The time until then.
     took: Duration,
 }
 
 /// `requests` Charges to `target`, `concurrency` at once on one connection, each sent as
-/// the last answer comes back. Every answer must be a refusal, or (the edge's held call)
-/// the end of a 5 s deadline.
-async fn refused_load(target: &str, requests: u64, concurrency: usize) -> anyhow::Result<Outcome> {
+/// the last answer comes back; the CPU of `pids` (the server's, the load's) measured
+/// over the answers but the last two. Those are where the edge's held calls end (one, or
+/// two in a round past 5 s), after its 5 s deadline: counted, the edge's idle seconds
+/// waiting for them would be counted as the refusals' time. At least 99% of the answers
+/// counted must be refusals, or the round did not measure refusing; any other answer
+/// than a refusal or a deadline ending is an error.
+async fn refused_load(
+    target: &str,
+    pids: [u32; 2],
+    requests: u64,
+    concurrency: usize,
+) -> anyhow::Result<Outcome> {
     let channel = tonic::transport::Endpoint::from_shared(target.to_owned())?
         .tcp_nodelay(true)
         .connect()
         .await?;
     let client = PaymentsClient::new(channel);
+    let cpu = || -> anyhow::Result<[f64; 2]> { Ok([cpu_seconds(pids[0])?, cpu_seconds(pids[1])?]) };
+    let before = cpu()?;
     let start = std::time::Instant::now();
-    let answers: Vec<Result<bool, Status>> = futures::stream::iter(0..requests)
+    let mut answers = futures::stream::iter(0..requests)
         .map(|n| {
             let mut client = client.clone();
             async move {
                 match client.charge(retrychain_bench::charge(n)).await {
                     Ok(_) => Err(Status::internal("a call was served: nothing here serves")),
                     Err(status) if status.code() == Code::Unavailable => {
-                        let marked = resilience::wire::is_overloaded(status.metadata().as_ref());
-                        Ok(marked)
+                        Ok(resilience::wire::is_overloaded(status.metadata().as_ref()))
                     }
                     Err(status) if status.code() == Code::DeadlineExceeded => Ok(false),
                     Err(status) => Err(status),
                 }
             }
         })
-        .buffer_unordered(concurrency.max(1))
-        .collect()
-        .await;
-    let took = start.elapsed();
-    let mut refused = 0;
-    for answer in &answers {
+        .buffer_unordered(concurrency.max(1));
+    let counted = requests.saturating_sub(2).max(1);
+    let (mut answered, mut refused) = (0, 0);
+    let mut outcome = None;
+    while let Some(answer) = answers.next().await {
         match answer {
             Ok(true) => refused += 1,
             Ok(false) => {}
             Err(status) => anyhow::bail!("{target}: {status:?}"),
         }
+        answered += 1;
+        if answered == counted {
+            let after = cpu()?;
+            outcome = Some(Outcome {
+                answered,
+                refused,
+                cpu: [after[0] - before[0], after[1] - before[1]],
+                took: start.elapsed(),
+            });
+        }
     }
-    Ok(Outcome {
-        answered: answers.len() as u64,
-        refused,
-        took,
-    })
+    let outcome = outcome.ok_or_else(|| anyhow::anyhow!("{target}: no answers"))?;
+    anyhow::ensure!(
+        outcome.refused * 100 >= outcome.answered * 99,
+        "{target}: only {} of {} answers were refusals",
+        outcome.refused,
+        outcome.answered
+    );
+    Ok(outcome)
 }
