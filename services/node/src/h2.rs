@@ -101,6 +101,8 @@ pub async fn serve_h2<I, IO, S, B, F>(
     let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
     builder
         .timer(TokioTimer::new())
+        // gRPC reads no `date`; hyper would format one into every answer and HPACK-encode it.
+        .auto_date_header(false)
         .max_concurrent_streams(settings.max_concurrent_streams)
         .max_header_list_size(settings.max_header_list_size)
         .initial_stream_window_size(settings.stream_window)
@@ -297,6 +299,346 @@ mod tests {
     struct Named;
     impl NamedService for Named {
         const NAME: &'static str = "retrychain.v1.Payments";
+    }
+
+    use std::{
+        net::SocketAddr,
+        sync::{
+            Arc,
+            atomic::{AtomicBool, Ordering},
+        },
+        time::Duration,
+    };
+
+    use bytes::Bytes;
+    use h2::{Reason, RecvStream};
+    use http_body::Frame;
+    use tokio::{
+        io::{AsyncReadExt, AsyncWriteExt},
+        net::{TcpListener, TcpStream},
+        sync::{Notify, oneshot},
+        time::{Instant, timeout},
+    };
+
+    use crate::limits::{ConnectionLimits, Refusal};
+
+    const fn ms(ms: u64) -> Duration {
+        Duration::from_millis(ms)
+    }
+
+    /// A server on a loopback port answering with `service`, pinged every `ping_every`
+    /// and closed when a ping is not answered within `ping_within`; it stops when the
+    /// returned sender is dropped, and the handle ends once it has.
+    async fn server<S>(
+        service: S,
+        ping_every: Duration,
+        ping_within: Duration,
+    ) -> (SocketAddr, oneshot::Sender<()>, tokio::task::JoinHandle<()>)
+    where
+        S: Service<http::Request<Body>, Response = http::Response<Body>> + Clone + Send + 'static,
+        S::Error: Into<tower::BoxError>,
+        S::Future: Send + 'static,
+    {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let settings = Http2Settings {
+            max_concurrent_streams: 100,
+            max_header_list_size: 16 * 1024,
+            stream_window: 65_535,
+            connection_window: 4 * 65_535,
+            max_local_error_reset_streams: 1024,
+            keepalive_interval: ping_every,
+            keepalive_timeout: ping_within,
+        };
+        let incoming =
+            crate::limits::incoming(listener, ConnectionLimits::default(), Refusal::GoAway);
+        let served = tokio::spawn(serve_h2(incoming, service, settings, None, async {
+            let _ = stopped.await;
+        }));
+        (addr, stop, served)
+    }
+
+    /// Pinged rarely enough that no test sees it.
+    const QUIET: (Duration, Duration) = (Duration::from_secs(300), Duration::from_secs(60));
+
+    /// An h2 client connection to `addr`, driven in a task of its own (which also answers
+    /// the server's pings).
+    async fn client(addr: SocketAddr) -> h2::client::SendRequest<Bytes> {
+        let tcp = TcpStream::connect(addr).await.unwrap();
+        let (client, connection) = h2::client::handshake(tcp).await.unwrap();
+        tokio::spawn(connection);
+        client.ready().await.unwrap()
+    }
+
+    fn request(path: &str) -> http::Request<()> {
+        http::Request::post(format!("http://localhost{path}"))
+            .body(())
+            .unwrap()
+    }
+
+    /// Sends a call for `path` with no body and waits for its answer's headers.
+    async fn call(
+        client: &mut h2::client::SendRequest<Bytes>,
+        path: &str,
+    ) -> Result<http::Response<RecvStream>, h2::Error> {
+        let (answer, _) = client.send_request(request(path), true)?;
+        timeout(Duration::from_secs(10), answer).await.unwrap()
+    }
+
+    /// Every call answered at once, with an empty 200.
+    macro_rules! ok {
+        () => {
+            tower::service_fn(|_| async { Ok::<_, Infallible>(http::Response::new(Body::empty())) })
+        };
+    }
+
+    /// The frame types and flags in `bytes`, as a server writes them.
+    fn frame_types(mut bytes: &[u8]) -> Vec<(u8, u8)> {
+        let mut types = Vec::new();
+        while bytes.len() >= 9 {
+            let length =
+                usize::from(bytes[0]) << 16 | usize::from(bytes[1]) << 8 | usize::from(bytes[2]);
+            types.push((bytes[3], bytes[4]));
+            bytes = &bytes[(9 + length).min(bytes.len())..];
+        }
+        types
+    }
+
+    /// Waits until `flag` is set (a call reached its service), at most 10 s.
+    async fn until(flag: &AtomicBool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !flag.load(Ordering::SeqCst) {
+            assert!(
+                Instant::now() < deadline,
+                "the call never reached the service"
+            );
+            tokio::time::sleep(ms(5)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_connection_whose_pings_go_unanswered_is_closed_with_a_goaway() {
+        let (addr, _stop, _) = server(ok!(), ms(100), ms(200)).await;
+        let mut socket = TcpStream::connect(addr).await.unwrap();
+        // The preface and an empty SETTINGS frame, then nothing: no ack of anything.
+        socket
+            .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+            .await
+            .unwrap();
+        let started = Instant::now();
+        let mut read = Vec::new();
+        let closed = timeout(Duration::from_secs(10), socket.read_to_end(&mut read)).await;
+        assert!(
+            closed.is_ok(),
+            "still open 10 s after its pings went unanswered"
+        );
+        assert!(
+            started.elapsed() >= ms(300),
+            "closed after {:?}, before a ping could go unanswered",
+            started.elapsed()
+        );
+        let types = frame_types(&read);
+        assert!(types.contains(&(6, 0)), "no PING sent: {types:?}");
+        assert!(
+            types.iter().any(|&(kind, _)| kind == 7),
+            "no GOAWAY: {types:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_connection_that_answers_its_pings_stays_open() {
+        let (addr, _stop, _) = server(ok!(), ms(50), ms(500)).await;
+        let mut client = client(addr).await;
+        tokio::time::sleep(ms(1_500)).await;
+        // Many pings later, the same connection still serves.
+        let answer = call(&mut client, "/a").await.unwrap();
+        assert_eq!(answer.status(), http::StatusCode::OK);
+    }
+
+    #[tokio::test]
+    async fn a_call_whose_client_resets_its_stream_is_dropped_at_once() {
+        let started = Arc::new(AtomicBool::new(false));
+        let dropped = Arc::new(Notify::new());
+        struct Dropped(Arc<Notify>);
+        impl Drop for Dropped {
+            fn drop(&mut self) {
+                self.0.notify_one();
+            }
+        }
+        let service = {
+            let (started, dropped) = (Arc::clone(&started), Arc::clone(&dropped));
+            tower::service_fn(move |_| {
+                let guard = Dropped(Arc::clone(&dropped));
+                started.store(true, Ordering::SeqCst);
+                async move {
+                    let _guard = guard;
+                    std::future::pending::<Result<http::Response<Body>, Infallible>>().await
+                }
+            })
+        };
+        let (addr, _stop, _) = server(service, QUIET.0, QUIET.1).await;
+        let mut client = client(addr).await;
+        let (_answer, mut body) = client.send_request(request("/a"), false).unwrap();
+        body.send_data(Bytes::from_static(b"\0\0\0\0\0"), false)
+            .unwrap();
+        until(&started).await;
+        body.send_reset(Reason::CANCEL);
+        timeout(Duration::from_secs(5), dropped.notified())
+            .await
+            .expect("the call went on after its client reset the stream");
+    }
+
+    #[tokio::test]
+    async fn an_answer_waits_for_the_clients_window_then_sends_its_trailers() {
+        const CHUNK: usize = 16 * 1024;
+        const CHUNKS: usize = 64;
+        let produced = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let service = {
+            let produced = Arc::clone(&produced);
+            tower::service_fn(move |_| {
+                let produced = Arc::clone(&produced);
+                async move {
+                    let mut trailers = http::HeaderMap::new();
+                    trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+                    let frames = futures::stream::iter(0..=CHUNKS).map(move |at| {
+                        produced.fetch_add(1, Ordering::SeqCst);
+                        Ok::<_, Infallible>(if at < CHUNKS {
+                            Frame::data(Bytes::from(vec![7u8; CHUNK]))
+                        } else {
+                            Frame::trailers(trailers.clone())
+                        })
+                    });
+                    Ok::<_, Infallible>(http::Response::new(Body::new(
+                        http_body_util::StreamBody::new(frames),
+                    )))
+                }
+            })
+        };
+        let (addr, _stop, _) = server(service, QUIET.0, QUIET.1).await;
+        // The client's windows are HTTP/2's default, 64 KiB: the answer is sixteen of them.
+        let mut client = client(addr).await;
+        let mut body = call(&mut client, "/a").await.unwrap().into_body();
+        // Nothing read for a while: the server must wait for room, not take the whole body.
+        tokio::time::sleep(ms(300)).await;
+        let early = produced.load(Ordering::SeqCst);
+        assert!(
+            early <= 8,
+            "{early} of {CHUNKS} chunks taken from the body while the client read nothing"
+        );
+        let read = async {
+            let mut received = 0;
+            while let Some(data) = body.data().await {
+                let data = data.unwrap();
+                assert!(data.iter().all(|&byte| byte == 7));
+                received += data.len();
+                body.flow_control().release_capacity(data.len()).unwrap();
+            }
+            (received, body.trailers().await.unwrap())
+        };
+        let (received, trailers) = timeout(Duration::from_secs(10), read).await.unwrap();
+        assert_eq!(received, CHUNK * CHUNKS);
+        assert_eq!(trailers.unwrap()["grpc-status"], "0");
+    }
+
+    #[tokio::test]
+    async fn a_call_that_panics_or_fails_resets_its_own_stream_only() {
+        let slow_started = Arc::new(AtomicBool::new(false));
+        let release = Arc::new(Notify::new());
+        let service = {
+            let (slow_started, release) = (Arc::clone(&slow_started), Arc::clone(&release));
+            tower::service_fn(move |request: http::Request<Body>| {
+                let (slow_started, release) = (Arc::clone(&slow_started), Arc::clone(&release));
+                async move {
+                    match request.uri().path() {
+                        "/panic" => panic!("a handler's bug"),
+                        "/fail" => Err(tower::BoxError::from("a layer's error")),
+                        "/slow" => {
+                            slow_started.store(true, Ordering::SeqCst);
+                            release.notified().await;
+                            Ok(http::Response::new(Body::empty()))
+                        }
+                        _ => Ok(http::Response::new(Body::empty())),
+                    }
+                }
+            })
+        };
+        let (addr, _stop, _) = server(service, QUIET.0, QUIET.1).await;
+        let mut client = client(addr).await;
+        let (slow, _) = client.send_request(request("/slow"), true).unwrap();
+        until(&slow_started).await;
+        // A service's error resets its stream INTERNAL_ERROR; a panic, its stream too (hyper's
+        // task for it unwinds, and dropping the stream resets it CANCEL).
+        let failed = call(&mut client, "/fail").await.expect_err("/fail");
+        assert_eq!(failed.reason(), Some(Reason::INTERNAL_ERROR), "{failed}");
+        let panicked = call(&mut client, "/panic").await.expect_err("/panic");
+        assert!(
+            matches!(
+                panicked.reason(),
+                Some(Reason::CANCEL | Reason::INTERNAL_ERROR)
+            ),
+            "{panicked}"
+        );
+        // The connection's other calls, the one in flight and a new one, are served.
+        release.notify_one();
+        let slow = timeout(Duration::from_secs(10), slow)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(slow.status(), http::StatusCode::OK);
+        assert_eq!(
+            call(&mut client, "/a").await.unwrap().status(),
+            http::StatusCode::OK
+        );
+    }
+
+    #[tokio::test]
+    async fn stopping_sends_a_goaway_and_waits_for_the_calls_in_flight() {
+        let started = Arc::new(AtomicBool::new(false));
+        let release = Arc::new(Notify::new());
+        let service = {
+            let (started, release) = (Arc::clone(&started), Arc::clone(&release));
+            tower::service_fn(move |request: http::Request<Body>| {
+                let (started, release) = (Arc::clone(&started), Arc::clone(&release));
+                async move {
+                    if request.uri().path() == "/a" {
+                        started.store(true, Ordering::SeqCst);
+                        release.notified().await;
+                    }
+                    Ok::<_, Infallible>(http::Response::new(Body::empty()))
+                }
+            })
+        };
+        let (addr, stop, served) = server(service, QUIET.0, QUIET.1).await;
+        let mut client = client(addr).await;
+        let (answer, _) = client.send_request(request("/a"), true).unwrap();
+        until(&started).await;
+        drop(stop);
+        // Stopping: no new connection is taken, no new call on this one, and the server
+        // waits for the call in flight.
+        tokio::time::sleep(ms(300)).await;
+        assert!(!served.is_finished(), "stopped with a call in flight");
+        assert!(
+            TcpStream::connect(addr).await.is_err(),
+            "a new connection was taken"
+        );
+        // A new call on it is not served (refused by the client, which read the GOAWAY, or
+        // by the server); "/b" would be answered at once.
+        let served_after = match client.send_request(request("/b"), true) {
+            Err(_) => false,
+            Ok((answer, _)) => matches!(timeout(ms(1_000), answer).await, Ok(Ok(_))),
+        };
+        assert!(!served_after, "a call sent after the GOAWAY was served");
+        release.notify_one();
+        let answer = timeout(Duration::from_secs(10), answer)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(answer.status(), http::StatusCode::OK);
+        timeout(Duration::from_secs(10), served)
+            .await
+            .expect("the server did not stop once its last call was answered")
+            .unwrap();
     }
 
     #[test]

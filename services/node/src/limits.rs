@@ -7,7 +7,7 @@
 //!
 //! hyper and tonic bound none of the first two: HTTP/2's handshake waits for the client's
 //! preface forever, and there is no connection limit, so a client can hold any number of
-//! idle sockets (and their buffers) for free. hyper's HTTP/2 header limit answers a bare
+//! idle sockets (and their buffers) for free. HTTP/2's own header limit (`h2`'s) answers a bare
 //! HTTP 431 that gRPC clients report as UNKNOWN; [`MetadataLimit`] answers the
 //! gRPC status instead, below the transport's own (larger) limit.
 
@@ -753,7 +753,7 @@ pub const MAX_METADATA_BYTES: usize = 16 * 1024;
 
 /// The transport's own limit (`SETTINGS_MAX_HEADER_LIST_SIZE`), above
 /// [`MAX_METADATA_BYTES`] so that a list between the two gets a gRPC status from
-/// [`MetadataLimit`]. Past it, hyper answers HTTP 431 before any gRPC code runs (clients
+/// [`MetadataLimit`]. Past it, `h2` answers HTTP 431 before any gRPC code runs (clients
 /// that honour the setting, as grpc-go does, refuse to send such a list in the first place),
 /// and past four times it the connection is closed.
 pub const MAX_HEADER_LIST_BYTES: u32 = 64 * 1024;
