@@ -133,21 +133,12 @@ async fn up_with_json_logs_writes_one_json_object_per_line_and_nothing_else() {
 async fn a_service_whose_stdout_is_not_read_keeps_serving_and_counts_the_lines_it_dropped() {
     use futures::StreamExt;
 
-    /// Killed outright if the test fails midway: `KillOnDrop`'s SIGTERM and wait would
-    /// hang on a relay stuck on its stdout, which is what this test looks for.
-    struct Killed(std::process::Child);
-    impl Drop for Killed {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-
     // A charge without a key is refused by a relay at once (INVALID_ARGUMENT), before any
     // downstream call, and logged: a line a call, about 300 bytes, with nothing below. On
     // one thread, as a service runs by default: there one blocked write stops everything.
-    let relay = Command::new(BIN)
-        .args([
+    let launch = Launch {
+        program: Some(BIN.into()),
+        args: args(&[
             "relay",
             "--name",
             "hop2",
@@ -159,30 +150,14 @@ async fn a_service_whose_stdout_is_not_read_keeps_serving_and_counts_the_lines_i
             "http://127.0.0.1:1",
             "--worker-threads",
             "1",
-        ])
-        .env("RETRYCHAIN_LOG_FORMAT", "text")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut relay = Killed(relay);
+        ]),
+        env: Vec::new(),
+        logs: Logs::Unread,
+    };
+    let mut relay = ChildService::start("hop2", launch).await.unwrap();
     // Held open and not read until lines were dropped.
-    let stdout = relay.0.stdout.take().unwrap();
-    let stderr = relay.0.stderr.take().unwrap();
-    let (ready_tx, ready) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if let Some(addrs) = retrychain_node::server::ReadyAddrs::parse(&line) {
-                let _ = ready_tx.send(addrs);
-            }
-        }
-    });
-    let addrs = off_runtime(move || ready.recv_timeout(Duration::from_secs(60)))
-        .await
-        .expect("the relay says where it listens");
-    let public = format!("http://{}", host_port(&addrs.public));
-    let admin = format!("http://{}", host_port(&addrs.admin));
+    let stdout = relay.take_stdout().unwrap();
+    let (public, admin) = (relay.url().to_owned(), relay.addr.admin_url.clone());
     let client = retrychain_proto::v1::payments_client::PaymentsClient::new(connect(&public).await);
     let dropped = || async {
         let metrics = scrape_metrics(&admin).await;
@@ -274,20 +249,9 @@ async fn a_service_whose_stdout_is_not_read_keeps_serving_and_counts_the_lines_i
     // it all the same, its last lines dropped rather than waited for.
     let past = dropped().await;
     calls_until_dropped(past).await;
-    let pid = relay.0.id().to_string();
-    let _ = Command::new("kill").args(["-TERM", &pid]).status();
-    let mut relay = relay;
-    let exited = off_runtime(move || {
-        let started = std::time::Instant::now();
-        while started.elapsed() < Duration::from_secs(30) {
-            if let Ok(Some(status)) = relay.0.try_wait() {
-                return Some(status);
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        None
-    })
-    .await;
-    let status = exited.expect("the relay stops on SIGTERM within 30 s with its stdout stuck");
+    let status = relay
+        .terminate(Duration::from_secs(30))
+        .await
+        .expect("the relay stops on SIGTERM within 30 s with its stdout stuck");
     assert!(status.success(), "it stops cleanly: {status}");
 }

@@ -22,6 +22,7 @@ use bytes::Bytes;
 use futures::FutureExt;
 use h2::{RecvStream, SendStream, client::SendRequest, server::SendResponse};
 use http::{HeaderValue, header::CONTENT_TYPE};
+use resilience::wire::names;
 use tokio::net::{TcpListener, TcpStream};
 
 /// Serves `listener`, forwarding every stream to `downstream` over one connection.
@@ -159,9 +160,12 @@ fn refusal() -> http::Response<()> {
     let mut response = http::Response::new(());
     let headers = response.headers_mut();
     headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
-    headers.insert("grpc-status", HeaderValue::from_static("14"));
-    headers.insert("grpc-message", HeaderValue::from_static(REFUSAL_MESSAGE));
-    headers.insert("grpc-retry-pushback-ms", HeaderValue::from_static("100"));
-    headers.insert("retrychain-overloaded", HeaderValue::from_static("1"));
+    headers.insert(names::GRPC_STATUS, HeaderValue::from_static("14"));
+    headers.insert(
+        names::GRPC_MESSAGE,
+        HeaderValue::from_static(REFUSAL_MESSAGE),
+    );
+    headers.insert(names::PUSHBACK, HeaderValue::from_static("100"));
+    headers.insert(names::OVERLOADED, HeaderValue::from_static("1"));
     response
 }

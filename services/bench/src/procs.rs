@@ -2,9 +2,30 @@
 //! free, waited for until they listen.
 
 use std::{
+    path::PathBuf,
     process::{Child, Command, Stdio},
     time::Duration,
 };
+
+/// Which `retrychain` binary a benchmark starts (`#[command(flatten)]` into its command
+/// line): `--retrychain`, else the one built beside the benchmark, so that a comparison of
+/// two builds runs each under the same load generator.
+#[derive(Debug, clap::Args)]
+pub struct RetrychainBinary {
+    /// The retrychain binary (default: next to this one).
+    #[arg(long)]
+    retrychain: Option<PathBuf>,
+}
+
+impl RetrychainBinary {
+    /// The binary's path.
+    pub fn path(&self) -> std::io::Result<PathBuf> {
+        match &self.retrychain {
+            Some(path) => Ok(path.clone()),
+            None => Ok(std::env::current_exe()?.with_file_name("retrychain")),
+        }
+    }
+}
 
 /// A child process, killed (and reaped) when dropped: a benchmark that fails midway
 /// leaves nothing running.

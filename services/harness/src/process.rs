@@ -34,6 +34,10 @@ pub enum Logs {
     Capture,
     /// Nowhere.
     Discard,
+    /// The service's standard output into a pipe nobody reads until the caller takes it
+    /// ([`ChildService::take_stdout`]): a log collector that stopped. Its standard error
+    /// nowhere.
+    Unread,
 }
 
 /// How to start a child: its program, command line, environment and log routing; kept to
@@ -63,6 +67,8 @@ pub struct ChildService {
     launch: Launch,
     /// What it logged, with [`Logs::Capture`] (across restarts).
     log: Arc<Mutex<String>>,
+    /// Its standard output, unread, with [`Logs::Unread`], until taken.
+    stdout: Option<std::fs::File>,
 }
 
 impl ChildService {
@@ -70,14 +76,21 @@ impl ChildService {
     /// which names both addresses (so port 0 works).
     pub async fn start(name: &str, launch: Launch) -> anyhow::Result<Self> {
         let log = Arc::default();
-        let (child, addr) = spawn(name, &launch, &log).await?;
+        let (child, addr, stdout) = spawn(name, &launch, &log).await?;
         Ok(Self {
             name: name.to_owned(),
             addr,
             child: Some(child),
             launch,
             log,
+            stdout,
         })
+    }
+
+    /// Its standard output, never read so far ([`Logs::Unread`]; `None` otherwise, or once
+    /// taken). Dropping it closes the pipe: the service's next write fails.
+    pub fn take_stdout(&mut self) -> Option<std::fs::File> {
+        self.stdout.take()
     }
 
     /// The public address, `http://host:port`.
@@ -109,7 +122,7 @@ impl ChildService {
                 _ => launch.args.extend([flag.to_owned(), value.to_owned()]),
             }
         }
-        let (child, mut addr) = spawn(&self.name, &launch, &self.log).await?;
+        let (child, mut addr, stdout) = spawn(&self.name, &launch, &self.log).await?;
         if self.addr.url.starts_with("https://") {
             // A service over TLS stays reached by https:// (its ready line names only
             // addresses).
@@ -118,6 +131,7 @@ impl ChildService {
         }
         self.child = Some(child);
         self.addr = addr;
+        self.stdout = stdout;
         Ok(())
     }
 
@@ -187,7 +201,7 @@ async fn spawn(
     name: &str,
     launch: &Launch,
     log: &Arc<Mutex<String>>,
-) -> anyhow::Result<(Child, ServiceAddr)> {
+) -> anyhow::Result<(Child, ServiceAddr, Option<std::fs::File>)> {
     let program = match &launch.program {
         Some(program) => program.clone(),
         None => std::env::current_exe().context("locating this binary")?,
@@ -218,10 +232,15 @@ async fn spawn(
     // Each stream is read on a thread of its own, not a task: a child must never stall on
     // a full pipe because the runtime that would read it is busy or blocked (a test
     // waiting on grpcurl, say).
+    let mut unread = None;
     if let Some(out) = child.stdout.take() {
         let out = std::fs::File::from(out.into_owned_fd()?);
-        let follow = follow(None);
-        std::thread::spawn(move || follow.run(out));
+        if launch.logs == Logs::Unread {
+            unread = Some(out);
+        } else {
+            let follow = follow(None);
+            std::thread::spawn(move || follow.run(out));
+        }
     }
     if let Some(err) = child.stderr.take() {
         let err = std::fs::File::from(err.into_owned_fd()?);
@@ -257,7 +276,7 @@ async fn spawn(
             ready.admin
         ),
     );
-    Ok((child, ServiceAddr::from(&ready)))
+    Ok((child, ServiceAddr::from(&ready), unread))
 }
 
 /// Reads one of a child's output streams line by line: hands the ready line to whoever
@@ -294,7 +313,7 @@ impl Follow {
                         log.push('\n');
                     }
                 }
-                Logs::Discard => {}
+                Logs::Discard | Logs::Unread => {}
             }
         }
     }
@@ -319,6 +338,6 @@ pub(crate) fn announce(logs: Logs, who: &str, line: &str) {
     match logs {
         Logs::Prefixed => say(who, line),
         Logs::Raw => complain(who, line),
-        Logs::Capture | Logs::Discard => {}
+        Logs::Capture | Logs::Discard | Logs::Unread => {}
     }
 }

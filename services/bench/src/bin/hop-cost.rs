@@ -38,7 +38,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use retrychain_bench::{
     BareForwarder, Sink, cpu_seconds, load, median,
-    procs::{Proc, free_ports, spawn_quiet as spawn, wait_listening},
+    procs::{Proc, RetrychainBinary, free_ports, spawn_quiet as spawn, wait_listening},
     rss_kib, serve, serve_tls,
 };
 use retrychain_harness::{ChainTls, ChildService, Launch, Logs};
@@ -59,9 +59,8 @@ struct Cli {
     /// Rounds, alternating the two forwarders; figures are summed over rounds.
     #[arg(long, default_value_t = 3)]
     rounds: u32,
-    /// The retrychain binary (default: next to this one).
-    #[arg(long)]
-    retrychain: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    retrychain: RetrychainBinary,
     /// RUST_LOG for the relay: `info` logs one line per call, as deployed.
     #[arg(long, default_value = "info")]
     relay_log: String,
@@ -318,10 +317,7 @@ fn material(dir: &std::path::Path) -> anyhow::Result<Tls> {
 
 async fn compare(cli: &Cli) -> anyhow::Result<()> {
     let me = std::env::current_exe()?;
-    let retrychain = match &cli.retrychain {
-        Some(path) => path.clone(),
-        None => me.with_file_name("retrychain"),
-    };
+    let retrychain = cli.retrychain.path()?;
     // The relay takes a port of its own choosing and says which (a port picked here and
     // released could be taken in between); the tool's own processes get distinct ones.
     let [

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Parser;
-use retrychain_bench::rss_kib;
+use retrychain_bench::{procs::RetrychainBinary, rss_kib};
 use retrychain_harness::{ChildService, Launch, Logs, charge_request, connect};
 use retrychain_proto::v1::{
     Faults, control_client::ControlClient, payments_client::PaymentsClient,
@@ -28,9 +28,8 @@ struct Cli {
     /// connections; the others wait for one).
     #[arg(long, default_value_t = 8000)]
     hold_ms: u32,
-    /// The retrychain binary (default: next to this one).
-    #[arg(long)]
-    retrychain: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    retrychain: RetrychainBinary,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -52,10 +51,7 @@ const PER_CONNECTION: u32 = 400;
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let database_url = std::env::var("DATABASE_URL").context("set DATABASE_URL")?;
-    let program = match &cli.retrychain {
-        Some(path) => path.clone(),
-        None => std::env::current_exe()?.with_file_name("retrychain"),
-    };
+    let program = cli.retrychain.path()?;
     let ledger = ChildService::start(
         "ledger",
         Launch {

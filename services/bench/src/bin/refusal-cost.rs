@@ -34,7 +34,7 @@ use clap::{Parser, Subcommand};
 use futures::StreamExt;
 use retrychain_bench::{
     cpu_seconds, median,
-    procs::{Proc, free_ports, spawn_quiet, wait_listening},
+    procs::{Proc, RetrychainBinary, free_ports, spawn_quiet, wait_listening},
     serve,
 };
 use retrychain_proto::v1::{
@@ -58,9 +58,8 @@ struct Cli {
     /// Rounds, alternating the servers.
     #[arg(long, default_value_t = 3)]
     rounds: u32,
-    /// The retrychain binary (default: next to this one).
-    #[arg(long)]
-    retrychain: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    retrychain: RetrychainBinary,
     /// RUST_LOG for the edge: `info`, as deployed.
     #[arg(long, default_value = "info")]
     edge_log: String,
@@ -193,32 +192,18 @@ struct Report {
 
 async fn compare(cli: &Cli) -> anyhow::Result<()> {
     let me = std::env::current_exe()?;
-    let retrychain = match &cli.retrychain {
-        Some(path) => path.clone(),
-        None => me.with_file_name("retrychain"),
-    };
+    let retrychain = cli.retrychain.path()?;
     let [h2_port, tonic_port, hold_port, edge_port, edge_admin] = free_ports()?;
     let listen = |port: u16| format!("127.0.0.1:{port}");
-    let mut processes: Vec<Proc> = Vec::new();
-    processes.push(spawn_quiet(Command::new(&me).args([
-        "h2-refuse",
-        "--listen",
-        &listen(h2_port),
-    ]))?);
-    let h2_pid = processes[0].0.id();
-    processes.push(spawn_quiet(Command::new(&me).args([
-        "refuse",
-        "--listen",
-        &listen(tonic_port),
-    ]))?);
-    let tonic_pid = processes[1].0.id();
-    processes.push(spawn_quiet(Command::new(&me).args([
-        "hold",
-        "--listen",
-        &listen(hold_port),
-    ]))?);
+    // This binary in one of its roles, serving on `port`.
+    let role = |role: &str, port: u16| {
+        spawn_quiet(Command::new(&me).args([role, "--listen", &listen(port)]))
+    };
+    let h2 = role("h2-refuse", h2_port)?;
+    let tonic = role("refuse", tonic_port)?;
+    let hold = role("hold", hold_port)?;
     wait_listening(hold_port).await?;
-    processes.push(spawn_quiet(
+    let edge = spawn_quiet(
         Command::new(&retrychain)
             .args(["edge", "--listen", &listen(edge_port)])
             .args(["--admin-listen", &listen(edge_admin)])
@@ -226,8 +211,9 @@ async fn compare(cli: &Cli) -> anyhow::Result<()> {
             .args(["--max-in-flight", "1", "--min-concurrency", "1"])
             .env("RUST_LOG", &cli.edge_log)
             .env("RETRYCHAIN_LOG_FORMAT", "text"),
-    )?);
-    let edge_pid = processes[3].0.id();
+    )?;
+    let (h2_pid, tonic_pid, edge_pid) = (h2.0.id(), tonic.0.id(), edge.0.id());
+    let processes: [Proc; 4] = [h2, tonic, hold, edge];
     for port in [h2_port, tonic_port, edge_port] {
         wait_listening(port).await?;
     }
