@@ -29,6 +29,7 @@ mod newcomer;
 mod otel;
 mod overload;
 mod phases;
+mod pool;
 mod replicas;
 mod service_config;
 mod sim;

@@ -33,10 +33,19 @@
 //!
 //! | path | when | refilled by |
 //! |---|---|---|
-//! | a use that ended in doubt ([`Checkout`] not settled) | a statement cut off, a lost connection, the round-trip bound | an opening, at once if anyone waits |
+//! | a use that ended in doubt ([`Checkout::settle`] not clean) | a lost connection, the round-trip bound, an error mid-protocol | an opening, at once if anyone waits |
+//! | a failed recovery | a use cut off (its caller's future dropped mid-statement) whose connection did not come back clean within the ping timeout | the same |
 //! | a failed verification | the ping after a loss failed or went unanswered | the same |
 //! | retirement | opened before the primary last moved; past its lifetime (jittered, so a pool opened at once does not retire at once) | the same |
 //! | idle reaping ([`Pool::reap_idle`]) | not taken for [`IDLE_TIMEOUT`]: never under load | the next wait |
+//!
+//! A use cut off by its caller (a future dropped mid-statement: the renewal of a lease
+//! that stops when its processor call answers, a read whose client left) is not a fault:
+//! the connection is **recovered** by a task of the pool's — what the server still had to
+//! say is read, and any transaction the cut left open is ended, in one round trip — and goes
+//! back into circulation. Closing it instead cost a new session (a server process, its
+//! authentication, the primary check) per cut, and under load, where cuts are frequent, a
+//! pool a third below its size between openings.
 //!
 //! Suspicion is raised only by a connection that was really lost (an I/O error, the server
 //! ending the session) or could not be opened — never by a wait, a timeout under load, or
@@ -159,7 +168,8 @@ struct State {
     open: usize,
     /// Openings under way.
     opening: usize,
-    /// Verifications under way (counted in `open` too).
+    /// Verifications and recoveries under way (counted in `open` too): connections
+    /// that will be handed over once they answer.
     verifying: usize,
     /// Callers waiting, oldest first; a dropped receiver is a caller that gave up.
     waiters: VecDeque<oneshot::Sender<Handoff>>,
@@ -382,6 +392,17 @@ impl Pool {
         self.shared.hand_over(pooled);
     }
 
+    /// Recovers, in a task of the pool's, a connection whose use was cut off; without a
+    /// runtime left (the process stopping), closes it.
+    fn recover(&self, pooled: Pooled) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            close_quietly(pooled);
+            return self.discard();
+        };
+        self.shared.lock().verifying += 1;
+        runtime.spawn(Arc::clone(&self.shared).recover(pooled));
+    }
+
     /// Forgets a connection whose state is in doubt (its socket closes as it drops, and
     /// the server rolls back whatever it had open), and opens another if callers wait.
     fn discard(&self) {
@@ -540,9 +561,38 @@ impl Shared {
     /// timeout, else closed (and replaced if callers wait).
     async fn verify(self: Arc<Self>, mut pooled: Pooled) {
         let answered = tokio::time::timeout(self.options.ping_timeout, pooled.conn.ping()).await;
+        self.checked(pooled, matches!(answered, Ok(Ok(()))));
+    }
+
+    /// Recovers a connection whose use was cut off ([`END_ANY_TRANSACTION`], within the
+    /// ping timeout): back into circulation if it answers clean, else closed (and
+    /// replaced if callers wait).
+    async fn recover(self: Arc<Self>, mut pooled: Pooled) {
+        let conn = &mut pooled.conn;
+        let answered = tokio::time::timeout(self.options.ping_timeout, async {
+            // sqlx reports an error the cut use's own statements were answered with as
+            // it reads it, before sending anything: read on. The query failing each time
+            // (a session in a failed transaction) is not passed.
+            for _ in 0..RECOVERY_READS {
+                match sqlx::raw_sql(END_ANY_TRANSACTION).execute(&mut *conn).await {
+                    Ok(_) => return true,
+                    Err(sqlx::Error::Database(_)) => continue,
+                    Err(_) => return false,
+                }
+            }
+            false
+        })
+        .await;
+        let clean = matches!(answered, Ok(true)) && !pooled.conn.is_in_transaction();
+        self.checked(pooled, clean);
+    }
+
+    /// The end of a verification or recovery: `pooled` goes to a waiter or idle if it
+    /// answered `clean`, and is closed otherwise.
+    fn checked(self: &Arc<Self>, mut pooled: Pooled, clean: bool) {
         let mut state = self.lock();
         state.verifying -= 1;
-        if let Ok(Ok(())) = answered {
+        if clean {
             drop(state);
             pooled.last_ok = Instant::now();
             self.hand_over(pooled);
@@ -562,6 +612,18 @@ fn spawn(task: impl Future<Output = ()> + Send + 'static) {
         runtime.spawn(task);
     }
 }
+
+/// What brings a cut-off connection back to a known state, as one simple query: before
+/// it is sent, sqlx finishes writing what the cut use had begun to and reads every answer
+/// still owed; then the session is inside no transaction whatever the cut left — a BEGIN
+/// answered after its caller left included, which sqlx does not know of (the BEGIN then
+/// only warns, and the ROLLBACK ends the older transaction). A session in a failed
+/// transaction answers with an error, and is closed.
+const END_ANY_TRANSACTION: &str = "BEGIN; ROLLBACK";
+
+/// How many errors a recovery reads past: the cut use's statements may each have been
+/// answered with one (a pipelined statement and the rollback sqlx queued behind it).
+const RECOVERY_READS: usize = 4;
 
 /// Drops a connection without a round trip: its socket closes now.
 fn close_quietly(pooled: Pooled) {
@@ -591,10 +653,11 @@ pub fn opening_may_succeed_later(error: &sqlx::Error) -> bool {
     }
 }
 
-/// A connection taken from the pool for one use. Unless the use ended in a known state
-/// ([`Checkout::settle`]), dropping it closes the connection instead of returning it: that
-/// covers the cases no error reports, such as the caller's future dropped mid-statement (a
-/// cancelled BEGIN leaves the session inside a transaction that sqlx does not know about).
+/// A connection taken from the pool for one use. Dropped, it goes back as the use ended:
+/// settled clean, as it is; settled in doubt (an error that leaves the protocol's state
+/// unknown), closed; never settled — the caller's future dropped mid-use, which no error
+/// reports — recovered by the pool first (see the module docs: a cancelled BEGIN leaves the
+/// session inside a transaction that sqlx does not know about).
 pub struct Checkout {
     /// The pooled connection; taken only by `drop`.
     pooled: Option<Pooled>,
@@ -602,8 +665,20 @@ pub struct Checkout {
     since: Instant,
     /// Where it goes back.
     pool: Pool,
-    /// Whether the connection's state is known to be clean.
-    settled: bool,
+    /// How the use ended, as far as it is known.
+    ending: Ending,
+}
+
+/// How a use of a connection ended, as its [`Checkout`] knows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ending {
+    /// Not settled: the use is under way, or was cut off by its caller.
+    CutOff,
+    /// Settled with an answer and no transaction open: reusable as it is.
+    Clean,
+    /// Settled after a failure that leaves the connection's state unknown (no answer, a
+    /// lost connection): closed, never reused.
+    InDoubt,
 }
 
 impl Checkout {
@@ -612,7 +687,7 @@ impl Checkout {
             pooled: Some(pooled),
             since: Instant::now(),
             pool,
-            settled: false,
+            ending: Ending::CutOff,
         }
     }
 
@@ -622,9 +697,17 @@ impl Checkout {
     }
 
     /// Marks the use as over: when dropped, the connection goes back to the pool if
-    /// `clean` and no transaction is left open on it, and is closed otherwise.
+    /// `clean` and no transaction is left open on it; if not `clean` (the use failed in a
+    /// way that leaves the protocol's state unknown) it is closed; a transaction left
+    /// open is ended by a recovery first.
     pub fn settle(&mut self, clean: bool) {
-        self.settled = clean && !self.get().is_in_transaction();
+        self.ending = if !clean {
+            Ending::InDoubt
+        } else if self.get().is_in_transaction() {
+            Ending::CutOff
+        } else {
+            Ending::Clean
+        };
     }
 }
 
@@ -634,14 +717,17 @@ impl Drop for Checkout {
             return;
         };
         self.pool.held(self.since.elapsed());
-        if self.settled {
+        match self.ending {
             // Back with no I/O.
-            self.pool.release(pooled);
-        } else {
+            Ending::Clean => self.pool.release(pooled),
+            // Brought to a known state by the pool, off the caller's path.
+            Ending::CutOff => self.pool.recover(pooled),
             // The socket closes now, with no round trip to a server that may not answer,
             // and the server rolls back what was open.
-            close_quietly(pooled);
-            self.pool.discard();
+            Ending::InDoubt => {
+                close_quietly(pooled);
+                self.pool.discard();
+            }
         }
     }
 }
