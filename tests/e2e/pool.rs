@@ -99,7 +99,7 @@ async fn next_use_commits(pool: &Pool, observer: &mut PgConnection, pid: i32, id
         .execute(conn.get())
         .await
         .unwrap();
-    let seen: Vec<i32> = sqlx::query_scalar("SELECT id FROM cut WHERE id > 0 ORDER BY id")
+    let seen: Vec<i32> = sqlx::query_scalar("SELECT id FROM cut ORDER BY id")
         .fetch_all(&mut *observer)
         .await
         .unwrap();
@@ -155,6 +155,33 @@ async fn a_transaction_cut_off_by_its_caller_is_rolled_back_and_none_is_left_ope
         assert!(cut.is_err());
     }
     next_use_commits(&db.pool, &mut observer, pid, 2).await;
+}
+
+#[tokio::test]
+async fn a_use_cut_off_by_its_caller_leaves_no_setting_or_lock_behind() {
+    let (db, url) = one_connection(Duration::from_secs(5)).await;
+    let mut observer = PgConnection::connect(&url).await.unwrap();
+    let pid = backend(&db.pool).await;
+    cut_off(
+        &db.pool,
+        "SET lock_timeout = 1234; SELECT pg_advisory_lock(42); SELECT pg_sleep(0.5)",
+    )
+    .await;
+    let mut conn = take(&db.pool).await;
+    let (now, lock_timeout): (i32, String) =
+        sqlx::query_as("SELECT pg_backend_pid(), current_setting('lock_timeout')")
+            .fetch_one(conn.get())
+            .await
+            .unwrap();
+    conn.settle(true);
+    assert_eq!(now, pid, "the session was recovered, not replaced");
+    // What the ledger opens its sessions with: 3/4 of 4/5 of the round-trip bound.
+    assert_eq!(lock_timeout, "3s", "the setting it was opened with");
+    let free: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock(42)")
+        .fetch_one(&mut observer)
+        .await
+        .unwrap();
+    assert!(free, "the cut use's advisory lock was released");
 }
 
 #[tokio::test]

@@ -428,17 +428,21 @@ impl Shared {
     }
 
     fn judge(&self, state: &State, pooled: &Pooled) -> Judgement {
-        if self
-            .primary
-            .opened_before_move(pooled.opening_began.elapsed())
-            || Instant::now() >= pooled.retire_at
-        {
+        if self.retired(pooled) {
             Judgement::Retire
         } else if state.lost_at.is_some_and(|lost| pooled.last_ok <= lost) {
             Judgement::Verify
         } else {
             Judgement::Ready
         }
+    }
+
+    /// Whether `pooled` is done with: opened before the primary moved, or past its
+    /// lifetime.
+    fn retired(&self, pooled: &Pooled) -> bool {
+        self.primary
+            .opened_before_move(pooled.opening_began.elapsed())
+            || Instant::now() >= pooled.retire_at
     }
 
     /// Starts openings for callers that no opening or verification under way will serve,
@@ -564,7 +568,7 @@ impl Shared {
         self.checked(pooled, matches!(answered, Ok(Ok(()))));
     }
 
-    /// Recovers a connection whose use was cut off ([`END_ANY_TRANSACTION`], within the
+    /// Recovers a connection whose use was cut off ([`RESET_SESSION`], within the
     /// ping timeout): back into circulation if it answers clean, else closed (and
     /// replaced if callers wait).
     async fn recover(self: Arc<Self>, mut pooled: Pooled) {
@@ -574,16 +578,30 @@ impl Shared {
             // it reads it, before sending anything: read on. The query failing each time
             // (a session in a failed transaction) is not passed.
             for _ in 0..RECOVERY_READS {
-                match sqlx::raw_sql(END_ANY_TRANSACTION).execute(&mut *conn).await {
-                    Ok(_) => return true,
+                match sqlx::raw_sql(RESET_SESSION).execute(&mut *conn).await {
+                    Ok(_) => return Ok(true),
                     Err(sqlx::Error::Database(_)) => continue,
-                    Err(_) => return false,
+                    Err(lost) => return Err(lost),
                 }
             }
-            false
+            Ok(false)
         })
         .await;
-        let clean = matches!(answered, Ok(true)) && !pooled.conn.is_in_transaction();
+        let clean = match answered {
+            Ok(Ok(clean)) => clean && !pooled.conn.is_in_transaction() && !self.retired(&pooled),
+            // Lost (the server restarted, the socket broke): the others may be too.
+            Ok(Err(_)) => {
+                self.lock().lost_at = Some(Instant::now());
+                self.primary.suspect();
+                false
+            }
+            // No answer within the bound: a primary that moved or froze, or a statement
+            // that runs on.
+            Err(_) => {
+                self.primary.suspect();
+                false
+            }
+        };
         self.checked(pooled, clean);
     }
 
@@ -613,13 +631,16 @@ fn spawn(task: impl Future<Output = ()> + Send + 'static) {
     }
 }
 
-/// What brings a cut-off connection back to a known state, as one simple query: before
-/// it is sent, sqlx finishes writing what the cut use had begun to and reads every answer
-/// still owed; then the session is inside no transaction whatever the cut left — a BEGIN
-/// answered after its caller left included, which sqlx does not know of (the BEGIN then
-/// only warns, and the ROLLBACK ends the older transaction). A session in a failed
-/// transaction answers with an error, and is closed.
-const END_ANY_TRANSACTION: &str = "BEGIN; ROLLBACK";
+/// What brings a cut-off connection back to the state of a fresh one, as one simple
+/// query: before it is sent, sqlx finishes writing what the cut use had begun to and reads
+/// every answer still owed; then the session is inside no transaction whatever the cut
+/// left — a BEGIN answered after its caller left included, which sqlx does not know of
+/// (the BEGIN then only warns, and the ROLLBACK ends the older transaction) — its settings
+/// are those it was opened with (a cut migration changes `statement_timeout`), and it holds
+/// no advisory lock (the migrator takes one). Not `DISCARD ALL`: that would drop the
+/// prepared statements sqlx keeps. A session in a failed transaction answers with an
+/// error, and is closed.
+const RESET_SESSION: &str = "BEGIN; ROLLBACK; RESET ALL; SELECT pg_advisory_unlock_all()";
 
 /// How many errors a recovery reads past: the cut use's statements may each have been
 /// answered with one (a pipelined statement and the rollback sqlx queued behind it).
@@ -677,7 +698,7 @@ enum Ending {
     /// Settled with an answer and no transaction open: reusable as it is.
     Clean,
     /// Settled after a failure that leaves the connection's state unknown (no answer, a
-    /// lost connection): closed, never reused.
+    /// lost connection), or with a transaction open: closed, never reused.
     InDoubt,
 }
 
@@ -697,16 +718,12 @@ impl Checkout {
     }
 
     /// Marks the use as over: when dropped, the connection goes back to the pool if
-    /// `clean` and no transaction is left open on it; if not `clean` (the use failed in a
-    /// way that leaves the protocol's state unknown) it is closed; a transaction left
-    /// open is ended by a recovery first.
+    /// `clean` and no transaction is left open on it, and is closed otherwise.
     pub fn settle(&mut self, clean: bool) {
-        self.ending = if !clean {
-            Ending::InDoubt
-        } else if self.get().is_in_transaction() {
-            Ending::CutOff
-        } else {
+        self.ending = if clean && !self.get().is_in_transaction() {
             Ending::Clean
+        } else {
+            Ending::InDoubt
         };
     }
 }
