@@ -413,8 +413,8 @@ async fn charges_cut_off_at_any_point_leak_no_transaction() {
         drop(charge); // the caller gives up: the future is gone
         cut += 1;
         // Right after each cut: the connection must not linger inside a transaction
-        // (it is closed, which takes a moment) — not even one that the next charge on
-        // the pool would silently absorb.
+        // (the pool recovers or closes it, which takes a moment) — not even one that the
+        // next charge on the pool would silently absorb.
         assert_no_session_idle_in_transaction(&pool).await;
     }
     // Every charge polled fewer times than a whole one needs is cut, unless it was
