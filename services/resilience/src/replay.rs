@@ -209,8 +209,9 @@ where
 
     /// The same request, marked with its previous attempts after the first, its timeout
     /// the time left or the per-attempt timeout, whichever ends first: the one place an
-    /// attempt's `grpc-timeout` is written. Cut by the per-attempt timeout, the attempt
-    /// also says so to the balancer below ([`PerAttemptTimeout`]).
+    /// attempt's `grpc-timeout` is written (the balancer's connection takes off it what
+    /// the attempt then waits before its stream opens). Cut by the per-attempt timeout,
+    /// the attempt also says so to the balancer below ([`PerAttemptTimeout`]).
     fn send(&mut self, attempt: &Attempt) -> Self::Sent {
         let mut request = http::Request::from_parts(
             self.parts.clone(),

@@ -30,6 +30,11 @@
 //!   `tonic::TimeoutExpired` (what [`is_local_timeout`](crate::classify::is_local_timeout)
 //!   knows): a replica that never answers costs the attempt its time and no more; an
 //!   attempt given up resets its stream (CANCEL), as dropping any `h2` stream does;
+//! - the time the replica is told it has is what is left when the stream opens: a wait
+//!   here (for the connection to open, for a place within the server's limit on streams)
+//!   is taken off the request's `grpc-timeout`, so the replica's deadline never falls
+//!   after this side's. Under 1,500 calls in flight a call waited 1.8 s for a place and
+//!   the hop below was still told its whole time;
 //! - the request's URI gets the replica's scheme and authority (`:scheme`, `:authority`),
 //!   and a `user-agent`; the answer's body gives back its flow-control window as it is
 //!   read;
@@ -61,14 +66,21 @@ use http_body_util::BodyExt;
 use tokio::{
     io::{AsyncRead, AsyncWrite},
     sync::Semaphore,
+    time::Instant,
 };
 use tonic::body::Body;
 use tower::BoxError;
 
-use crate::classify::NeverSent;
+use crate::{classify::NeverSent, wire};
 
 /// How long opening a connection may take, TLS handshake included.
 pub(super) const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A wait before the stream opens shorter than this is left in the request's
+/// `grpc-timeout`, as the network's own delay is (each hop's margin covers both); a longer
+/// one is taken off it. Rewriting the header for every call would cost each a formatting
+/// for microseconds nobody below acts on.
+const WAIT_TAKEN_OFF: Duration = Duration::from_millis(1);
 
 /// How many streams a new connection opens at once before the server's own limit is
 /// known (hyper's client's figure).
@@ -272,7 +284,7 @@ impl Connection {
         request: http::Request<Body>,
         timeout: Option<Duration>,
     ) -> Result<http::Response<Body>, BoxError> {
-        let sent = self.exchange(request);
+        let sent = self.exchange(request, timeout.map(|timeout| (Instant::now(), timeout)));
         match timeout {
             Some(timeout) => match tokio::time::timeout(timeout, sent).await {
                 Ok(answer) => answer,
@@ -282,14 +294,26 @@ impl Connection {
         }
     }
 
-    /// One request and its answer's head, on a stream of this connection.
+    /// One request and its answer's head, on a stream of this connection; `timer` is when
+    /// the attempt's timer began and how long it runs.
     async fn exchange(
         &self,
         request: http::Request<Body>,
+        timer: Option<(Instant, Duration)>,
     ) -> Result<http::Response<Body>, BoxError> {
         let (mut sender, slot) = self.ready().await?;
         let (mut head, body) = request.into_parts();
         self.address(&mut head);
+        if let Some((began, timeout)) = timer {
+            let waited = began.elapsed();
+            if waited >= WAIT_TAKEN_OFF && head.headers.contains_key(&wire::names::TIMEOUT) {
+                match timeout.checked_sub(waited) {
+                    Some(left) if !left.is_zero() => wire::set_timeout(&mut head.headers, left),
+                    // Spent waiting: never sent.
+                    _ => return Err(Box::new(tonic::TimeoutExpired(()))),
+                }
+            }
+        }
         let in_memory = body.size_hint().exact().is_some();
         let ends = body.is_end_stream();
         let (answer, stream) = sender

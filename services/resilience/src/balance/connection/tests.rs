@@ -414,3 +414,108 @@ async fn a_burst_on_a_new_connection_goes_past_the_first_limit_once_the_servers_
     let failed = answers.iter().filter(|answer| answer.is_err()).count();
     assert_eq!(failed, 0, "{:?}", answers.iter().find(|a| a.is_err()));
 }
+
+/// Answers a stream OK with an empty message.
+fn answer_ok(mut respond: h2::server::SendResponse<bytes::Bytes>) {
+    let head = http::Response::builder()
+        .header("content-type", "application/grpc")
+        .body(())
+        .unwrap();
+    let Ok(mut stream) = respond.send_response(head, false) else {
+        return;
+    };
+    // A gRPC message: not compressed, zero bytes long.
+    let _ = stream.send_data(bytes::Bytes::from_static(&[0; 5]), false);
+    let mut trailers = http::HeaderMap::new();
+    trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+    let _ = stream.send_trailers(trailers);
+}
+
+/// One HTTP/2 connection served on `listener`, allowing `streams` at once: each stream's
+/// `grpc-timeout` is reported as it arrives, and each is answered OK at once — the first
+/// only when `release` fires.
+fn timeouts_seen(
+    listener: TcpListener,
+    streams: u32,
+    release: oneshot::Receiver<()>,
+) -> tokio::sync::mpsc::UnboundedReceiver<Duration> {
+    let (seen, timeouts) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let (tcp, _) = listener.accept().await.unwrap();
+        let mut connection = h2::server::Builder::new()
+            .max_concurrent_streams(streams)
+            .handshake::<_, bytes::Bytes>(tcp)
+            .await
+            .unwrap();
+        let mut release = Some(release);
+        while let Some(Ok((request, respond))) = connection.accept().await {
+            let timeout = crate::wire::timeout_of(request.headers()).unwrap().unwrap();
+            seen.send(timeout).unwrap();
+            match release.take() {
+                Some(release) => {
+                    tokio::spawn(async move {
+                        let _ = release.await;
+                        answer_ok(respond);
+                    });
+                }
+                None => answer_ok(respond),
+            }
+        }
+    });
+    timeouts
+}
+
+#[tokio::test]
+async fn a_call_that_waited_for_a_place_within_the_servers_limit_tells_it_only_the_time_left() {
+    // The server allows one stream at once and holds the first call for 500 ms; the
+    // second waits for its place meanwhile. What the server is told the second has is
+    // its 5 s less that wait: its deadline is never later than the caller's.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let (release, released) = oneshot::channel();
+    let mut seen = timeouts_seen(listener, 1, released);
+    let balancer = balancer(address, None).await;
+    let first = tokio::spawn({
+        let balancer = balancer.clone();
+        async move { charge(&balancer, Duration::from_secs(5)).await }
+    });
+    seen.recv().await.unwrap();
+    // The server's limit has come with its settings, before the first call's stream.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let second = tokio::spawn({
+        let balancer = balancer.clone();
+        async move { charge(&balancer, Duration::from_secs(5)).await }
+    });
+    let waited = Duration::from_millis(500);
+    tokio::time::sleep(waited).await;
+    release.send(()).unwrap();
+    first.await.unwrap().expect("answered");
+    second.await.unwrap().expect("answered after its wait");
+    let told = seen.recv().await.unwrap();
+    assert!(
+        told <= Duration::from_secs(5) - waited,
+        "told {told:?} after waiting at least {waited:?} of 5 s"
+    );
+    assert!(told >= Duration::from_secs(3), "told {told:?}");
+}
+
+#[tokio::test]
+async fn a_call_that_waited_for_its_connection_to_open_tells_the_server_only_the_time_left() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let (release, released) = oneshot::channel();
+    release.send(()).unwrap();
+    let mut seen = timeouts_seen(listener, 100, released);
+    let dial = Duration::from_millis(300);
+    let (connector, _) = slow_dials(dial);
+    let balancer = balancer(address, Some(connector)).await;
+    charge(&balancer, Duration::from_secs(5))
+        .await
+        .expect("answered");
+    let told = seen.recv().await.unwrap();
+    assert!(
+        told <= Duration::from_secs(5) - dial,
+        "told {told:?} after a dial of {dial:?}"
+    );
+    assert!(told >= Duration::from_secs(3), "told {told:?}");
+}
