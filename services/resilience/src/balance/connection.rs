@@ -32,9 +32,10 @@
 //!   attempt given up resets its stream (CANCEL), as dropping any `h2` stream does;
 //! - the time the replica is told it has is what is left when the stream opens: a wait
 //!   here (for the connection to open, for a place within the server's limit on streams)
-//!   is taken off the request's `grpc-timeout`, so the replica's deadline never falls
-//!   after this side's. Under 1,500 calls in flight a call waited 1.8 s for a place and
-//!   the hop below was still told its whole time;
+//!   is taken off the request's `grpc-timeout`. Under 1,500 calls in flight a call waited
+//!   1.8 s for a place and the hop below was still told its whole time. (What passes
+//!   after the stream opens — the headers in transit, a busy server reading them — no
+//!   relative timeout carries; each hop's margin is for that);
 //! - the request's URI gets the replica's scheme and authority (`:scheme`, `:authority`),
 //!   and a `user-agent`; the answer's body gives back its flow-control window as it is
 //!   read;
@@ -306,10 +307,15 @@ impl Connection {
         self.address(&mut head);
         if let Some((began, timeout)) = timer {
             let waited = began.elapsed();
-            if waited >= WAIT_TAKEN_OFF && head.headers.contains_key(&wire::names::TIMEOUT) {
+            if waited >= WAIT_TAKEN_OFF {
                 match timeout.checked_sub(waited) {
-                    Some(left) if !left.is_zero() => wire::set_timeout(&mut head.headers, left),
-                    // Spent waiting: never sent.
+                    Some(left) if left >= WAIT_TAKEN_OFF => {
+                        if head.headers.contains_key(&wire::names::TIMEOUT) {
+                            wire::set_timeout(&mut head.headers, left);
+                        }
+                    }
+                    // Spent waiting, or as good as: never sent (the replica could only
+                    // refuse it, and the timer would reset it a moment later).
                     _ => return Err(Box::new(tonic::TimeoutExpired(()))),
                 }
             }

@@ -486,8 +486,12 @@ async fn a_call_that_waited_for_a_place_within_the_servers_limit_tells_it_only_t
         let balancer = balancer.clone();
         async move { charge(&balancer, Duration::from_secs(5)).await }
     });
-    let waited = Duration::from_millis(500);
-    tokio::time::sleep(waited).await;
+    // The second call has begun and waits for the place (this test's runtime has one
+    // thread: it ran while this one slept); it waits at least from here to the release.
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let from = Instant::now();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let waited = from.elapsed();
     release.send(()).unwrap();
     first.await.unwrap().expect("answered");
     second.await.unwrap().expect("answered after its wait");
