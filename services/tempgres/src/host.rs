@@ -3,12 +3,14 @@
 //! ports.
 
 use std::{
+    collections::BTreeSet,
     fs,
     io::Read,
     net::TcpListener,
     os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
     process::Command,
+    sync::{Mutex, PoisonError},
 };
 
 use crate::error::Error;
@@ -96,8 +98,31 @@ pub(crate) fn unprivileged_user() -> Result<Option<(u32, u32)>, Error> {
     )))
 }
 
+/// Where ports for the servers are picked: below the kernel's range for outgoing
+/// connections (32768–60999 on Linux by default), so that no connection's local port can
+/// take one between the pick and the server's bind.
+const PORTS: std::ops::Range<u16> = 20_000..32_000;
+
+/// Ports this process has handed out: never handed out twice, though a server may not have
+/// bound its own yet (`pg_autoctl` stops and starts a node's Postgres while it is created,
+/// and the kernel once gave the second node the first one's port, free for that moment).
+static HANDED_OUT: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
+
+/// A port on 127.0.0.1 for a server to listen on: free now, from [`PORTS`], and not
+/// handed out before by this process.
 pub(crate) fn free_port() -> Result<u16, Error> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(PoisonError::into_inner);
+    for _ in 0..1_000 {
+        let port = rand::random_range(PORTS);
+        if !handed_out.contains(&port) && TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            handed_out.insert(port);
+            return Ok(port);
+        }
+    }
+    Err(Error::Io(std::io::Error::new(
+        std::io::ErrorKind::AddrInUse,
+        format!("no free port on 127.0.0.1 in {PORTS:?}"),
+    )))
 }
 
 pub(crate) fn read_to_string(path: &Path) -> String {
